@@ -6,7 +6,8 @@ CuPy (device) arrays; the records never import CuPy themselves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -86,14 +87,15 @@ class Frame:
         index: 0-based frame number within the source (counts every decoded frame).
         pts: presentation time in seconds from the stream, or None when the stream has none.
         capture_time: wall-clock ``time.time()`` when the decoder produced the frame.
-        width, height: size of the decoded picture in pixels.
-        image: (height, width, 3) uint8 BGR host array, or None once released.
-        yuv: the decoded picture's planes when the GPU path uploads YUV instead of BGR:
-            (height * 3 // 2, width) uint8 I420 host array (Y then U then V, each chroma
-            plane packed row-contiguous), or None.
+        width, height: size of the decoded picture in pixels (both even).
+        rate: the source's nominal frame rate in frames per second, or None when unknown.
+        image: the picture as I420 (YUV 4:2:0 planar): (height * 3 // 2, width) uint8 host
+            array, rows 0..height-1 the Y plane, then the U and the V plane, each
+            (height // 2) x (width // 2) stored contiguously -- PyAV's ``yuv420p`` layout.
+            Kept in YUV end to end: preprocessing converts colour on the fly, annotation
+            draws on the planes and the encoder takes them as they are. None once released.
         device_slot: index of the GPU staging slot holding this frame, or None on the CPU path.
         detections: filled in by the postprocess stage.
-        annotated: (height, width, 3) uint8 BGR host array drawn by the annotate stage.
     """
 
     source: str
@@ -102,20 +104,16 @@ class Frame:
     capture_time: float
     width: int
     height: int
+    rate: Fraction | None = None
     image: Any = None
-    yuv: Any = None
     device_slot: int | None = None
     detections: Detections | None = None
-    annotated: Any = None
-    timings: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.width <= 0 or self.height <= 0:
-            raise ValueError(f"frame size must be positive, got {self.width}x{self.height}")
+        if self.width <= 0 or self.height <= 0 or self.width % 2 or self.height % 2:
+            raise ValueError(f"frame size must be positive and even, got {self.width}x{self.height}")
         if self.image is not None:
-            _check_shape("image", self.image, (self.height, self.width, 3))
-        if self.yuv is not None:
-            _check_shape("yuv", self.yuv, (self.height * 3 // 2, self.width))
+            _check_shape("image", self.image, (self.height * 3 // 2, self.width))
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The runtime: configuration, records, queues, the graph, GPU context, metrics and logging."""

@@ -1,0 +1,148 @@
+"""Command line: ``python run.py --config configs/file.yaml``.
+
+Exit status: 0 when every source was processed, 1 when a source or stage failed,
+2 for a bad configuration or command line, 130 when stopped by a second Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+
+import structlog
+
+from pipeline.config import ConfigError, PipelineConfig, describe_schema, load_config
+from pipeline.logging import configure_logging
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+log = structlog.get_logger("run")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="run.py",
+        description="Detect objects in video files and RTSP cameras with a YOLO ONNX model; "
+                    "write annotated MP4 and JSON Lines detections per source.",
+        epilog="Configuration keys: run.py --help-config. Example: configs/file.yaml.",
+    )
+    parser.add_argument("command", nargs="?", default="run", choices=["run", "build-engine"],
+                        help="run the pipeline (default), or build the TensorRT engine ahead "
+                             "of deployment")
+    parser.add_argument("--config", "-c", help="YAML configuration file")
+    parser.add_argument("--log-format", choices=["console", "json"],
+                        help="override runtime.log_format")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                        help="override runtime.log_level")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--help-config", action="store_true",
+                        help="list every configuration key with its default and meaning")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.help_config:
+        print("\n".join(describe_schema()))
+        return EXIT_OK
+    if not args.config:
+        print("error: --config is required (for example: --config configs/file.yaml)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        config = load_config(args.config)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    runtime = config.runtime
+    configure_logging(args.log_format or runtime.log_format, args.log_level or runtime.log_level)
+    if args.no_progress:
+        runtime.progress = False
+    try:
+        if args.command == "build-engine":
+            return build_engine(config)
+        return run_pipeline(config)
+    except Exception as error:  # noqa: BLE001 - one line for the user, details at debug
+        log.debug("traceback", text=traceback.format_exc())
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def run_pipeline(config: PipelineConfig) -> int:
+    """Build the graph, run it with signal handling and print the summary."""
+    from pipeline.build import build_graph
+    from pipeline.graph import PipelineError
+    from pipeline.progress import Progress
+
+    with Progress(enabled=config.runtime.progress) as progress:
+        try:
+            graph = build_graph(config, on_frame_done=progress.frame_done)
+        except (ValueError, OSError, RuntimeError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return EXIT_USAGE
+        progress.set_total(graph.sources)
+        interrupts = _install_signal_handlers(graph)
+        started = time.monotonic()
+        try:
+            graph.run()
+            failure = None
+        except PipelineError as error:
+            failure = error
+    elapsed = time.monotonic() - started
+    _log_summary(graph, elapsed)
+    if interrupts["count"] >= 2:
+        return EXIT_INTERRUPTED
+    if failure is not None:
+        print(f"error: {failure}", file=sys.stderr)
+        return EXIT_FAILED
+    failed = {name: m.error for name, m in graph.source_metrics.items() if m.error}
+    for name, reason in failed.items():
+        print(f"error: source {name}: {reason}", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _install_signal_handlers(graph: object) -> dict[str, int]:
+    interrupts = {"count": 0}
+
+    def handle(signum: int, _frame: object) -> None:
+        interrupts["count"] += 1
+        if interrupts["count"] == 1:
+            log.warning("stopping: finishing queued frames (signal again to abort)",
+                        signal=signal.Signals(signum).name)
+            graph.request_stop()  # type: ignore[attr-defined]
+        else:
+            log.warning("aborting", signal=signal.Signals(signum).name)
+            graph.abort()  # type: ignore[attr-defined]
+
+    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGTERM, handle)
+    return interrupts
+
+
+def _log_summary(graph: object, elapsed: float) -> None:
+    for metrics in graph.stage_metrics.values():  # type: ignore[attr-defined]
+        log.info("stage summary", **metrics.summary())
+    for metrics in graph.source_metrics.values():  # type: ignore[attr-defined]
+        log.info("source summary", source=metrics.name, frames=metrics.frames_out,
+                 fps=round(metrics.frames_out / elapsed, 1) if elapsed > 0 else 0.0,
+                 dropped=metrics.dropped, latency_p50_ms=metrics.latency_percentile(50),
+                 latency_p99_ms=metrics.latency_percentile(99), error=metrics.error)
+    log.info("run finished", seconds=round(elapsed, 2))
+
+
+def build_engine(config: PipelineConfig) -> int:
+    """Build (or find in the cache) the TensorRT engine for the configured model."""
+    try:
+        from stages.backends.tensorrt import build_engine_cli
+    except ImportError as error:
+        print(f"error: TensorRT is not installed ({error})", file=sys.stderr)
+        return EXIT_FAILED
+    inference = config.inference
+    path = build_engine_cli(config.model.path, inference.batch_size, inference.precision,
+                            inference.engine_cache, calibration_video=config.sources[0].uri)
+    print(path)
+    return EXIT_OK

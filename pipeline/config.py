@@ -1,0 +1,342 @@
+"""The YAML configuration: a documented schema of dataclasses, validated up front.
+
+Every section is a dataclass whose fields carry their documentation in ``metadata["doc"]``;
+``python run.py --help-config`` prints them. Loading merges the user's YAML over the defaults
+and rejects unknown keys, wrong types and bad values with a ``ConfigError`` naming the key
+(``inference.batch_size``), the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message is one line meant for the user."""
+
+
+def _doc(text: str, **extra: Any) -> dict[str, Any]:
+    return {"doc": text, **extra}
+
+
+@dataclass
+class SourceConfig:
+    """One video source: a camera or a file."""
+
+    name: str = field(metadata=_doc("Unique name used in logs, metrics and output paths."))
+    uri: str = field(metadata=_doc("A video file path or an rtsp:// URL."))
+    live: bool | None = field(
+        default=None,
+        metadata=_doc(
+            "Live sources drop the oldest waiting frame when the pipeline falls behind; file "
+            "sources block and never lose a frame. Default: true for rtsp://, false for files."
+        ),
+    )
+    rtsp_transport: Literal["tcp", "udp"] = field(
+        default="tcp", metadata=_doc("RTSP transport protocol.")
+    )
+    open_timeout_s: float = field(
+        default=10.0, metadata=_doc("Seconds to wait when opening the source.", min=0.1)
+    )
+    read_timeout_s: float = field(
+        default=10.0, metadata=_doc("Seconds without data before a live source reconnects.", min=0.1)
+    )
+
+    @property
+    def is_live(self) -> bool:
+        return self.live if self.live is not None else is_stream_url(self.uri)
+
+
+@dataclass
+class ModelConfig:
+    """The detection model."""
+
+    path: str = field(
+        default="assets/models/yolov3-tiny.onnx",
+        metadata=_doc("ONNX file with output layout (batch, 4 + classes, anchors)."),
+    )
+    class_names: str | None = field(
+        default="assets/models/coco.names",
+        metadata=_doc("Text file with one class name per line, or null for numeric ids."),
+    )
+
+
+@dataclass
+class InferenceConfig:
+    """How and where the model runs."""
+
+    backend: Literal["auto", "onnxruntime", "torch", "tensorrt"] = field(
+        default="auto",
+        metadata=_doc("Inference backend; auto picks tensorrt, then torch on a GPU, else onnxruntime."),
+    )
+    device: Literal["auto", "cpu", "cuda"] = field(
+        default="auto", metadata=_doc("auto uses the GPU when one is usable, else the CPU.")
+    )
+    precision: Literal["fp32", "fp16", "int8"] = field(
+        default="fp16", metadata=_doc("Numeric precision on the GPU (the CPU path runs fp32).")
+    )
+    batch_size: int = field(
+        default=4, metadata=_doc("Most frames, from any sources, in one inference call.", min=1)
+    )
+    batch_timeout_ms: float = field(
+        default=5.0,
+        metadata=_doc("Longest wait for a batch to fill before running a partial one.", min=0.0),
+    )
+    engine_cache: str = field(
+        default="assets/engines", metadata=_doc("Folder for built TensorRT engines.")
+    )
+
+
+@dataclass
+class NmsConfig:
+    """Filtering of the model's candidates."""
+
+    conf_threshold: float = field(
+        default=0.25, metadata=_doc("Keep candidates scoring above this.", min=0.0, max=1.0)
+    )
+    iou_threshold: float = field(
+        default=0.45,
+        metadata=_doc("Suppress boxes overlapping a better one by more than this IoU.", min=0.0, max=1.0),
+    )
+    class_agnostic: bool = field(
+        default=False, metadata=_doc("Suppress overlapping boxes across classes too.")
+    )
+    max_detections: int = field(
+        default=300, metadata=_doc("Most detections kept per frame.", min=1)
+    )
+
+
+@dataclass
+class OutputConfig:
+    """What is written for each source. Paths may use {source}."""
+
+    dir: str = field(default="output", metadata=_doc("Folder the outputs go into."))
+    video: str | None = field(
+        default="{source}.mp4",
+        metadata=_doc("Annotated H.264 MP4 per source, or null for none."),
+    )
+    jsonl: str | None = field(
+        default="{source}.jsonl",
+        metadata=_doc("JSON Lines file, one record per frame, or null for none."),
+    )
+    video_crf: int = field(
+        default=23, metadata=_doc("x264 quality (0 best .. 51 worst).", min=0, max=51)
+    )
+
+
+@dataclass
+class RuntimeConfig:
+    """Threads and queues."""
+
+    queue_size: int = field(
+        default=8, metadata=_doc("Capacity of every queue between stages, in items.", min=1)
+    )
+    log_format: Literal["console", "json"] = field(
+        default="console", metadata=_doc("Log lines as readable text or as JSON objects.")
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = field(
+        default="info", metadata=_doc("Least severe log level printed.")
+    )
+    progress: bool = field(
+        default=True, metadata=_doc("Show a progress bar for file sources (on a terminal).")
+    )
+
+
+@dataclass
+class PipelineConfig:
+    """The whole configuration file."""
+
+    sources: list[SourceConfig] = field(metadata=_doc("The cameras and files to analyse."))
+    model: ModelConfig = field(default_factory=ModelConfig, metadata=_doc("The model."))
+    inference: InferenceConfig = field(default_factory=InferenceConfig, metadata=_doc("Inference."))
+    nms: NmsConfig = field(default_factory=NmsConfig, metadata=_doc("Non-maximum suppression."))
+    output: OutputConfig = field(default_factory=OutputConfig, metadata=_doc("Outputs."))
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig, metadata=_doc("Runtime."))
+
+    def output_path(self, template: str, source: str) -> Path:
+        """The path of one output file of ``source`` from its template."""
+        return Path(self.output.dir) / template.format(source=source)
+
+
+_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def is_stream_url(uri: str) -> bool:
+    """True for network stream URLs (rtsp, rtsps, rtmp, http, udp...)."""
+    return re.match(r"^[a-z][a-z0-9+.-]*://", uri.lower()) is not None
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return "a list"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[tp]
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the type ``tp`` and return it converted; raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _convert(value, option, key)
+            except ConfigError:
+                continue
+    elif origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin is list:
+        if isinstance(value, list):
+            (item_type,) = typing.get_args(tp)
+            return [_convert(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return _build(tp, value, key)
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{key}: expected {_describe(tp)}, got {value!r}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            where = f"{prefix}.{key}" if prefix else str(key)
+            allowed = ", ".join(fields)
+            raise ConfigError(f"{where}: unknown key; allowed keys here: {allowed}")
+    kwargs = {}
+    for name, f in fields.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{key}: required key is missing ({f.metadata.get('doc', '')})")
+            continue
+        value = _convert(data[name], hints[name], key)
+        low, high = f.metadata.get("min"), f.metadata.get("max")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if (low is not None and value < low) or (high is not None and value > high):
+                bounds = f">= {low}" if high is None else f"between {low} and {high}"
+                raise ConfigError(f"{key}: expected a value {bounds}, got {value!r}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _check_semantics(config: PipelineConfig, base_dir: Path) -> None:
+    if not config.sources:
+        raise ConfigError("sources: expected at least one source, got an empty list")
+    seen: set[str] = set()
+    for i, source in enumerate(config.sources):
+        key = f"sources[{i}]"
+        if not _NAME_PATTERN.match(source.name):
+            raise ConfigError(
+                f"{key}.name: expected letters, digits, '_', '-' or '.', got {source.name!r}"
+            )
+        if source.name in seen:
+            raise ConfigError(f"{key}.name: duplicate source name {source.name!r}")
+        seen.add(source.name)
+        if not source.uri:
+            raise ConfigError(f"{key}.uri: expected a file path or a URL, got ''")
+        if not is_stream_url(source.uri) and not (base_dir / source.uri).is_file():
+            raise ConfigError(f"{key}.uri: file not found: {source.uri!r}")
+    for key, path in (("model.path", config.model.path), ("model.class_names", config.model.class_names)):
+        if path is not None and not (base_dir / path).is_file():
+            raise ConfigError(f"{key}: file not found: {path!r}")
+    for key in ("video", "jsonl"):
+        template = getattr(config.output, key)
+        if template is None:
+            continue
+        if "{source}" not in template and len(config.sources) > 1:
+            raise ConfigError(
+                f"output.{key}: with several sources the path must contain {{source}}, got {template!r}"
+            )
+        try:
+            template.format(source="x")
+        except (KeyError, IndexError, ValueError):
+            raise ConfigError(
+                f"output.{key}: only {{source}} may be used in the path, got {template!r}"
+            ) from None
+
+
+def parse_config(data: Any, base_dir: Path = Path(".")) -> PipelineConfig:
+    """Validate a parsed YAML document and return the configuration.
+
+    Args:
+        data: the YAML document as Python objects.
+        base_dir: folder relative file paths are checked against (the working directory).
+
+    Raises:
+        ConfigError: with a one-line message naming the key, the value and what is allowed.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping at the top level, got {data!r}")
+    config = _build(PipelineConfig, data, "")
+    _check_semantics(config, base_dir)
+    return config
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    """Read and validate a YAML configuration file.
+
+    Raises:
+        ConfigError: the file is missing, is not YAML, or holds a bad value.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"config: cannot read {str(path)!r}: {error.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config: {str(path)!r} is not valid YAML{where}") from None
+    return parse_config(data)
+
+
+def describe_schema(cls: type = PipelineConfig, prefix: str = "") -> list[str]:
+    """One line per configuration key: name, default and documentation."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        inner = typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
+        if dataclasses.is_dataclass(inner):
+            suffix = "[]" if inner is not tp else ""
+            lines.append(f"{key}{suffix}: {f.metadata.get('doc', '')}")
+            lines.extend(describe_schema(inner, f"  {key}{suffix}."))
+            continue
+        default = "required" if f.default is dataclasses.MISSING else f"default {f.default!r}"
+        lines.append(f"{key} ({_describe(tp)}; {default}): {f.metadata.get('doc', '')}")
+    return lines

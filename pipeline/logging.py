@@ -1,0 +1,24 @@
+"""Structured logging with structlog: readable console lines or one JSON object per line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure_logging(fmt: str = "console", level: str = "info") -> None:
+    """Send structlog output to stderr as console text (``console``) or JSON (``json``)."""
+    renderer = (structlog.processors.JSONRenderer() if fmt == "json"
+                else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=False),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )

@@ -1,0 +1,8 @@
+"""Entry point: python run.py --config configs/file.yaml (see --help)."""
+
+import sys
+
+from pipeline.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Config validation: every bad key, type and value gives one line naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, describe_schema, load_config, parse_config
+
+
+@pytest.fixture()
+def files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A working directory holding a video, a model and class names (contents irrelevant)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("clip.mp4", "model.onnx", "names.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    return tmp_path
+
+
+def base() -> dict:
+    return {
+        "sources": [{"name": "cam1", "uri": "clip.mp4"}],
+        "model": {"path": "model.onnx", "class_names": "names.txt"},
+    }
+
+
+def test_minimal_config_gets_defaults(files: Path) -> None:
+    config = parse_config(base())
+    assert config.inference.batch_size == 4
+    assert config.nms.iou_threshold == 0.45
+    assert config.sources[0].is_live is False
+    assert config.output_path("{source}.mp4", "cam1") == Path("output/cam1.mp4")
+
+
+def test_rtsp_sources_are_live_by_default(files: Path) -> None:
+    data = base()
+    data["sources"] = [{"name": "door", "uri": "rtsp://user:pw@127.0.0.1:8554/door"},
+                       {"name": "still", "uri": "rtsp://127.0.0.1/x", "live": False}]
+    config = parse_config(data)
+    assert [s.is_live for s in config.sources] == [True, False]
+
+
+def test_int_is_accepted_for_float(files: Path) -> None:
+    data = base()
+    data["nms"] = {"conf_threshold": 1}
+    assert parse_config(data).nms.conf_threshold == 1.0
+
+
+def with_value(path: str, value: object) -> dict:
+    data = base()
+    *parents, last = path.split(".")
+    node = data
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node.setdefault(part, {})
+    node[last] = value
+    return data
+
+
+BAD = [
+    # (key path, value, text the message must contain)
+    ("inference.batch_size", 0, "inference.batch_size: expected a value >= 1, got 0"),
+    ("inference.batch_size", "four", "inference.batch_size: expected an integer, got 'four'"),
+    ("inference.batch_size", True, "inference.batch_size: expected an integer, got True"),
+    ("inference.backend", "openvino", "inference.backend: expected one of 'auto', 'onnxruntime'"),
+    ("inference.device", "gpu", "inference.device: expected one of 'auto', 'cpu', 'cuda'"),
+    ("nms.iou_threshold", 1.5, "nms.iou_threshold: expected a value between 0.0 and 1.0, got 1.5"),
+    ("nms.colour", 1, "nms.colour: unknown key; allowed keys here: conf_threshold"),
+    ("nmss", {}, "nmss: unknown key; allowed keys here: sources, model"),
+    ("sources.0.uri", "missing.mp4", "sources[0].uri: file not found: 'missing.mp4'"),
+    ("sources.0.name", "my cam", "sources[0].name: expected letters, digits"),
+    ("sources.0.live", "yes", "sources[0].live: expected true or false or null, got 'yes'"),
+    ("sources.0.rtsp_transport", "http", "sources[0].rtsp_transport: expected one of 'tcp', 'udp'"),
+    ("sources", [], "sources: expected at least one source"),
+    ("sources", "clip.mp4", "sources: expected a list, got 'clip.mp4'"),
+    ("model.path", "nope.onnx", "model.path: file not found: 'nope.onnx'"),
+    ("output.video_crf", 60, "output.video_crf: expected a value between 0 and 51, got 60"),
+    ("output.jsonl", "{camera}.jsonl", "output.jsonl: only {source} may be used"),
+    ("runtime.queue_size", -1, "runtime.queue_size: expected a value >= 1, got -1"),
+    ("runtime.log_format", "xml", "runtime.log_format: expected one of 'console', 'json'"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "message"), BAD, ids=[b[0] + "=" + repr(b[1]) for b in BAD])
+def test_bad_values_name_key_value_and_allowed(files: Path, key: str, value: object,
+                                               message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(with_value(key, value))
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_duplicate_source_names(files: Path) -> None:
+    data = base()
+    data["sources"].append({"name": "cam1", "uri": "clip.mp4"})
+    with pytest.raises(ConfigError, match=r"sources\[1\].name: duplicate source name 'cam1'"):
+        parse_config(data)
+
+
+def test_several_sources_need_source_in_output_paths(files: Path) -> None:
+    data = base()
+    data["sources"].append({"name": "cam2", "uri": "clip.mp4"})
+    data["output"] = {"video": "all.mp4"}
+    with pytest.raises(ConfigError, match=r"output.video: with several sources"):
+        parse_config(data)
+
+
+def test_missing_required_key(files: Path) -> None:
+    with pytest.raises(ConfigError, match=r"sources\[0\].uri: required key is missing"):
+        parse_config({"sources": [{"name": "a"}], "model": base()["model"]})
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("sources: [", "is not valid YAML at line"),
+    ("- a\n- b\n", "expected a mapping at the top level"),
+])
+def test_unreadable_yaml(files: Path, text: str, message: str) -> None:
+    path = files / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_missing_config_file(files: Path) -> None:
+    with pytest.raises(ConfigError, match=r"cannot read 'absent.yaml'"):
+        load_config("absent.yaml")
+
+
+def test_schema_documents_every_section() -> None:
+    text = "\n".join(describe_schema())
+    for key in ("sources[]", "uri", "inference.batch_size", "nms.iou_threshold", "output.video"):
+        assert key in text

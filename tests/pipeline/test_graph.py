@@ -1,0 +1,198 @@
+"""The graph on list-backed sources and sinks: ordering, fan-in/out, errors, stop."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import pytest
+
+from pipeline.graph import Graph, PipelineError
+from pipeline.records import EndOfStream, Frame
+from pipeline.stage import SourceStage, Stage
+
+
+def make_frame(source: str, index: int) -> Frame:
+    return Frame(source=source, index=index, pts=index / 25, capture_time=time.time(),
+                 width=4, height=2, image=np.zeros((3, 4), np.uint8))
+
+
+class ListSource(SourceStage):
+    """Yields ``count`` tiny frames, optionally slowly, then its end marker."""
+
+    def __init__(self, name: str, count: int, delay_s: float = 0.0, live: bool = False,
+                 fail_at: int | None = None) -> None:
+        super().__init__(name)
+        self.count, self.delay_s, self.live, self.fail_at = count, delay_s, live, fail_at
+        self.closed = False
+
+    def frames(self, stop_reading: threading.Event) -> Iterator[Frame | EndOfStream]:
+        produced = 0
+        for i in range(self.count):
+            if stop_reading.is_set():
+                break
+            if i == self.fail_at:
+                raise RuntimeError(f"source {self.name} broke")
+            time.sleep(self.delay_s)
+            yield make_frame(self.name, i)
+            produced += 1
+        yield EndOfStream(self.name, produced)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Tag(Stage):
+    """Appends its name to a per-frame trail; can raise in any hook."""
+
+    def __init__(self, name: str, fail_in: str | None = None) -> None:
+        super().__init__(name)
+        self.fail_in = fail_in
+        self.closed = False
+
+    def _maybe_fail(self, hook: str) -> None:
+        if self.fail_in == hook:
+            raise ValueError(f"{self.name} failed in {hook}")
+
+    def open(self) -> None:
+        self._maybe_fail("open")
+
+    def process(self, item: Frame) -> Iterable[Frame]:
+        self._maybe_fail("process")
+        item.trail = [*getattr(item, "trail", []), self.name]  # type: ignore[attr-defined]
+        return (item,)
+
+    def finish(self) -> Iterable[Frame]:
+        self._maybe_fail("finish")
+        return ()
+
+    def close(self) -> None:
+        self.closed = True
+        self._maybe_fail("close")
+
+
+class ListSink(Stage):
+    """Keeps what it receives."""
+
+    def __init__(self, name: str, delay_s: float = 0.0) -> None:
+        super().__init__(name)
+        self.frames: list[Frame] = []
+        self.ends: list[EndOfStream] = []
+        self.delay_s = delay_s
+        self.closed = False
+
+    def process(self, item: Frame) -> Iterable[Frame]:
+        time.sleep(self.delay_s)
+        self.frames.append(item)
+        return ()
+
+    def end_of_stream(self, eos: EndOfStream) -> Iterable[EndOfStream]:
+        self.ends.append(eos)
+        return ()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def build(sources: list[ListSource], chain: list[Stage], queue_size: int = 2,
+          sink_delay_s: float = 0.0) -> tuple[Graph, dict[str, ListSink]]:
+    sinks = {s.name: ListSink(f"sink:{s.name}", sink_delay_s) for s in sources}
+    return Graph(sources, chain, sinks, queue_size), sinks  # type: ignore[arg-type]
+
+
+def test_every_frame_reaches_its_own_sink_in_order() -> None:
+    sources = [ListSource("a", 30), ListSource("b", 17, delay_s=0.001)]
+    graph, sinks = build(sources, [Tag("one"), Tag("two")])
+    graph.run()
+    for source in sources:
+        sink = sinks[source.name]
+        assert [f.index for f in sink.frames] == list(range(source.count))
+        assert {f.source for f in sink.frames} == {source.name}
+        assert all(f.trail == ["one", "two"] for f in sink.frames)  # type: ignore[attr-defined]
+        assert [e.frames for e in sink.ends] == [source.count]
+        assert sink.closed and source.closed
+    assert graph.stage_metrics["one"].frames == 47
+    assert graph.source_metrics["b"].frames_out == 17
+
+
+def test_live_source_drops_oldest_when_downstream_is_slow() -> None:
+    sources = [ListSource("cam", 60, live=True)]
+    graph, sinks = build(sources, [Tag("one")], queue_size=2, sink_delay_s=0.01)
+    graph.run()
+    received = [f.index for f in sinks["cam"].frames]
+    assert graph.source_metrics["cam"].dropped > 0
+    assert len(received) + graph.source_metrics["cam"].dropped == 60
+    assert received == sorted(received) and received[-1] == 59  # newest kept, order kept
+
+
+def test_file_source_never_drops() -> None:
+    sources = [ListSource("file", 40)]
+    graph, sinks = build(sources, [Tag("one")], queue_size=1, sink_delay_s=0.002)
+    graph.run()
+    assert [f.index for f in sinks["file"].frames] == list(range(40))
+    assert graph.source_metrics["file"].dropped == 0
+
+
+@pytest.mark.parametrize("hook", ["process", "finish", "close"])
+@pytest.mark.parametrize("position", [0, 1])
+def test_exception_in_any_stage_stops_the_graph(hook: str, position: int) -> None:
+    chain = [Tag("one"), Tag("two")]
+    chain[position].fail_in = hook
+    sources = [ListSource("a", 500, delay_s=0.0), ListSource("b", 500)]
+    graph, sinks = build(sources, chain)
+    started = time.monotonic()
+    with pytest.raises(PipelineError, match=f"{chain[position].name}: ValueError: .* in {hook}"):
+        graph.run()
+    assert time.monotonic() - started < 5
+    assert all(sink.closed for sink in sinks.values())
+    assert all(stage.closed for stage in chain)
+
+
+def test_exception_when_opening_a_stage() -> None:
+    chain = [Tag("one"), Tag("two", fail_in="open")]
+    graph, _ = build([ListSource("a", 3)], chain)
+    with pytest.raises(PipelineError, match="stage two failed to start"):
+        graph.run()
+    assert chain[0].closed
+
+
+def test_exception_in_a_source_stops_the_graph() -> None:
+    graph, _ = build([ListSource("a", 1000, fail_at=5), ListSource("b", 1000, delay_s=0.001)],
+                     [Tag("one")])
+    with pytest.raises(PipelineError, match="a: RuntimeError: source a broke"):
+        graph.run()
+
+
+def test_exception_in_a_sink_stops_the_graph() -> None:
+    class FailingSink(ListSink):
+        def process(self, item: Frame) -> Iterable[Frame]:
+            raise OSError("disk full")
+
+    sources = [ListSource("a", 200)]
+    graph = Graph(sources, [Tag("one")], {"a": FailingSink("sink:a")}, 2)
+    with pytest.raises(PipelineError, match="sink:a: OSError: disk full"):
+        graph.run()
+
+
+def test_request_stop_drains_and_ends_every_stream() -> None:
+    sources = [ListSource("a", 10_000, delay_s=0.001), ListSource("b", 10_000, delay_s=0.001)]
+    graph, sinks = build(sources, [Tag("one")])
+    threading.Timer(0.2, graph.request_stop).start()
+    graph.run()
+    for name, sink in sinks.items():
+        count = len(sink.frames)
+        assert 0 < count < 10_000
+        assert [f.index for f in sink.frames] == list(range(count))
+        assert [e.frames for e in sink.ends] == [count], name
+
+
+def test_abort_stops_quickly_even_with_full_queues() -> None:
+    sources = [ListSource("a", 100_000)]
+    graph, sinks = build(sources, [Tag("one")], queue_size=1, sink_delay_s=0.05)
+    threading.Timer(0.2, graph.abort).start()
+    started = time.monotonic()
+    graph.run()
+    assert time.monotonic() - started < 3
+    assert sinks["a"].closed and not sinks["a"].ends
