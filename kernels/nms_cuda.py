@@ -1,0 +1,429 @@
+"""YOLO output decoding and exact greedy NMS on the GPU (Numba CUDA), batched over images.
+
+Same results as ``kernels.nms.postprocess_reference`` (same keep sets, same order, bit-equal
+boxes and scores), computed in four steps per batch, all on one stream:
+
+1. ``filter_kernel``: one thread per anchor picks the best class and, when its score passes
+   the threshold, appends the decoded candidate to its image's list with an atomic counter.
+   The list has room for every anchor, so nothing is ever dropped (the price: the IoU mask
+   below takes ``B * A * ceil(A / 64) * 8`` bytes, 282 MB for B=32, A=8400).
+2. ``rank_kernel``: the atomics leave the candidates in arbitrary order, so each candidate
+   counts the candidates that precede it in the order (score descending, anchor ascending)
+   and moves itself to that rank: an exact, deterministic sort (O(N^2) work, fully parallel).
+3. ``mask_kernel``: in 64 x 64 tiles, bit j of ``mask[b, i, j // 64]`` is set when sorted
+   candidate j > i has the same class (unless class-agnostic) and IoU > threshold.
+4. ``reduce_kernel``: one block per image sweeps the sorted list 64 candidates at a time,
+   keeps candidate i unless a kept one removed it, ORs the kept rows into a shared-memory
+   bitset (threads split the words), stops at ``max_detections`` and writes the results.
+
+Floating point: the IoU and box arithmetic use libdevice's round-to-nearest intrinsics
+(``fmul_rn`` ...) so the compiler cannot fuse a multiply and an add into an FMA, which
+would round differently from the NumPy reference. The class scores are read as float32
+(float16 predictions are converted on read), thresholds are float32.
+
+The buffers of one ``CudaNms`` are reused by every call: calls must be ordered on one
+stream (one instance per stream).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import numpy as np
+from numba import cuda
+from numba.cuda.core import config
+
+SIMULATOR = bool(config.ENABLE_CUDASIM)
+TILE = 64  # candidates per mask word and per mask tile side
+MAX_WORDS = 512  # shared-memory bitset size of the reduction: at most 32768 anchors
+MAX_ANCHORS = MAX_WORDS * TILE
+_THREADS = 256  # block size of the filter, rank and reduce kernels
+_MASK_BLOCKS = 4096  # mask-kernel blocks per launch, over all images (they loop over tiles)
+_ZERO, _HALF = np.float32(0.0), np.float32(0.5)
+
+if SIMULATOR:  # the simulator computes with NumPy float32 scalars, which never fuse
+
+    def _add(x, y):
+        return x + y
+
+    def _sub(x, y):
+        return x - y
+
+    def _mul(x, y):
+        return x * y
+
+    def _div(x, y):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return x / y
+
+else:
+    from numba.cuda import libdevice
+
+    _add, _sub = libdevice.fadd_rn, libdevice.fsub_rn
+    _mul, _div = libdevice.fmul_rn, libdevice.fdiv_rn
+
+# The grids follow the batch (the reduction: one block per image); numba warns below 128 blocks.
+warnings.filterwarnings("ignore", message=r".*Grid size \d+ will likely result in GPU under-util")
+
+
+@cuda.jit(device=True)
+def _iou_exceeds(ax1, ay1, ax2, ay2, area_a, bx1, by1, bx2, by2, area_b, threshold):
+    """IoU(a, b) > threshold, in the float32 arithmetic of ``kernels.nms.nms``."""
+    w = max(_sub(min(ax2, bx2), max(ax1, bx1)), _ZERO)
+    h = max(_sub(min(ay2, by2), max(ay1, by1)), _ZERO)
+    inter = _mul(w, h)
+    return _div(inter, _sub(_add(area_a, area_b), inter)) > threshold  # NaN (0/0) is False
+
+
+@cuda.jit
+def filter_kernel(predictions, conf_threshold, cand_count, cand_anchor, cand_score, cand_class,
+                  cand_box):
+    """Grid (ceil(A / 256), B) x 256 threads: one thread per anchor; see the module doc."""
+    a = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    b = cuda.blockIdx.y
+    if a >= predictions.shape[2]:
+        return
+    best = np.float32(predictions[b, 4, a])
+    best_class = 0
+    for k in range(1, predictions.shape[1] - 4):
+        s = np.float32(predictions[b, 4 + k, a])
+        if s > best or (s != s and best == best):  # the first NaN wins, like np.argmax
+            best = s
+            best_class = k
+    if best > conf_threshold:
+        slot = cuda.atomic.add(cand_count, b, 1)
+        cx, cy = np.float32(predictions[b, 0, a]), np.float32(predictions[b, 1, a])
+        half_w = _mul(np.float32(predictions[b, 2, a]), _HALF)
+        half_h = _mul(np.float32(predictions[b, 3, a]), _HALF)
+        cand_box[b, slot, 0] = _sub(cx, half_w)
+        cand_box[b, slot, 1] = _sub(cy, half_h)
+        cand_box[b, slot, 2] = _add(cx, half_w)
+        cand_box[b, slot, 3] = _add(cy, half_h)
+        cand_anchor[b, slot] = a
+        cand_score[b, slot] = best
+        cand_class[b, slot] = best_class
+
+
+@cuda.jit
+def rank_kernel(cand_count, cand_anchor, cand_score, cand_class, cand_box, sorted_score,
+                sorted_class, sorted_box):
+    """Grid (ceil(A / 256), B) x 256 threads: candidate i moves to its rank in the order."""
+    b = cuda.blockIdx.y
+    n = cand_count[b]
+    first = cuda.blockIdx.x * cuda.blockDim.x
+    if first >= n:  # the whole block leaves, so the barriers below stay uniform
+        return
+    t = cuda.threadIdx.x
+    i = first + t
+    score, anchor = _ZERO, 0
+    if i < n:
+        score, anchor = cand_score[b, i], cand_anchor[b, i]
+    tile_score = cuda.shared.array(_THREADS, np.float32)
+    tile_anchor = cuda.shared.array(_THREADS, np.int32)
+    rank = 0
+    for start in range(0, n, _THREADS):
+        if start + t < n:
+            tile_score[t] = cand_score[b, start + t]
+            tile_anchor[t] = cand_anchor[b, start + t]
+        cuda.syncthreads()
+        for j in range(min(_THREADS, n - start)):
+            s = tile_score[j]
+            if s > score or (s == score and tile_anchor[j] < anchor):
+                rank += 1
+        cuda.syncthreads()
+    if i < n:
+        sorted_score[b, rank] = score
+        sorted_class[b, rank] = cand_class[b, i]
+        for c in range(4):
+            sorted_box[b, rank, c] = cand_box[b, i, c]
+
+
+@cuda.jit
+def mask_kernel(cand_count, sorted_class, sorted_box, iou_threshold, class_agnostic, mask):
+    """Grid (G, B) x 64 threads: each block loops over the 64 x 64 tiles of the upper triangle."""
+    b = cuda.blockIdx.y
+    n = cand_count[b]
+    t = cuda.threadIdx.x
+    num_tiles = (n + TILE - 1) // TILE
+    col_box = cuda.shared.array((TILE, 4), np.float32)
+    col_area = cuda.shared.array(TILE, np.float32)
+    col_class = cuda.shared.array(TILE, np.int32)
+    for tile in range(cuda.blockIdx.x, num_tiles * num_tiles, cuda.gridDim.x):
+        row_tile, col_tile = tile // num_tiles, tile % num_tiles
+        if col_tile < row_tile:  # only j > i matters; the same for the whole block
+            continue
+        j = col_tile * TILE + t
+        if j < n:
+            for c in range(4):
+                col_box[t, c] = sorted_box[b, j, c]
+            col_area[t] = _mul(_sub(col_box[t, 2], col_box[t, 0]),
+                               _sub(col_box[t, 3], col_box[t, 1]))
+            col_class[t] = sorted_class[b, j]
+        cuda.syncthreads()
+        i = row_tile * TILE + t
+        if i < n:
+            x1, y1 = sorted_box[b, i, 0], sorted_box[b, i, 1]
+            x2, y2 = sorted_box[b, i, 2], sorted_box[b, i, 3]
+            area = _mul(_sub(x2, x1), _sub(y2, y1))
+            cls = sorted_class[b, i]
+            bits = np.uint64(0)
+            first = t + 1 if row_tile == col_tile else 0
+            for jj in range(first, min(TILE, n - col_tile * TILE)):
+                if (class_agnostic or col_class[jj] == cls) and _iou_exceeds(
+                    x1, y1, x2, y2, area, col_box[jj, 0], col_box[jj, 1], col_box[jj, 2],
+                    col_box[jj, 3], col_area[jj], iou_threshold,
+                ):
+                    bits |= np.uint64(1) << np.uint64(jj)
+            mask[b, i, col_tile] = bits
+        cuda.syncthreads()
+
+
+@cuda.jit
+def reduce_kernel(cand_count, sorted_score, sorted_class, sorted_box, mask, max_detections,
+                  out_box, out_score, out_class, out_count):
+    """Grid B x 256 threads: the greedy sweep of one image per block; resets its counter."""
+    b = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    n = cand_count[b]
+    num_words = (n + TILE - 1) // TILE
+    removed = cuda.shared.array(MAX_WORDS, np.uint64)
+    diagonal = cuda.shared.array(TILE, np.uint64)  # the mask words of this word's own rows
+    new_rows = cuda.shared.array(TILE, np.int32)  # rows kept in this word
+    for w in range(t, num_words, cuda.blockDim.x):
+        removed[w] = np.uint64(0)
+    kept = 0
+    for word in range(num_words):
+        row0 = word * TILE
+        if t < TILE and row0 + t < n:
+            diagonal[t] = mask[b, row0 + t, word]
+        cuda.syncthreads()
+        # Every thread runs the same sweep on the same shared data, so `kept` and the
+        # loop exits are uniform across the block.
+        removed_bits = removed[word]
+        num_new = 0
+        for bit in range(min(TILE, n - row0)):
+            if kept + num_new >= max_detections:
+                break
+            if ((removed_bits >> np.uint64(bit)) & np.uint64(1)) == np.uint64(0):
+                removed_bits |= diagonal[bit]
+                if t == 0:
+                    new_rows[num_new] = row0 + bit
+                num_new += 1
+        cuda.syncthreads()
+        for r in range(t, num_new, cuda.blockDim.x):
+            row = new_rows[r]
+            out_score[b, kept + r] = sorted_score[b, row]
+            out_class[b, kept + r] = sorted_class[b, row]
+            for c in range(4):
+                out_box[b, kept + r, c] = sorted_box[b, row, c]
+        for w in range(word + 1 + t, num_words, cuda.blockDim.x):
+            bits = removed[w]
+            for r in range(num_new):
+                bits |= mask[b, new_rows[r], w]
+            removed[w] = bits
+        kept += num_new
+        if kept >= max_detections:
+            break
+    if t == 0:
+        out_count[b] = kept
+        cand_count[b] = 0  # ready for the next call; every thread read it before a barrier
+
+
+def launch_filter(predictions, conf_threshold, cand_count, cand_anchor, cand_score, cand_class,
+                  cand_box, stream: Any = 0) -> None:
+    """Find and decode each image's candidates (appended in arbitrary order).
+
+    Args:
+        predictions: (B, 4 + K, A) float32 or float16 device array, valid on ``stream``.
+        conf_threshold: float32 threshold, exclusive.
+        cand_count: (>= B,) int32 device, zero on entry; gets the candidate count per image.
+        cand_anchor, cand_score, cand_class: (>= B, A) int32 / float32 / int32 device outputs.
+        cand_box: (>= B, A, 4) float32 device output, x1 y1 x2 y2.
+        stream: numba stream (or 0, the default stream) all arrays are valid on.
+    """
+    batch, _, anchors = predictions.shape
+    grid = (math.ceil(anchors / _THREADS), batch)
+    filter_kernel[grid, _THREADS, stream](predictions, np.float32(conf_threshold), cand_count,
+                                          cand_anchor, cand_score, cand_class, cand_box)
+
+
+def launch_rank(batch: int, cand_count, cand_anchor, cand_score, cand_class, cand_box,
+                sorted_score, sorted_class, sorted_box, stream: Any = 0) -> None:
+    """Sort each image's candidates by (score descending, anchor ascending).
+
+    Args:
+        batch: number of images B.
+        cand_count, cand_anchor, cand_score, cand_class, cand_box: ``launch_filter``'s outputs.
+        sorted_score, sorted_class: (>= B, A) float32 / int32 device outputs, by rank.
+        sorted_box: (>= B, A, 4) float32 device output, by rank.
+        stream: numba stream (or 0) all arrays are valid on.
+    """
+    grid = (math.ceil(cand_score.shape[1] / _THREADS), batch)
+    rank_kernel[grid, _THREADS, stream](cand_count, cand_anchor, cand_score, cand_class, cand_box,
+                                        sorted_score, sorted_class, sorted_box)
+
+
+def launch_mask(batch: int, cand_count, sorted_class, sorted_box, iou_threshold: float,
+                class_agnostic: bool, mask, stream: Any = 0) -> None:
+    """Fill the upper triangle of each image's suppression bitmask.
+
+    Args:
+        batch: number of images B.
+        cand_count: (>= B,) int32 device, candidates per image.
+        sorted_class, sorted_box: ``launch_rank``'s outputs.
+        iou_threshold: IoU threshold, exclusive (compared in float32).
+        class_agnostic: let any class suppress any other.
+        mask: (>= B, A, ceil(A / 64)) uint64 device output; words left of the diagonal tile
+            are not written (the reduction never reads them).
+        stream: numba stream (or 0) all arrays are valid on.
+    """
+    words = mask.shape[2]
+    grid = (max(1, min(words * words, _MASK_BLOCKS // batch)), batch)
+    mask_kernel[grid, TILE, stream](cand_count, sorted_class, sorted_box,
+                                    np.float32(iou_threshold), bool(class_agnostic), mask)
+
+
+def launch_reduce(batch: int, cand_count, sorted_score, sorted_class, sorted_box, mask,
+                  max_detections: int, out_box, out_score, out_class, out_count,
+                  stream: Any = 0) -> None:
+    """Greedy sweep: write each image's kept detections and count; zero ``cand_count``.
+
+    Args:
+        batch: number of images B.
+        cand_count, sorted_score, sorted_class, sorted_box, mask: the previous steps' arrays.
+        max_detections: most detections kept per image (<= out_box.shape[1]).
+        out_box: (>= B, max_detections, 4) float32 device output; rows past the count are stale.
+        out_score, out_class: (>= B, max_detections) float32 / int32 device outputs.
+        out_count: (>= B,) int32 device output, kept detections per image.
+        stream: numba stream (or 0) all arrays are valid on.
+    """
+    reduce_kernel[batch, _THREADS, stream](cand_count, sorted_score, sorted_class, sorted_box,
+                                           mask, max_detections, out_box, out_score, out_class,
+                                           out_count)
+
+
+def stream_from_cupy(cupy_stream: Any) -> Any:
+    """Wrap a CuPy stream (``cupy.cuda.Stream``) as a numba stream, without copying it."""
+    return cuda.external_stream(cupy_stream.ptr)
+
+
+class CudaNms:
+    """Batched decode + exact greedy NMS on the GPU with buffers allocated once.
+
+    Args:
+        batch_capacity: most images per call.
+        num_anchors: A, columns of the model output (2535 for YOLOv3-tiny at 416, 8400 for
+            YOLOv8 at 640); at most ``MAX_ANCHORS``.
+        num_classes: K, class score rows of the model output.
+        conf_threshold: minimum best-class score, exclusive.
+        iou_threshold: IoU above which a kept box suppresses another, exclusive.
+        class_agnostic: suppress across classes.
+        max_detections: most detections kept per image.
+    """
+
+    def __init__(self, batch_capacity: int, num_anchors: int, num_classes: int,
+                 conf_threshold: float = 0.25, iou_threshold: float = 0.45,
+                 class_agnostic: bool = False, max_detections: int = 300) -> None:
+        if not 1 <= num_anchors <= MAX_ANCHORS:
+            raise ValueError(f"num_anchors must be in 1..{MAX_ANCHORS}, got {num_anchors}")
+        if batch_capacity < 1 or num_classes < 1 or max_detections < 1:
+            raise ValueError(
+                "batch_capacity, num_classes and max_detections must be >= 1, got "
+                f"{batch_capacity}, {num_classes}, {max_detections}"
+            )
+        self.batch_capacity, self.num_anchors = batch_capacity, num_anchors
+        self.num_classes = num_classes
+        self.conf_threshold, self.iou_threshold = conf_threshold, iou_threshold
+        self.class_agnostic, self.max_detections = class_agnostic, max_detections
+        bc, a = batch_capacity, num_anchors
+        self._cand_count = cuda.to_device(np.zeros(bc, np.int32))  # kept at zero between calls
+        self._cand_anchor = cuda.device_array((bc, a), np.int32)
+        self._cand_score = cuda.device_array((bc, a), np.float32)
+        self._cand_class = cuda.device_array((bc, a), np.int32)
+        self._cand_box = cuda.device_array((bc, a, 4), np.float32)
+        self._sorted_score = cuda.device_array((bc, a), np.float32)
+        self._sorted_class = cuda.device_array((bc, a), np.int32)
+        self._sorted_box = cuda.device_array((bc, a, 4), np.float32)
+        self._mask = cuda.device_array((bc, a, math.ceil(a / TILE)), np.uint64)
+        self._out_box = cuda.device_array((bc, max_detections, 4), np.float32)
+        self._out_score = cuda.device_array((bc, max_detections), np.float32)
+        self._out_class = cuda.device_array((bc, max_detections), np.int32)
+        self._out_count = cuda.to_device(np.zeros(bc, np.int32))
+
+    def run(self, predictions: Any, stream: Any = 0) -> tuple[Any, Any, Any, Any]:
+        """Decode and NMS a batch; everything stays on the device, nothing synchronises.
+
+        Args:
+            predictions: (B, 4 + K, A) float32 or float16 device array (any object with
+                ``__cuda_array_interface__``, e.g. a CuPy array, read in place), B <=
+                batch_capacity, valid on ``stream``.
+            stream: numba stream to run on (``stream_from_cupy`` wraps a CuPy one), or 0.
+
+        Returns:
+            ``(xyxy, scores, class_ids, counts)`` device arrays valid on ``stream``: (B,
+            max_detections, 4) float32 boxes in model-input pixels, (B, max_detections)
+            float32, (B, max_detections) int32, (B,) int32. Image b's detections are the
+            first ``counts[b]`` rows, best score first; later rows are stale. They are
+            overwritten by the next call.
+        """
+        preds = predictions if SIMULATOR else cuda.as_cuda_array(predictions, sync=False)
+        expected = (self.batch_capacity, 4 + self.num_classes, self.num_anchors)
+        if preds.ndim != 3 or tuple(preds.shape[1:]) != expected[1:] or not (
+            1 <= preds.shape[0] <= self.batch_capacity
+        ):
+            raise ValueError(f"predictions must have shape (1..{expected[0]}, {expected[1]}, "
+                             f"{expected[2]}), got {tuple(preds.shape)}")
+        if preds.dtype not in (np.float32, np.float16):
+            raise ValueError(f"predictions must be float32 or float16, got {preds.dtype}")
+        batch = preds.shape[0]
+        launch_filter(preds, self.conf_threshold, self._cand_count, self._cand_anchor,
+                      self._cand_score, self._cand_class, self._cand_box, stream)
+        launch_rank(batch, self._cand_count, self._cand_anchor, self._cand_score,
+                    self._cand_class, self._cand_box, self._sorted_score, self._sorted_class,
+                    self._sorted_box, stream)
+        launch_mask(batch, self._cand_count, self._sorted_class, self._sorted_box,
+                    self.iou_threshold, self.class_agnostic, self._mask, stream)
+        launch_reduce(batch, self._cand_count, self._sorted_score, self._sorted_class,
+                      self._sorted_box, self._mask, self.max_detections, self._out_box,
+                      self._out_score, self._out_class, self._out_count, stream)
+        return (self._out_box[:batch], self._out_score[:batch], self._out_class[:batch],
+                self._out_count[:batch])
+
+    def warmup(self, dtype: Any = np.float32) -> None:
+        """Compile the kernels for ``dtype`` predictions now, not on the first frame."""
+        self.run(cuda.to_device(np.zeros((1, 4 + self.num_classes, self.num_anchors), dtype)))
+        cuda.synchronize()
+
+
+def to_host(xyxy: Any, scores: Any, class_ids: Any, counts: Any,
+            stream: Any = 0) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Copy ``CudaNms.run``'s kept detections to the host: the counts, then only the kept rows.
+
+    Args:
+        xyxy, scores, class_ids, counts: ``CudaNms.run``'s device outputs, valid on ``stream``.
+        stream: the numba stream (or 0) they are valid on; synchronised here.
+
+    Returns:
+        Per image ``(xyxy (M, 4) float32, scores (M,) float32, class_ids (M,) int32)``, host,
+        like ``kernels.nms.postprocess_reference``.
+    """
+    host_counts = counts.copy_to_host(stream=stream)
+    if stream:
+        stream.synchronize()
+    results = []
+    for b, m in enumerate(host_counts.tolist()):
+        arrays = (xyxy[b, :m], scores[b, :m], class_ids[b, :m]) if m else ()
+        results.append(tuple(a.copy_to_host(stream=stream) for a in arrays) or _empty())
+    if stream:
+        stream.synchronize()
+    return results
+
+
+def _empty() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.empty((0, 4), np.float32), np.empty(0, np.float32), np.empty(0, np.int32)
+
+
+__all__ = ["CudaNms", "launch_filter", "launch_mask", "launch_rank",
+           "launch_reduce", "stream_from_cupy", "to_host"]
