@@ -141,14 +141,17 @@ class Batch:
         images: (len(frames), 3, H, W) model input, float32 or float16, host or device.
         outputs: (len(frames), 4 + classes, anchors) raw model output, same device as images;
             set by the infer stage.
-        release: callback that returns the batch's pooled buffers (None when not pooled).
+        buffers: on the GPU path, the ``pipeline.gpu.BatchBuffers`` set holding ``images``
+            and ``outputs``, returned to its ring by the postprocess stage; else None.
+        timeline_token: the open 'compute' range of ``GpuTimeline`` when profiling, else None.
     """
 
     frames: list[Frame]
     letterboxes: list[Any]
     images: Any
     outputs: Any = None
-    release: Any = None
+    buffers: Any = None
+    timeline_token: Any = None
 
     def __post_init__(self) -> None:
         if len(self.frames) != len(self.letterboxes):

@@ -212,6 +212,10 @@ def ensure_samples(dest: Path, log: Callable[[str], object] = lambda message: No
     """
     dest = Path(dest)
     paths, cache = SamplePaths.under(dest), dest / "cache"
+    if all(p.exists() for p in (paths.model, paths.names, *paths.videos)):
+        # The built assets are all there (also on a machine handed only these, offline).
+        log(f"all samples present in {dest}, nothing to do")
+        return paths
     cache.mkdir(parents=True, exist_ok=True)
     changed = [_ensure_darknet(paths, cache, log), _ensure_videos(paths, cache, log)]
     if not any(changed + [_ensure_onnx(paths, log)]):

@@ -19,7 +19,11 @@ log = structlog.get_logger("infer")
 class InferStage(Stage):
     """Runs ``backend.infer`` on a batch's images and stores the raw output in the batch.
 
-    The backend is warmed up in ``open()``, so the first frame is not slow.
+    On the GPU path the work is queued on the compute stream, and the output lands in the
+    batch's ``BatchBuffers.outputs`` (copied device to device when the backend returns its
+    own static buffer, e.g. a CUDA graph's output), so the next batch cannot overwrite it
+    before the postprocess stage has read it. The backend is warmed up before the graph
+    starts (``pipeline.build``).
     """
 
     def __init__(self, name: str, backend: InferenceBackend, gpu: Any = None) -> None:
@@ -27,12 +31,19 @@ class InferStage(Stage):
         self.backend = backend
         self.gpu = gpu
 
-    def open(self) -> None:
-        self.backend.warmup()
-
     def process(self, item: Batch) -> Iterable[Batch]:
-        stream = self.gpu.compute_stream if self.gpu is not None else None
-        item.outputs = self.backend.infer(item.images[: len(item.frames)], stream)
+        count = len(item.frames)
+        if self.gpu is None:
+            item.outputs = self.backend.infer(item.images[:count])
+            return (item,)
+        self.gpu.activate()
+        stream = self.gpu.compute_stream
+        outputs = self.backend.infer(item.images[:count], stream)
+        target = item.buffers.outputs[:count]
+        if outputs.data.ptr != target.data.ptr:
+            with stream:
+                target[...] = outputs
+        item.outputs = target
         return (item,)
 
     def close(self) -> None:
@@ -40,11 +51,11 @@ class InferStage(Stage):
 
 
 def create_backend(config: InferenceConfig, model_path: Path, info: ModelInfo,
-                   gpu: Any = None) -> InferenceBackend:
+                   gpu: Any = None, calibration_video: str | None = None) -> InferenceBackend:
     """The backend named in the config; ``auto`` picks the best one available.
 
     ``auto`` prefers tensorrt, then torch, on a GPU and onnxruntime on the CPU, and logs
-    which it took and why.
+    which it took and why. ``calibration_video`` is used for int8 when the config names none.
     """
     name = config.backend
     if name == "auto":
@@ -63,10 +74,16 @@ def create_backend(config: InferenceConfig, model_path: Path, info: ModelInfo,
         from stages.backends.torch import TorchBackend
 
         return TorchBackend(model_path, info, config.batch_size, config.precision, gpu)
+    from stages.backends.precision import CalibrationSettings
     from stages.backends.tensorrt import TensorRtBackend
 
+    video = config.calibration_video or calibration_video
+    calibration = None
+    if config.precision == "int8" and video is not None:
+        calibration = CalibrationSettings(Path(video), config.calibration_method,
+                                          config.calibration_frames)
     return TensorRtBackend(model_path, config.batch_size, config.precision,
-                           Path(config.engine_cache), gpu, None)
+                           Path(config.engine_cache), gpu, calibration)
 
 
 class BackendUnavailable(RuntimeError):

@@ -92,3 +92,60 @@ class PreprocessStage(Stage):
                                  out=images[slot], dtype=self.dtype)
             letterboxes.append(letterbox)
         return Batch(frames=frames, letterboxes=letterboxes, images=images)
+
+
+class GpuPreprocessStage(PreprocessStage):
+    """The fused preprocess on the GPU: one kernel launch per frame geometry in the batch.
+
+    Reads the frames from their staging slots (waiting on each slot's copy event, so no host
+    synchronisation), writes the model input of a ``BatchBuffers`` set in place, and returns
+    the slots once the kernels are queued. Everything runs on the compute stream.
+
+    Args:
+        gpu: the ``GpuContext`` whose staging and batch ring are allocated.
+        warm_sizes: (width, height) of the frames expected, compiled for at ``open()``.
+        stop: the graph's stop event (ends a wait for free buffers).
+    """
+
+    def __init__(self, name: str, input_size: tuple[int, int], dtype: np.dtype,
+                 batch_size: int, batch_timeout_ms: float, gpu: Any,
+                 warm_sizes: list[tuple[int, int]], stop: Any = None) -> None:
+        super().__init__(name, input_size, dtype, batch_size, batch_timeout_ms)
+        self.gpu = gpu
+        self.warm_sizes = warm_sizes
+        self.stop = stop
+
+    def open(self) -> None:
+        from kernels.preprocess_cuda import warmup_preprocess
+
+        self.gpu.activate()
+        for width, height in self.warm_sizes:
+            warmup_preprocess(self.letterbox(width, height), self.dtype)
+
+    def make_batch(self, frames: list[Frame]) -> Batch:
+        from kernels.preprocess_cuda import launch_preprocess
+
+        gpu, stream = self.gpu, self.gpu.compute_stream
+        gpu.activate()
+        buffers = gpu.batches.acquire(self.stop)
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for index, frame in enumerate(frames):
+            stream.wait_event(gpu.staging.copied[frame.device_slot])
+            by_size.setdefault((frame.width, frame.height), []).append(index)
+        token = gpu.timeline.begin("compute", stream)  # after the waits: copies are not compute
+        row = 0
+        groups = []
+        for (width, height), indices in by_size.items():
+            for index in indices:
+                buffers.pairs_host[row] = (frames[index].device_slot, index)
+                row += 1
+            groups.append((self.letterbox(width, height), row - len(indices), row))
+        buffers.pairs[:row].set(buffers.pairs_host[:row], stream=stream)
+        for letterbox, start, end in groups:
+            launch_preprocess(gpu.staging.device, buffers.pairs[start:end], letterbox,
+                              buffers.images, stream)
+        gpu.staging.release([frame.device_slot for frame in frames], stream)
+        for frame in frames:
+            frame.device_slot = None
+        return Batch(frames=frames, letterboxes=[self.letterbox(f.width, f.height) for f in frames],
+                     images=buffers.images[: len(frames)], buffers=buffers, timeline_token=token)

@@ -106,10 +106,14 @@ class InferenceBackend(ABC):
             stays valid until the next call; work writing it is queued on ``stream``.
         """
 
-    def warmup(self) -> None:
-        """Run once on a dummy batch of ``max_batch`` so the first real frame is not slow."""
+    def warmup(self) -> Any:
+        """Run once on a dummy batch of ``max_batch`` so the first real frame is not slow.
+
+        Returns:
+            The output of that run (its shape and dtype size the pipeline's buffers).
+        """
         shape = (self.max_batch, 3, self.info.input_height, self.info.input_width)
-        self.infer(np.full(shape, 0.5, dtype=self.info.input_dtype))
+        return self.infer(np.full(shape, 0.5, dtype=self.info.input_dtype))
 
     def close(self) -> None:
         """Release the backend's resources."""

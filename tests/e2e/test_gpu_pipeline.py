@@ -1,0 +1,102 @@
+"""The GPU path end to end on bikes.mp4 (torch backend, fused preprocess, Numba NMS) against
+the CPU path: same classes, IoU above 0.9 per matched box, score within 0.02."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.build import build_graph
+from pipeline.config import parse_config
+from pipeline.gpu import gpu_unavailable_reason
+
+pytestmark = pytest.mark.gpu
+
+
+def _skip_reason() -> str | None:
+    for module in ("torch", "onnx2torch"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed"
+    return gpu_unavailable_reason()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_gpu() -> None:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(f"GPU path unavailable: {reason}")
+
+
+def run(samples, out: Path, **inference) -> list[dict]:
+    config = parse_config({
+        "sources": [{"name": "bikes", "uri": str(samples.bikes)}],
+        "model": {"path": str(samples.model), "class_names": str(samples.names)},
+        "inference": {"batch_size": 4, **inference},
+        "output": {"dir": str(out), "video": None},
+        "runtime": {"progress": False},
+    })
+    graph = build_graph(config)
+    graph.run()
+    return [json.loads(line) for line in (out / "bikes.jsonl").read_text().splitlines()]
+
+
+def iou(a: list[float], b: list[float]) -> float:
+    x1, y1, x2, y2 = max(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), min(a[3], b[3])
+    inter = max(0.0, x2 - x1) * max(0.0, y2 - y1)
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def unmatched(expected: list[dict], actual: list[dict], margin: float) -> list[tuple[int, dict]]:
+    """Detections of ``expected`` (score above threshold + margin) without a counterpart."""
+    missing = []
+    for frame, (want, got) in enumerate(zip(expected, actual)):
+        for d in want["detections"]:
+            if d["confidence"] < 0.25 + margin:
+                continue  # a score this near the threshold may fall on either side
+            if not any(g["class_id"] == d["class_id"] and iou(g["xyxy"], d["xyxy"]) > 0.9
+                       and abs(g["confidence"] - d["confidence"]) <= 0.02
+                       for g in got["detections"]):
+                missing.append((frame, d))
+    return missing
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_gpu_path_gives_the_cpu_detections(samples, tmp_path: Path, precision: str) -> None:
+    cpu = run(samples, tmp_path / "cpu", device="cpu")
+    gpu = run(samples, tmp_path / "gpu", device="cuda", backend="torch", precision=precision)
+    assert len(gpu) == len(cpu) == 250
+    assert [r["frame"] for r in gpu] == list(range(250))
+    total = sum(len(r["detections"]) for r in cpu)
+    lost = unmatched(cpu, gpu, margin=0.02)
+    extra = unmatched(gpu, cpu, margin=0.02)
+    print(f"{precision}: {total} CPU detections, {len(lost)} unmatched on the GPU, "
+          f"{len(extra)} GPU detections unmatched on the CPU")
+    assert total > 400
+    assert not lost and not extra, (lost[:3], extra[:3])
+
+
+def test_no_device_allocation_in_the_steady_state(samples, tmp_path: Path) -> None:
+    """Neither CuPy's nor torch's memory pool grows after the first 20 frames."""
+    import cupy
+    import torch
+
+    config = parse_config({
+        "sources": [{"name": "bikes", "uri": str(samples.bikes)}],
+        "model": {"path": str(samples.model), "class_names": str(samples.names)},
+        "inference": {"batch_size": 4, "device": "cuda", "backend": "torch"},
+        "output": {"dir": str(tmp_path), "video": None},
+        "runtime": {"progress": False},
+    })
+    reserved: dict[int, tuple[int, int]] = {}
+
+    def sample(frame) -> None:
+        if frame.index in (20, 249):
+            reserved[frame.index] = (cupy.get_default_memory_pool().total_bytes(),
+                                     torch.cuda.memory_reserved())
+
+    build_graph(config, on_frame_done=sample).run()
+    assert reserved[249] == reserved[20]
