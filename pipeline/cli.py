@@ -1,7 +1,8 @@
 """Command line: ``python run.py --config configs/file.yaml``.
 
-Exit status: 0 when every source was processed, 1 when a source or stage failed,
-2 for a bad configuration or command line, 130 when stopped by a second Ctrl-C.
+Exit status: 0 when every source was processed (also after a graceful stop on the first
+Ctrl-C or SIGTERM), 1 when a source or stage failed, 2 for a bad configuration or command
+line, 130 when stopped by a second Ctrl-C or SIGTERM (outputs are left as ``.partial``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "build-engine":
             return build_engine(config)
         return run_pipeline(config)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as error:  # noqa: BLE001 - one line for the user, details at debug
         log.debug("traceback", text=traceback.format_exc())
         print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
@@ -85,13 +89,16 @@ def run_pipeline(config: PipelineConfig) -> int:
             print(f"error: {error}", file=sys.stderr)
             return EXIT_USAGE
         progress.set_total(graph.sources)
-        interrupts = _install_signal_handlers(graph)
+        interrupts, previous = _install_signal_handlers(graph)
         started = time.monotonic()
         try:
             graph.run()
             failure = None
         except PipelineError as error:
             failure = error
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
     elapsed = time.monotonic() - started
     _log_summary(graph, elapsed)
     if interrupts["count"] >= 2:
@@ -105,7 +112,9 @@ def run_pipeline(config: PipelineConfig) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
-def _install_signal_handlers(graph: object) -> dict[str, int]:
+def _install_signal_handlers(graph: object) -> tuple[dict[str, int], dict[int, object]]:
+    """First SIGINT/SIGTERM: graceful stop; second: abort. Returns the count and the
+    handlers replaced (restored after the run)."""
     interrupts = {"count": 0}
 
     def handle(signum: int, _frame: object) -> None:
@@ -118,31 +127,35 @@ def _install_signal_handlers(graph: object) -> dict[str, int]:
             log.warning("aborting", signal=signal.Signals(signum).name)
             graph.abort()  # type: ignore[attr-defined]
 
-    signal.signal(signal.SIGINT, handle)
-    signal.signal(signal.SIGTERM, handle)
-    return interrupts
+    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+    return interrupts, previous
 
 
 def _log_summary(graph: object, elapsed: float) -> None:
     for metrics in graph.stage_metrics.values():  # type: ignore[attr-defined]
         log.info("stage summary", **metrics.summary())
     for metrics in graph.source_metrics.values():  # type: ignore[attr-defined]
-        log.info("source summary", source=metrics.name, frames=metrics.frames_out,
-                 fps=round(metrics.frames_out / elapsed, 1) if elapsed > 0 else 0.0,
-                 dropped=metrics.dropped, latency_p50_ms=metrics.latency_percentile(50),
-                 latency_p99_ms=metrics.latency_percentile(99), error=metrics.error)
+        log.info("source summary", **metrics.summary(elapsed))
     log.info("run finished", seconds=round(elapsed, 2))
 
 
 def build_engine(config: PipelineConfig) -> int:
     """Build (or find in the cache) the TensorRT engine for the configured model."""
+    from pipeline.build import first_file_source
+    from stages.backends.tensorrt import EngineBuildError, build_engine_cli
+
+    inference = config.inference
     try:
-        from stages.backends.tensorrt import build_engine_cli
+        path = build_engine_cli(
+            config.model.path, inference.batch_size, inference.precision, inference.engine_cache,
+            calibration_video=inference.calibration_video or first_file_source(config),
+            calibration_method=inference.calibration_method,
+            calibration_frames=inference.calibration_frames)
     except ImportError as error:
         print(f"error: TensorRT is not installed ({error})", file=sys.stderr)
         return EXIT_FAILED
-    inference = config.inference
-    path = build_engine_cli(config.model.path, inference.batch_size, inference.precision,
-                            inference.engine_cache, calibration_video=config.sources[0].uri)
+    except (EngineBuildError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_FAILED
     print(path)
     return EXIT_OK

@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -47,12 +48,71 @@ class SourceConfig:
         default=10.0, metadata=_doc("Seconds to wait when opening the source.", min=0.1)
     )
     read_timeout_s: float = field(
-        default=10.0, metadata=_doc("Seconds without data before a live source reconnects.", min=0.1)
+        default=10.0,
+        metadata=_doc("Seconds without data before a stream counts as lost (then reconnects).",
+                      min=0.1),
+    )
+    reconnect: bool | None = field(
+        default=None,
+        metadata=_doc("Reconnect a stream after any failure or its end, until the run stops; "
+                      "the frame index keeps counting. Default: true for live sources. Files "
+                      "never reconnect."),
+    )
+    reconnect_initial_s: float = field(
+        default=0.5,
+        metadata=_doc("First wait before reconnecting; doubles after each failed attempt "
+                      "(with jitter: each wait is 50-100% of its nominal value).", min=0.01),
+    )
+    reconnect_max_s: float = field(
+        default=10.0, metadata=_doc("Longest wait between reconnection attempts.", min=0.01)
     )
 
     @property
     def is_live(self) -> bool:
         return self.live if self.live is not None else is_stream_url(self.uri)
+
+    @property
+    def should_reconnect(self) -> bool:
+        """Whether this source reconnects after a failure (streams only)."""
+        if not is_stream_url(self.uri):
+            return False
+        return self.reconnect if self.reconnect is not None else self.is_live
+
+    def check(self, key: str, base_dir: Path) -> None:
+        """Raise ConfigError unless the URI is an existing file or a well-formed stream URL.
+
+        Args:
+            key: where the source sits in the config (``sources[0]``), for the message.
+            base_dir: folder a relative file path is resolved against.
+        """
+        where = f"{key}.uri (source {self.name!r})"
+        if not self.uri:
+            raise ConfigError(f"{where}: expected a file path or a URL, got ''")
+        if not is_stream_url(self.uri):
+            if not (base_dir / self.uri).is_file():
+                raise ConfigError(f"{where}: file not found: {self.uri!r}")
+            if self.reconnect:
+                raise ConfigError(f"{key}.reconnect: files never reconnect; only stream URLs can")
+            return
+        shown = redact_url(self.uri)
+        parts = urlsplit(self.uri)
+        if parts.scheme not in STREAM_SCHEMES:
+            allowed = ", ".join(sorted(STREAM_SCHEMES))
+            raise ConfigError(f"{where}: unsupported URL scheme {parts.scheme!r} in {shown!r}; "
+                              f"allowed: {allowed}")
+        try:
+            port = parts.port
+        except ValueError:
+            hint = " (percent-encode '/', ':' and '@' inside credentials)" * ("@" in self.uri)
+            raise ConfigError(f"{where}: bad port in {shown!r}{hint}") from None
+        if not parts.hostname or any(c.isspace() for c in self.uri):
+            raise ConfigError(f"{where}: expected scheme://host[:port]/path, got {shown!r}")
+        if port == 0:
+            raise ConfigError(f"{where}: bad port in {shown!r}")
+        if self.reconnect_max_s < self.reconnect_initial_s:
+            raise ConfigError(
+                f"{key}.reconnect_max_s: expected a value >= reconnect_initial_s "
+                f"({self.reconnect_initial_s}), got {self.reconnect_max_s}")
 
 
 @dataclass
@@ -89,6 +149,18 @@ class InferenceConfig:
     batch_timeout_ms: float = field(
         default=5.0,
         metadata=_doc("Longest wait for a batch to fill before running a partial one.", min=0.0),
+    )
+    gpu_id: int = field(default=0, metadata=_doc("CUDA device ordinal used on the GPU path.", min=0))
+    calibration_video: str | None = field(
+        default=None,
+        metadata=_doc("int8 (tensorrt): a video file of the deployment scene to calibrate on; "
+                      "default: the first file source."),
+    )
+    calibration_method: Literal["entropy", "minmax", "percentile"] = field(
+        default="entropy", metadata=_doc("int8 (tensorrt): how quantisation ranges are chosen.")
+    )
+    calibration_frames: int = field(
+        default=64, metadata=_doc("int8 (tensorrt): frames used for calibration.", min=1)
     )
     engine_cache: str = field(
         default="assets/engines", metadata=_doc("Folder for built TensorRT engines.")
@@ -148,6 +220,12 @@ class RuntimeConfig:
     progress: bool = field(
         default=True, metadata=_doc("Show a progress bar for file sources (on a terminal).")
     )
+    staging_slots: int = field(
+        default=0,
+        metadata=_doc("GPU path: pinned upload slots (frames in flight between decode and "
+                      "preprocess); 0 = 2 x batch_size + queue_size. 1 disables double "
+                      "buffering.", min=0),
+    )
 
 
 @dataclass
@@ -172,6 +250,17 @@ _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
 def is_stream_url(uri: str) -> bool:
     """True for network stream URLs (rtsp, rtsps, rtmp, http, udp...)."""
     return re.match(r"^[a-z][a-z0-9+.-]*://", uri.lower()) is not None
+
+
+STREAM_SCHEMES = {"rtsp", "rtsps", "rtmp", "rtmps", "http", "https", "udp", "tcp", "srt"}
+_SECRET_QUERY = re.compile(r"(?i)\b(password|passwd|pwd|pass|token|auth|key|secret)=[^&#\s]*")
+
+
+def redact_url(uri: str) -> str:
+    """The URI with credentials hidden: ``user:password@`` and password-like query values
+    become ``***`` (greedy up to the last ``@``, so a password holding ``@`` or ``/`` is
+    hidden too)."""
+    return _SECRET_QUERY.sub(r"\1=***", re.sub(r"(?<=://)\S*@", "***@", uri))
 
 
 def _describe(tp: Any) -> str:
@@ -264,10 +353,7 @@ def _check_semantics(config: PipelineConfig, base_dir: Path) -> None:
         if source.name in seen:
             raise ConfigError(f"{key}.name: duplicate source name {source.name!r}")
         seen.add(source.name)
-        if not source.uri:
-            raise ConfigError(f"{key}.uri: expected a file path or a URL, got ''")
-        if not is_stream_url(source.uri) and not (base_dir / source.uri).is_file():
-            raise ConfigError(f"{key}.uri: file not found: {source.uri!r}")
+        source.check(key, base_dir)
     for key, path in (("model.path", config.model.path), ("model.class_names", config.model.class_names)):
         if path is not None and not (base_dir / path).is_file():
             raise ConfigError(f"{key}: file not found: {path!r}")

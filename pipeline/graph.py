@@ -10,6 +10,11 @@ Each node runs on its own thread. The first exception in any node stops the grap
 thread is woken, joined with a timeout, and ``run()`` raises ``PipelineError`` from it.
 ``request_stop()`` (first Ctrl-C) makes the sources stop reading and end their streams, so
 everything queued drains and every sink finalises; ``abort()`` (second Ctrl-C) stops at once.
+
+Live sources never hold the graph up: their lanes, in front of the first stage and of their
+sink, drop the oldest waiting frame when full, so a frame's capture-to-sink latency stays
+below (frames the queues can hold) x (time per frame of the slowest stage). The run ends
+when every source ended; when all file sources are done, the live ones are stopped too.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ from pipeline.stage import SourceStage, Stage, frames_in
 log = structlog.get_logger("graph")
 
 JOIN_TIMEOUT_S = 10.0
-LATENCY_SAMPLES = 10_000
+# After abort(), how long to wait for a source blocked in network I/O (it ends by itself
+# within its read timeout; its thread is a daemon and holds no output open).
+SOURCE_ABORT_WAIT_S = 1.0
+REPORT_INTERVAL_S = 60.0  # a "source stats" log line per source this often
 
 
 class PipelineError(RuntimeError):
@@ -45,6 +53,7 @@ class Graph:
         sinks: the last stage of each source, keyed by source name.
         queue_size: capacity of every queue lane.
         on_frame_done: called with each frame once its sink handled it (progress bars).
+        stop: the event that aborts the graph, when stages created before it need it.
     """
 
     def __init__(
@@ -54,12 +63,14 @@ class Graph:
         sinks: dict[str, Stage],
         queue_size: int,
         on_frame_done: Callable[[Frame], None] | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         if not chain:
             raise ValueError("the graph needs at least one stage between sources and sinks")
         self.sources, self.chain, self.sinks = sources, chain, sinks
         self.stop_reading = threading.Event()
-        self._stop = threading.Event()
+        self._stop = stop or threading.Event()  # shared with stages that wait on GPU buffers
+        self.gpu: Any = None  # the GpuContext on the GPU path (for profiling), else None
         self._on_frame_done = on_frame_done
         self._error: tuple[str, BaseException] | None = None
         self._error_lock = threading.Lock()
@@ -73,9 +84,12 @@ class Graph:
         for upstream, inbox in zip(chain, self._inboxes[1:]):
             inbox.add_lane(upstream.name, queue_size)
         self._sink_inboxes = {}
+        live = {source.name: source.live for source in sources}
         for name, sink in sinks.items():
             inbox = StageQueue(sink.name, self._stop)
-            inbox.add_lane(chain[-1].name, queue_size)
+            # A slow sink of a live source drops its oldest frame rather than stall the chain.
+            inbox.add_lane(chain[-1].name, queue_size,
+                           "drop_oldest" if live.get(name) else "block")
             self._sink_inboxes[name] = inbox
         self._threads: list[threading.Thread] = []
 
@@ -148,10 +162,7 @@ class Graph:
             emit(output)
 
     def _frame_done(self, frame: Frame) -> None:
-        metrics = self.source_metrics[frame.source]
-        metrics.frames_out += 1
-        if len(metrics.latency_s) < LATENCY_SAMPLES:
-            metrics.latency_s.append(time.time() - frame.capture_time)
+        self.source_metrics[frame.source].frame_done(time.time() - frame.capture_time)
         if self._on_frame_done is not None:
             self._on_frame_done(frame)
 
@@ -206,21 +217,56 @@ class Graph:
         for thread in self._threads:
             thread.start()
         self._join()
-        for source in self.sources:
-            self.source_metrics[source.name].dropped = self._inboxes[0].dropped()[source.name]
+        self.refresh_source_metrics()
         if self._error is not None:
             node, error = self._error
             raise PipelineError(f"{node}: {type(error).__name__}: {error}") from error
 
+    def refresh_source_metrics(self) -> None:
+        """Bring ``source_metrics``' drop and reconnection counters up to date (any thread)."""
+        first = self._inboxes[0].dropped()
+        for source in self.sources:
+            metrics = self.source_metrics[source.name]
+            sink_lane = self._sink_inboxes[source.name].dropped()
+            metrics.dropped = first[source.name] + sum(sink_lane.values())
+            metrics.reconnects = getattr(source, "reconnects", 0)
+
+    def queue_depths(self) -> dict[str, int]:
+        """Items waiting now in front of each stage and sink, by its name."""
+        return {queue.name: queue.depth()
+                for queue in [*self._inboxes, *self._sink_inboxes.values()]}
+
     def _join(self) -> None:
         # Join with short timeouts so the main thread keeps handling signals (Ctrl-C).
-        while any(t.is_alive() for t in self._threads) and not self._stop.is_set():
-            for thread in self._threads:
-                thread.join(0.1)
+        started = time.monotonic()
+        next_report = started + REPORT_INTERVAL_S
+        file_threads = [t for t, s in zip(self._threads, self.sources) if not s.live]
+        mixed = bool(file_threads) and any(s.live for s in self.sources)
+        while not self._stop.is_set():
+            alive = [t for t in self._threads if t.is_alive()]
+            if not alive:
+                break
+            alive[0].join(0.1)
+            if (mixed and not self.stop_reading.is_set()
+                    and not any(t.is_alive() for t in file_threads)):
+                log.info("every file source is done: stopping the live sources")
+                self.request_stop()
+            if time.monotonic() >= next_report:
+                next_report += REPORT_INTERVAL_S
+                self.refresh_source_metrics()
+                for metrics in self.source_metrics.values():
+                    log.info("source stats", **metrics.summary(time.monotonic() - started))
         deadline = time.monotonic() + JOIN_TIMEOUT_S
+        sources = self._threads[:len(self.sources)]
         for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        stuck = [t.name for t in self._threads if t.is_alive()]
+            wait = deadline - time.monotonic()
+            if thread in sources and self._stop.is_set():
+                wait = min(wait, SOURCE_ABORT_WAIT_S)
+            thread.join(max(0.0, wait))
+        blocked = [t.name for t in sources if t.is_alive()]
+        if blocked:
+            log.warning("sources still blocked reading: left behind", threads=blocked)
+        stuck = [t.name for t in self._threads if t.is_alive() and t not in sources]
         if stuck:
             log.error("threads did not stop in time", threads=stuck, timeout_s=JOIN_TIMEOUT_S)
             if self._error is None:

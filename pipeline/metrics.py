@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -50,6 +51,10 @@ class StageMetrics:
         }
 
 
+# Latency percentiles are over the most recent frames, so a long run reports its present.
+LATENCY_WINDOW = 10_000
+
+
 @dataclass
 class SourceMetrics:
     """Per-source counters.
@@ -57,19 +62,42 @@ class SourceMetrics:
     Attributes:
         frames_out: frames that reached the sinks.
         dropped: frames a live source discarded because the pipeline was behind.
-        latency_s: capture-to-sink latencies of the frames, in seconds (bounded sample).
+        reconnects: reconnection attempts of a stream (successful or not).
+        latency_s: capture-to-sink latencies of the last ``LATENCY_WINDOW`` frames, seconds.
         error: why the source ended early, or None.
     """
 
     name: str
     frames_out: int = 0
     dropped: int = 0
-    latency_s: list[float] = field(default_factory=list)
+    reconnects: int = 0
+    latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
     error: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def frame_done(self, latency_s: float) -> None:
+        """Count a frame that reached its sink ``latency_s`` seconds after its capture."""
+        with self._lock:
+            self.frames_out += 1
+            self.latency_s.append(latency_s)
 
     def latency_percentile(self, q: float) -> float | None:
         """The q-th percentile (0..100) of the recorded latencies, in milliseconds."""
-        if not self.latency_s:
+        with self._lock:
+            ordered = sorted(self.latency_s)
+        if not ordered:
             return None
-        ordered = sorted(self.latency_s)
         return round(1000 * ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))], 1)
+
+    def summary(self, elapsed_s: float) -> dict[str, float | int | str | None]:
+        """Frames, rate over ``elapsed_s``, drops, reconnections, latency p50/p99 (ms), error."""
+        return {
+            "source": self.name,
+            "frames": self.frames_out,
+            "fps": round(self.frames_out / elapsed_s, 1) if elapsed_s > 0 else 0.0,
+            "dropped": self.dropped,
+            "reconnects": self.reconnects,
+            "latency_p50_ms": self.latency_percentile(50),
+            "latency_p99_ms": self.latency_percentile(99),
+            "error": self.error,
+        }

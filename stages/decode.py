@@ -1,36 +1,62 @@
-"""Decode: demux and decode one source (file or rtsp:// URL) with PyAV into I420 frames."""
+"""Decode: demux and decode one source (file or stream URL) with PyAV into I420 frames.
+
+A stream (rtsp://...) is opened with its transport (TCP by default) and two timeouts: one
+for opening, one for each read, so a stalled camera counts as lost after ``read_timeout_s``.
+A live stream that fails in any way (refused, timeout, end of stream, a run of undecodable
+packets) is reopened after an exponential backoff with jitter, until the run stops; its frame
+index keeps counting across reconnections. A file is read once: its undecodable packets are
+skipped, and a file that ends early (truncated) yields every decodable frame and a warning.
+"""
 
 from __future__ import annotations
 
-import re
+import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 
 import av
 import structlog
 
-from pipeline.config import SourceConfig, is_stream_url
+from pipeline.config import SourceConfig, is_stream_url, redact_url
 from pipeline.records import EndOfStream, Frame
 from pipeline.stage import SourceStage
 
+__all__ = ["DecodeStage", "SourceError", "backoff_delay", "open_options", "redact_url"]
+
 log = structlog.get_logger("decode")
 
+# A live stream with this many undecodable packets in a row is reconnected.
+MAX_BAD_PACKETS_IN_A_ROW = 50
 
-def redact_url(uri: str) -> str:
-    """The URI with any ``user:password@`` credentials replaced by ``***@``."""
-    return re.sub(r"(?<=://)[^/@\s]+@", "***@", uri)
+
+class SourceError(Exception):
+    """A source failed; the message is one line, credentials redacted."""
 
 
 def open_options(source: SourceConfig) -> dict[str, str]:
-    """FFmpeg options for opening the source (transport and socket timeouts for streams)."""
-    if not is_stream_url(source.uri):
+    """FFmpeg options for opening the source: the RTSP transport.
+
+    The timeouts are PyAV's (``av.open(timeout=(open, read))``, an interrupt callback that
+    every blocking FFmpeg network call polls), not FFmpeg's socket ``timeout`` option: that
+    one would fire first during the RTSP handshake and report it as invalid data.
+    """
+    if not source.uri.lower().startswith("rtsp"):
         return {}
-    options = {"rtsp_transport": source.rtsp_transport}
-    if source.uri.lower().startswith("rtsp"):
-        options["timeout"] = str(int(source.read_timeout_s * 1_000_000))  # microseconds
-    return options
+    return {"rtsp_transport": source.rtsp_transport}
+
+
+def backoff_delay(attempt: int, initial_s: float, max_s: float,
+                  rng: Callable[[], float] = random.random) -> float:
+    """Seconds to wait before reconnection attempt ``attempt`` (0-based).
+
+    The nominal wait doubles per attempt from ``initial_s`` up to ``max_s``; the jitter
+    ("equal jitter") makes it 50-100% of that, so many cameras behind one failed switch do
+    not all reconnect at the same instant.
+    """
+    nominal = min(max_s, initial_s * 2 ** min(attempt, 30))
+    return nominal / 2 + nominal / 2 * rng()
 
 
 def to_i420(frame: av.VideoFrame) -> av.VideoFrame:
@@ -44,9 +70,13 @@ def to_i420(frame: av.VideoFrame) -> av.VideoFrame:
 class DecodeStage(SourceStage):
     """Reads one source and yields its frames as I420 host arrays.
 
-    Uses the first video stream of the container (audio and other streams are ignored),
-    with FFmpeg's frame threading. A packet that fails to decode is skipped with a warning;
-    a source that cannot be opened ends its stream with an error instead of raising.
+    Uses the first video stream of the container (audio and further video streams are
+    ignored); a change of picture size mid-stream passes through (each frame carries its
+    size). A source that cannot be read ends its stream with an error instead of raising,
+    unless it reconnects (see the module docstring).
+
+    Attributes:
+        reconnects: reconnection attempts so far (successful or not).
     """
 
     def __init__(self, source: SourceConfig) -> None:
@@ -54,8 +84,10 @@ class DecodeStage(SourceStage):
         self.source = source
         self.live = source.is_live
         self.display_uri = redact_url(source.uri)
+        self.is_file = not is_stream_url(source.uri)
+        self.reconnects = 0
         self._container: av.container.InputContainer | None = None
-        if not self.live:
+        if self.is_file:
             self.expected_frames = self._probe_frame_count()
 
     def _probe_frame_count(self) -> int | None:
@@ -66,68 +98,127 @@ class DecodeStage(SourceStage):
         except (av.FFmpegError, OSError):
             return None  # reported with its reason when the stream is read
 
-    def _open(self) -> av.container.InputContainer:
-        timeout = (self.source.open_timeout_s, self.source.read_timeout_s)
-        return av.open(self.source.uri, options=open_options(self.source), timeout=timeout)
-
     def frames(self, stop_reading: threading.Event) -> Iterator[Frame | EndOfStream]:
-        index = 0
+        index, attempt, lost_at = 0, 0, None
+        while True:
+            first = index
+            error = None
+            try:
+                for picture, rate in self._pictures(stop_reading):
+                    if lost_at is not None:
+                        log.info("source reconnected", source=self.name,
+                                 down_s=round(time.monotonic() - lost_at, 2),
+                                 reconnects=self.reconnects)
+                        lost_at = None
+                    yield Frame(source=self.name, index=index,
+                                pts=float(picture.time) if picture.time is not None else None,
+                                capture_time=time.time(), width=picture.width,
+                                height=picture.height, rate=rate, image=picture.to_ndarray())
+                    index += 1
+            except Exception as failure:  # noqa: BLE001 - one source's failure ends or reconnects it
+                error = describe(failure, self.source)
+            if stop_reading.is_set():
+                error = None  # stopped on request: whatever was read is complete
+                break
+            if not self.source.should_reconnect:
+                if error is not None and self.is_file and index > 0:
+                    log.warning("file is corrupt: kept every decodable frame", source=self.name,
+                                frames=index, reason=error)
+                    error = None
+                break
+            attempt = 0 if index > first else attempt  # a session that worked resets it
+            delay = backoff_delay(attempt, self.source.reconnect_initial_s,
+                                  self.source.reconnect_max_s)
+            attempt += 1
+            lost_at = lost_at or time.monotonic()
+            self.reconnects += 1
+            log.warning("source lost, reconnecting", source=self.name,
+                        reason=error or "the stream ended", frames=index,
+                        retry_in_s=round(delay, 2), reconnects=self.reconnects)
+            if stop_reading.wait(delay):
+                error = None
+                break
+        if error is not None:
+            log.error("source failed", source=self.name, reason=error)
+        log.info("source ended", source=self.name, frames=index, reconnects=self.reconnects)
+        yield EndOfStream(self.name, index, error=error)
+
+    def _pictures(self, stop_reading: threading.Event
+                  ) -> Iterator[tuple[av.VideoFrame, Fraction | None]]:
+        """One session: open, yield (I420 picture, nominal rate) until the end, close."""
+        source = self.source
+        started = time.monotonic()
         try:
-            self._container = container = self._open()
-        except (av.FFmpegError, OSError) as error:
-            reason = f"cannot open {self.display_uri}: {error_text(error)}"
-            log.error("source failed", source=self.name, reason=reason)
-            yield EndOfStream(self.name, 0, error=reason)
-            return
-        if not container.streams.video:
-            reason = f"{self.display_uri} has no video stream"
-            log.error("source failed", source=self.name, reason=reason)
-            yield EndOfStream(self.name, 0, error=reason)
-            return
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        rate = stream.average_rate or stream.guessed_rate
-        rate = Fraction(rate) if rate else None
-        log.info("source opened", source=self.name, uri=self.display_uri, live=self.live,
-                 codec=stream.codec_context.name, size=f"{stream.width}x{stream.height}",
-                 fps=float(rate) if rate else None, frames=self.expected_frames)
-        error: str | None = None
+            container = av.open(source.uri, options=open_options(source),
+                                timeout=(source.open_timeout_s, source.read_timeout_s))
+        except Exception as error:  # noqa: BLE001 - reworded to one line below
+            # The interrupt surfaces as ExitError, or as invalid data mid RTSP handshake.
+            timed_out = time.monotonic() - started >= source.open_timeout_s
+            reason = (f"no answer within {source.open_timeout_s} s (open_timeout_s)"
+                      if timed_out or isinstance(error, av.ExitError) else error_text(error))
+            raise SourceError(f"cannot open {self.display_uri}: {reason}") from None
+        self._container = container
+        waiting_since = time.monotonic()  # when the demuxer was last asked for a packet
         try:
+            if not container.streams.video:
+                raise SourceError(f"{self.display_uri} has no video stream")
+            stream = container.streams.video[0]
+            # Frame threading delays output by a frame per thread: files only.
+            stream.thread_type = "SLICE" if self.live else "AUTO"
+            rate = stream.average_rate or stream.guessed_rate
+            rate = Fraction(rate) if rate else None
+            log.info("source opened", source=self.name, uri=self.display_uri, live=self.live,
+                     codec=stream.codec_context.name, size=f"{stream.width}x{stream.height}",
+                     fps=float(rate) if rate else None, frames=self.expected_frames,
+                     streams=len(container.streams))
+            decoded = bad = bad_in_a_row = 0
             for packet in container.demux(stream):
                 if stop_reading.is_set():
-                    break
+                    return
                 try:
-                    decoded = packet.decode()
-                except av.InvalidDataError as bad:
-                    log.warning("skipped undecodable packet", source=self.name,
-                                error=error_text(bad))
-                    continue
-                for picture in decoded:
-                    picture = to_i420(picture)
-                    yield Frame(
-                        source=self.name,
-                        index=index,
-                        pts=float(picture.time) if picture.time is not None else None,
-                        capture_time=time.time(),
-                        width=picture.width,
-                        height=picture.height,
-                        rate=rate,
-                        image=picture.to_ndarray(),
-                    )
-                    index += 1
-        except (av.FFmpegError, OSError) as failure:
-            error = f"reading {self.display_uri} failed after {index} frames: {error_text(failure)}"
-            log.error("source failed", source=self.name, reason=error)
-        log.info("source ended", source=self.name, frames=index)
-        yield EndOfStream(self.name, index, error=error)
+                    pictures = packet.decode()
+                except av.InvalidDataError as error:
+                    bad, bad_in_a_row = bad + 1, bad_in_a_row + 1
+                    if bad == 1:
+                        log.warning("skipping undecodable packets", source=self.name,
+                                    error=error_text(error))
+                    if self.live and bad_in_a_row >= MAX_BAD_PACKETS_IN_A_ROW:
+                        raise SourceError(f"{bad_in_a_row} undecodable packets in a row") from None
+                    pictures = []
+                else:
+                    bad_in_a_row = 0
+                for picture in pictures:
+                    decoded += 1
+                    yield to_i420(picture), rate
+                waiting_since = time.monotonic()
+            if bad:
+                log.warning("skipped undecodable packets", source=self.name, packets=bad)
+            if self.expected_frames and decoded < self.expected_frames:
+                log.warning("file ended early (truncated or corrupt): kept every decodable frame",
+                            source=self.name, frames=decoded, expected=self.expected_frames)
+        except av.FFmpegError as error:
+            if isinstance(error, av.ExitError) or (
+                    not self.is_file and time.monotonic() - waiting_since >= source.read_timeout_s):
+                raise SourceError(f"no data from {self.display_uri} for "
+                                  f"{source.read_timeout_s} s (read_timeout_s)") from None
+            raise
+        finally:
+            self.close()
 
     def close(self) -> None:
         if self._container is not None:
-            self._container.close()
-            self._container = None
+            container, self._container = self._container, None
+            container.close()
+
+
+def describe(error: BaseException, source: SourceConfig) -> str:
+    """A one-line reason for a source's failure, without credentials."""
+    if isinstance(error, SourceError):
+        return str(error)
+    return f"reading {redact_url(source.uri)} failed: {error_text(error)}"
 
 
 def error_text(error: BaseException) -> str:
-    """A one-line description of a PyAV/OS error, without the file name repeated."""
-    message = getattr(error, "strerror", None) or str(error)
-    return " ".join(str(message).split())
+    """A one-line description of a PyAV/OS error, without the URL (credentials) repeated."""
+    message = getattr(error, "strerror", None) or str(error) or type(error).__name__
+    return redact_url(" ".join(str(message).split()))

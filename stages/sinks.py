@@ -2,7 +2,8 @@
 
 Each output is written under a temporary ``.partial`` name and renamed to its final name only
 when its source's stream ended (also after a graceful stop): a file with the final name is
-always complete and playable; a ``.partial`` file says the run was cut short.
+always complete, playable and from the latest run (older ones are removed when the sink
+opens); a ``.partial`` file says the run was cut short, and is removed when it holds nothing.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class VideoWriter:
     def close(self, complete: bool) -> None:
         """Flush the encoder and finalise the file; rename it when ``complete``."""
         if self._container is None:
-            return
+            return  # no frame: no file
         assert self._stream is not None
         self._container.mux(self._stream.encode(None))
         self._container.close()
@@ -88,17 +89,21 @@ class JsonlWriter:
         self.class_names = class_names
         partial_path(path).parent.mkdir(parents=True, exist_ok=True)
         self._file = open(partial_path(path), "w", buffering=1)  # line-buffered: no loss on crash
+        self.frames = 0
 
     def write(self, frame: Frame) -> None:
         detections = frame.detections.to_records(self.class_names) if frame.detections else []
         record = {"source": frame.source, "frame": frame.index, "pts": frame.pts,
                   "capture_time": round(frame.capture_time, 6), "detections": detections}
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self.frames += 1
 
     def close(self, complete: bool) -> None:
         self._file.close()
         if complete:
             os.replace(partial_path(self.path), self.path)
+        elif not self.frames:
+            partial_path(self.path).unlink(missing_ok=True)
 
 
 class SinkStage(Stage):
@@ -121,6 +126,10 @@ class SinkStage(Stage):
         self.complete = False
 
     def open(self) -> None:
+        for path in (self.video_path, self.jsonl_path):
+            if path is not None:  # an older run's outputs must not pass for this run's
+                path.unlink(missing_ok=True)
+                partial_path(path).unlink(missing_ok=True)
         if self.video_path is not None:
             self.writers.append(VideoWriter(self.video_path, self.crf))
         if self.jsonl_path is not None:
@@ -140,6 +149,8 @@ class SinkStage(Stage):
         for writer in self.writers:
             writer.close(self.complete)
             if self.complete:
-                log.info("output written", sink=self.name, path=str(writer.path))
-            else:
-                log.warning("output incomplete", sink=self.name, path=str(partial_path(writer.path)))
+                log.info("output written", sink=self.name, path=str(writer.path),
+                         frames=writer.frames)
+            elif writer.frames:
+                log.warning("output incomplete", sink=self.name,
+                            path=str(partial_path(writer.path)), frames=writer.frames)

@@ -67,7 +67,16 @@ BAD = [
     ("nms.iou_threshold", 1.5, "nms.iou_threshold: expected a value between 0.0 and 1.0, got 1.5"),
     ("nms.colour", 1, "nms.colour: unknown key; allowed keys here: conf_threshold"),
     ("nmss", {}, "nmss: unknown key; allowed keys here: sources, model"),
-    ("sources.0.uri", "missing.mp4", "sources[0].uri: file not found: 'missing.mp4'"),
+    ("sources.0.uri", "missing.mp4", "sources[0].uri (source 'cam1'): file not found: 'missing.mp"),
+    ("sources.0.uri", "ftp://h/x", "sources[0].uri (source 'cam1'): unsupported URL scheme 'ftp'"),
+    ("sources.0.uri", "rtsp://", "sources[0].uri (source 'cam1'): expected scheme://host[:port]/path"),
+    ("sources.0.uri", "rtsp://h:0/x", "sources[0].uri (source 'cam1'): bad port in 'rtsp://h:0/x'"),
+    ("sources.0.uri", "rtsp://u:pw/x@h/s", "bad port in 'rtsp://***@h/s' (percent-encode"),
+    ("sources.0.uri", "rtsp://h/a b", "expected scheme://host[:port]/path, got 'rtsp://h/a b'"),
+    ("sources.0.reconnect", True, "sources[0].reconnect: files never reconnect"),
+    ("sources.0.reconnect", "always", "sources[0].reconnect: expected true or false or null"),
+    ("sources.0.reconnect_initial_s", 0, "reconnect_initial_s: expected a value >= 0.01, got 0"),
+    ("sources.0.open_timeout_s", "10s", "sources[0].open_timeout_s: expected a number, got '10s'"),
     ("sources.0.name", "my cam", "sources[0].name: expected letters, digits"),
     ("sources.0.live", "yes", "sources[0].live: expected true or false or null, got 'yes'"),
     ("sources.0.rtsp_transport", "http", "sources[0].rtsp_transport: expected one of 'tcp', 'udp'"),
@@ -81,7 +90,8 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(("key", "value", "message"), BAD, ids=[b[0] + "=" + repr(b[1]) for b in BAD])
+@pytest.mark.parametrize(("key", "value", "message"), BAD,
+                         ids=[b[0] + "=" + repr(b[1]) for b in BAD])
 def test_bad_values_name_key_value_and_allowed(files: Path, key: str, value: object,
                                                message: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -130,3 +140,33 @@ def test_schema_documents_every_section() -> None:
     text = "\n".join(describe_schema())
     for key in ("sources[]", "uri", "inference.batch_size", "nms.iou_threshold", "output.video"):
         assert key in text
+
+
+@pytest.mark.parametrize(("uri", "live", "reconnect", "expected"), [
+    ("rtsp://cam/x", None, None, True),  # live streams reconnect by default
+    ("rtsp://cam/x", None, False, False),
+    ("rtsp://cam/x", False, None, False),  # a non-live stream ends like a file...
+    ("rtsp://cam/x", False, True, True),  # ...unless asked to reconnect
+    ("clip.mp4", True, None, False),  # files never reconnect, even read as if live
+])
+def test_which_sources_reconnect(files: Path, uri: str, live: bool | None,
+                                 reconnect: bool | None, expected: bool) -> None:
+    data = base()
+    data["sources"][0].update(uri=uri, live=live, reconnect=reconnect)
+    assert parse_config(data).sources[0].should_reconnect is expected
+
+
+def test_backoff_cap_must_not_be_below_its_start(files: Path) -> None:
+    data = base()
+    data["sources"][0].update(uri="rtsp://cam/x", reconnect_initial_s=2, reconnect_max_s=1)
+    with pytest.raises(ConfigError, match=r"sources\[0\].reconnect_max_s: expected a value >= "
+                                          r"reconnect_initial_s \(2.0\), got 1.0"):
+        parse_config(data)
+
+
+def test_credentials_never_appear_in_config_errors(files: Path) -> None:
+    data = base()
+    data["sources"][0]["uri"] = "gopher://admin:hunter2@cam/x"
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert "hunter2" not in str(info.value) and "gopher://***@cam/x" in str(info.value)

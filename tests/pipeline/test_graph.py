@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from pipeline.graph import Graph, PipelineError
 from pipeline.records import EndOfStream, Frame
@@ -196,3 +197,53 @@ def test_abort_stops_quickly_even_with_full_queues() -> None:
     graph.run()
     assert time.monotonic() - started < 3
     assert sinks["a"].closed and not sinks["a"].ends
+
+
+def test_slow_sink_of_a_live_source_never_slows_a_file_source() -> None:
+    cam, clip = ListSource("cam", 10_000, delay_s=0.001, live=True), ListSource("clip", 100)
+    sinks = {"cam": ListSink("sink:cam", delay_s=0.02), "clip": ListSink("sink:clip")}
+    graph = Graph([cam, clip], [Tag("one")], sinks, 2)  # type: ignore[arg-type]
+    started = time.monotonic()
+    graph.run()  # ends when the file is done: the live source is stopped then
+    assert time.monotonic() - started < 2.0  # 100 frames, not paced by the 20 ms/frame sink
+    assert [f.index for f in sinks["clip"].frames] == list(range(100))
+    assert graph.source_metrics["cam"].dropped > 0
+    assert [e.error for e in sinks["cam"].ends] == [None]  # stopped cleanly, outputs final
+
+
+def test_live_latency_is_bounded_by_queue_size_times_sink_time() -> None:
+    queue_size, sink_s = 3, 0.02
+    cam = ListSource("cam", 300, delay_s=0.002, live=True)  # 500 fps into a 50 fps sink
+    cam.reconnects = 2  # type: ignore[attr-defined]
+    graph, sinks = build([cam], [Tag("one")], queue_size=queue_size, sink_delay_s=sink_s)
+    graph.run()
+    metrics = graph.source_metrics["cam"]
+    # A frame waits for at most queue_size frames ahead of it in the sink's lane plus the one
+    # being written, then is written itself; one more frame time covers timer jitter.
+    assert metrics.latency_percentile(99) / 1000 < (queue_size + 2) * sink_s
+    assert metrics.dropped > 0 and metrics.frames_out + metrics.dropped == 300
+    assert metrics.reconnects == 2 and metrics.summary(1.0)["reconnects"] == 2
+
+
+def test_abort_does_not_wait_for_a_source_blocked_in_io() -> None:
+    class StuckSource(ListSource):
+        def frames(self, stop_reading: threading.Event) -> Iterator[Frame | EndOfStream]:
+            yield make_frame(self.name, 0)
+            time.sleep(5)  # a read that ignores every stop request until it times out
+            yield EndOfStream(self.name, 1)
+
+    graph, _ = build([StuckSource("cam", 1, live=True)], [Tag("one")])
+    threading.Timer(0.2, graph.abort).start()
+    started = time.monotonic()
+    graph.run()
+    assert time.monotonic() - started < 2.5
+
+
+def test_long_runs_report_source_stats_periodically(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pipeline.graph.REPORT_INTERVAL_S", 0.1)
+    graph, _ = build([ListSource("cam", 40, delay_s=0.01, live=True)], [Tag("one")])
+    with capture_logs() as logs:
+        graph.run()
+    stats = [e for e in logs if e["event"] == "source stats"]
+    assert len(stats) >= 2 and stats[-1]["source"] == "cam" and stats[-1]["frames"] > 0
+    assert {"dropped", "reconnects", "latency_p99_ms", "fps"} <= set(stats[-1])

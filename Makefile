@@ -1,0 +1,28 @@
+# Two commands do everything on a fresh machine (Python 3.10+ with venv):
+#   make demo   set up, fetch the sample model and video, run the pipeline on them
+#   make test   set up, fetch the samples, run the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CONFIG ?= configs/file.yaml
+
+.PHONY: demo test setup samples lint
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+setup: $(BIN)/python
+	$(BIN)/python -m pip install -q -e ".[dev,tensorrt]"
+
+samples: setup
+	$(BIN)/python -m samples.fetch
+
+demo: samples
+	$(BIN)/python run.py --config $(CONFIG)
+
+test: samples
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .

@@ -1,0 +1,124 @@
+"""End-to-end fixtures: real RTSP servers on loopback and the pipeline run as users run it."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.support import RtspServer, rtsp_server_missing
+
+
+@pytest.fixture()
+def rtsp_server() -> Iterator[Callable[[dict[str, str]], RtspServer]]:
+    """Start GStreamer RTSP servers: ``rtsp_server({"cam": "live"})`` returns a started one
+    (``.kill()`` and ``.start()`` it again on the same port); all are killed at teardown.
+    Skips when the GStreamer packages are missing (.ci/install-system-packages.sh)."""
+    if (reason := rtsp_server_missing()) is not None:
+        pytest.skip(reason)
+    servers: list[RtspServer] = []
+
+    def start(mounts: dict[str, str]) -> RtspServer:
+        server = RtspServer(mounts)
+        servers.append(server)
+        server.start()
+        return server
+
+    yield start
+    for server in servers:
+        server.kill()
+
+
+def pipeline_config(samples, out: Path, sources: list[dict[str, Any]], **sections: Any) -> dict:
+    """A CPU configuration for ``sources`` writing into ``out`` (sections override keys)."""
+    config: dict[str, Any] = {
+        "sources": sources,
+        "model": {"path": str(samples.model), "class_names": str(samples.names)},
+        "inference": {"backend": "onnxruntime", "device": "cpu", "batch_size": 2},
+        "output": {"dir": str(out), "video": None, "jsonl": "{source}.jsonl"},
+        "runtime": {"log_format": "json", "progress": False, "queue_size": 4},
+    }
+    for section, values in sections.items():
+        config[section] = {**config.get(section, {}), **values} if isinstance(values, dict) \
+            else values
+    return config
+
+
+class Run:
+    """``python run.py --config ...`` as a subprocess, its stderr (JSON log) in a file."""
+
+    def __init__(self, repo_root: Path, config: dict, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.config_path = out / "config.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.log_path = out / "stderr.log"
+        self._log = self.log_path.open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "run.py", "--config", str(self.config_path), "--no-progress"],
+            cwd=repo_root, stdout=subprocess.DEVNULL, stderr=self._log, text=True)
+
+    def signal(self, signum: int = signal.SIGINT) -> None:
+        self.process.send_signal(signum)
+
+    def wait(self, timeout_s: float = 60.0) -> int:
+        try:
+            return self.process.wait(timeout_s)
+        finally:
+            self._log.close()
+
+    def stderr(self) -> str:
+        return self.log_path.read_text()
+
+    def events(self, name: str) -> list[dict]:
+        """The JSON log events called ``name``."""
+        return [e for e in map(json.loads, filter(None, self.stderr().splitlines()))
+                if e.get("event") == name]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture()
+def run_pipeline(repo_root: Path) -> Iterator[Callable[[dict, Path], Run]]:
+    """Start the pipeline on a config; any run still going at teardown is killed."""
+    runs: list[Run] = []
+
+    def start(config: dict, out: Path) -> Run:
+        runs.append(Run(repo_root, config, out))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        run.kill()
+
+
+def records(path: Path) -> list[dict]:
+    """The JSON Lines of ``path`` (complete lines only: the file may still be written)."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str,
+             run: Run | None = None) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` (and the run's log tail)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if run is not None and run.process.poll() is not None:
+            pytest.fail(f"the pipeline exited ({run.process.returncode}) before {what}:\n"
+                        f"{run.stderr()[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}"
+                        + (f":\n{run.stderr()[-3000:]}" if run else ""))
+        time.sleep(0.05)

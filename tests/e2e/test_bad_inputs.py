@@ -1,0 +1,188 @@
+"""Bad configurations, missing and corrupt media, bad URLs and unreachable cameras, through
+the command line: each gives its one-line message and exit status, never a traceback, and
+no output that looks complete unless it is."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import yaml
+
+from pipeline.cli import main
+from tests.e2e.conftest import pipeline_config
+from tests.support import (
+    damage_packets,
+    free_port,
+    read_frames,
+    truncate,
+    write_clip,
+    write_multitrack,
+    write_size_change,
+)
+
+OK, FAILED, USAGE = 0, 1, 2
+
+
+@pytest.fixture(scope="module")
+def media(samples, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Small clips, each with one defect (paths as strings, for configs)."""
+    out = tmp_path_factory.mktemp("media")
+    car, bikes = read_frames(samples.carphone, 30), read_frames(samples.bikes, 40)
+    clean = write_clip(out / "clean.mp4", bikes, (320, 136))  # its index first: cuts keep it
+    (out / "text.mp4").write_text("not a video\n")
+    (out / "empty.mp4").write_bytes(b"")
+    made = {
+        "clean": clean,
+        "text": out / "text.mp4",
+        "empty": out / "empty.mp4",
+        "cut_index": truncate(samples.bikes, out / "cut_index.mp4", keep=0.5),
+        "truncated": truncate(clean, out / "truncated.mp4", keep=0.5),
+        "damaged": damage_packets(clean, out / "damaged.mp4", {10, 25}),
+        "multitrack": write_multitrack(out / "multi.mp4", car, bikes[:20],
+                                       ((176, 144), (320, 136))),
+        "size_change": write_size_change(out / "size.ts", car[:20], bikes[20:40],
+                                         ((176, 144), (320, 136))),
+    }
+    return {name: str(path) for name, path in made.items()}
+
+
+@dataclass
+class Case:
+    """One bad input: how to break a good config, and what the user must get."""
+
+    id: str
+    edit: Callable[[dict, dict[str, str]], Any]  # edits the config in place (or returns text)
+    status: int
+    message: str  # on one "error: ..." line, or a warning event when status is OK
+    complete: dict[str, int] = field(default_factory=dict)  # source -> records when finished
+    check: Callable[[Path], None] | None = None
+
+
+def source(**keys: Any) -> Callable[[dict, dict[str, str]], None]:
+    """An edit setting keys of the first source (a value naming a clip becomes its path)."""
+    def edit(config: dict, media: dict[str, str]) -> None:
+        config["sources"][0].update({k: media.get(v, v) if isinstance(v, str) else v
+                                     for k, v in keys.items()})
+    return edit
+
+
+def section(name: str, **keys: Any) -> Callable[[dict, dict[str, str]], None]:
+    return lambda config, _: config.setdefault(name, {}).update(keys)
+
+
+REFUSED = free_port()
+
+
+def boxes_are_in_each_frames_own_pixels(out: Path) -> None:
+    """Size change: the MP4 keeps the first size; boxes use each frame's own size."""
+    lines = [json.loads(line) for line in (out / "cam.jsonl").read_text().splitlines()]
+    assert [r["frame"] for r in lines] == list(range(40))
+    frames = read_frames(out / "cam.mp4")
+    assert len(frames) == 40 and {(f.width, f.height) for f in frames} == {(176, 144)}
+    wide = [d["xyxy"] for r in lines[20:] for d in r["detections"]]
+    assert any(box[2] > 180 for box in wide)  # beyond 176: in the 320-wide frame's pixels
+    assert all(box[2] <= 321 and box[3] <= 137 for box in wide)
+
+
+CASES = [
+    # -- configuration: exit 2 before anything runs --------------------------------------
+    Case("unknown top-level key", lambda c, m: c.update(inputs=[]), USAGE,
+         "inputs: unknown key; allowed keys here: sources, model"),
+    Case("source key typo", lambda c, m: c["sources"][0].update(url="x"), USAGE,
+         "sources[0].url: unknown key; allowed keys here: name, uri, live"),
+    Case("wrong type", section("inference", batch_size="four"), USAGE,
+         "inference.batch_size: expected an integer, got 'four'"),
+    Case("value out of range", source(read_timeout_s=0), USAGE,
+         "sources[0].read_timeout_s: expected a value >= 0.1, got 0.0"),
+    Case("missing file", source(uri="missing.mp4"), USAGE,
+         "sources[0].uri (source 'cam'): file not found: 'missing.mp4'"),
+    Case("unsupported URL scheme", source(uri="ftp://cam.local/live"), USAGE,
+         "sources[0].uri (source 'cam'): unsupported URL scheme 'ftp' in 'ftp://cam.local/live'"),
+    Case("URL without a host", source(uri="rtsp:///live"), USAGE,
+         "sources[0].uri (source 'cam'): expected scheme://host[:port]/path, got 'rtsp:///live'"),
+    Case("URL with a bad port", source(uri="rtsp://admin:hunter2@cam.local:99999/live"), USAGE,
+         "sources[0].uri (source 'cam'): bad port in 'rtsp://***@cam.local:99999/live'"),
+    Case("bad transport", source(uri="rtsp://cam.local/live", rtsp_transport="http"), USAGE,
+         "sources[0].rtsp_transport: expected one of 'tcp', 'udp', got 'http'"),
+    Case("reconnect on a file", source(reconnect=True), USAGE,
+         "sources[0].reconnect: files never reconnect; only stream URLs can"),
+    Case("backoff cap below its start",
+         source(uri="rtsp://cam.local/live", reconnect_initial_s=5, reconnect_max_s=1), USAGE,
+         "sources[0].reconnect_max_s: expected a value >= reconnect_initial_s (5.0), got 1.0"),
+    Case("duplicate source names", lambda c, m: c["sources"].append(dict(c["sources"][0])),
+         USAGE, "sources[1].name: duplicate source name 'cam'"),
+    Case("model file missing", section("model", path="nope.onnx"), USAGE,
+         "model.path: file not found: 'nope.onnx'"),
+    Case("not YAML", lambda c, m: "sources: [", USAGE, "is not valid YAML at line"),
+    Case("no sources", lambda c, m: c.update(sources=[]), USAGE,
+         "sources: expected at least one source, got an empty list"),
+    # -- sources that cannot be read: exit 1, one line naming the source -----------------
+    Case("not a video", source(uri="text"), FAILED,
+         "error: source cam: cannot open {text}: Invalid data found when processing input"),
+    Case("empty file", source(uri="empty"), FAILED,
+         "error: source cam: cannot open {empty}: Invalid data found when processing input"),
+    Case("MP4 cut before its index", source(uri="cut_index"), FAILED,
+         "error: source cam: cannot open {cut_index}: Invalid data found when processing input"),
+    Case("unreachable camera",
+         source(uri=f"rtsp://admin:hunter2@127.0.0.1:{REFUSED}/live", reconnect=False), FAILED,
+         f"error: source cam: cannot open rtsp://***@127.0.0.1:{REFUSED}/live: Connection refused"),
+    Case("one bad source among good ones",
+         lambda c, m: c["sources"].insert(0, {"name": "good", "uri": m["clean"]}) or
+         c["sources"][1].update(uri=m["text"]), FAILED,
+         "error: source cam: cannot open {text}: Invalid data found", complete={"good": 40}),
+    # -- damaged or unusual media: every decodable frame, a warning, exit 0 -------------
+    Case("truncated file", source(uri="truncated"), OK,
+         "file ended early (truncated or corrupt): kept every decodable frame", {"cam": 30}),
+    Case("undecodable packets", source(uri="damaged"), OK, "skipped undecodable packets",
+         {"cam": 38}),
+    Case("audio and two video tracks", source(uri="multitrack"), OK, "", {"cam": 30}),
+    Case("resolution change mid-stream",
+         lambda c, m: source(uri="size_change")(c, m) or c["output"].update(video="{source}.mp4"),
+         OK, "", {"cam": 40}, check=boxes_are_in_each_frames_own_pixels),
+]
+
+
+@pytest.fixture()
+def fresh_logging() -> Iterator[None]:
+    """main() points structlog at the captured stderr; put the defaults back afterwards."""
+    yield
+    structlog.reset_defaults()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_bad_input_gives_a_clear_message_and_status(samples, media: dict[str, str],
+                                                    tmp_path: Path, monkeypatch, capfd,
+                                                    fresh_logging, case: Case) -> None:
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    config = pipeline_config(samples, out, [{"name": "cam", "uri": media["clean"]}],
+                             inference={"batch_size": 4})
+    text = case.edit(config, media)
+    path = tmp_path / "config.yaml"
+    path.write_text(text if isinstance(text, str) else yaml.safe_dump(config))
+
+    status = main(["--config", str(path), "--no-progress"])
+    err = capfd.readouterr().err
+    assert status == case.status, err[-3000:]
+    assert "Traceback" not in err and "hunter2" not in err
+    message = case.message.format(**media)
+    if status == OK:
+        warnings = [e for e in map(json.loads, err.splitlines()) if e["level"] == "warning"]
+        assert (not message and not warnings) or any(e["event"] == message for e in warnings)
+    else:
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and message in errors[0], err[-3000:]
+    # A file under its final name is complete: finished sources only, with every record.
+    finished = {p.name for p in out.glob("*")} if out.exists() else set()
+    assert finished == {f"{name}.jsonl" for name in case.complete} | (
+        {"cam.mp4"} if case.check else set())
+    for name, count in case.complete.items():
+        assert len((out / f"{name}.jsonl").read_text().splitlines()) == count
+    if case.check is not None:
+        case.check(out)

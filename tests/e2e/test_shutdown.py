@@ -1,0 +1,55 @@
+"""Ctrl-C and SIGTERM during a file run: the first drains and finalises every output, the
+second stops at once."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import pipeline_config, records, wait_for
+from tests.support import read_frames
+
+
+def start_bikes(samples, tmp_path: Path, run_pipeline, queue_size: int = 4):
+    config = pipeline_config(samples, tmp_path, [{"name": "bikes", "uri": str(samples.bikes)}],
+                             output={"video": "{source}.mp4"}, runtime={"queue_size": queue_size})
+    run = run_pipeline(config, tmp_path)
+    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, 90,
+             "the first frames", run)
+    return run
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_first_signal_drains_and_finalises_every_output(samples, tmp_path: Path, run_pipeline,
+                                                        signum: int) -> None:
+    run = start_bikes(samples, tmp_path, run_pipeline)
+    run.signal(signum)
+    assert run.wait() == 0, run.stderr()[-3000:]
+
+    assert {p.name for p in tmp_path.glob("bikes*")} == {"bikes.mp4", "bikes.jsonl"}
+    lines = records(tmp_path / "bikes.jsonl")
+    frames = read_frames(tmp_path / "bikes.mp4")
+    assert 10 <= len(lines) < 250
+    assert [r["frame"] for r in lines] == list(range(len(lines)))
+    assert len(frames) == len(lines)
+    assert {(f.width, f.height) for f in frames} == {(640, 272)}
+    stopping = run.events("stopping: finishing queued frames (signal again to abort)")
+    assert [e["signal"] for e in stopping] == [signal.Signals(signum).name]
+    assert "Traceback" not in run.stderr()
+
+
+def test_second_signal_aborts_at_once_and_leaves_outputs_partial(samples, tmp_path: Path,
+                                                                 run_pipeline) -> None:
+    run = start_bikes(samples, tmp_path, run_pipeline, queue_size=8)
+    run.signal()
+    time.sleep(0.05)
+    run.signal()
+    aborted_at = time.monotonic()
+    assert run.wait() == 130, run.stderr()[-3000:]
+    assert time.monotonic() - aborted_at < 5
+    assert not (tmp_path / "bikes.mp4").exists() and not (tmp_path / "bikes.jsonl").exists()
+    assert len(records(tmp_path / "bikes.partial.jsonl")) >= 10
+    assert run.events("aborting") and "Traceback" not in run.stderr()

@@ -1,0 +1,222 @@
+"""DecodeStage on real media and real sockets: damaged files, several tracks, a size change,
+refused and silent servers, and a stalled RTSP camera (GStreamer's server on loopback)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from pipeline.config import SourceConfig
+from pipeline.records import EndOfStream, Frame
+from stages.decode import DecodeStage, backoff_delay, open_options, redact_url
+from tests.support import (
+    RtspServer,
+    damage_packets,
+    free_port,
+    read_frames,
+    rtsp_server_missing,
+    truncate,
+    write_clip,
+    write_multitrack,
+    write_size_change,
+)
+
+SMALL, WIDE = (176, 144), (320, 136)
+
+
+@pytest.fixture(scope="module")
+def clips(samples, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Small clips made from the samples, each with a known defect."""
+    out = tmp_path_factory.mktemp("clips")
+    car = read_frames(samples.carphone, 30)
+    bikes = read_frames(samples.bikes, 40)
+    clean = write_clip(out / "clean.mp4", bikes, WIDE)  # index first: a cut keeps the start
+    (out / "text.mp4").write_text("not a video\n")
+    (out / "empty.mp4").write_bytes(b"")
+    return {
+        "clean": clean,
+        "truncated": truncate(clean, out / "truncated.mp4", keep=0.5),
+        "damaged": damage_packets(clean, out / "damaged.mp4", {10, 25}),
+        "multitrack": write_multitrack(out / "multi.mp4", car, bikes[:20], (SMALL, WIDE)),
+        "size_change": write_size_change(out / "size.ts", car[:20], bikes[:20], (SMALL, WIDE)),
+        "text": out / "text.mp4",
+        "empty": out / "empty.mp4",
+        "cut_index": truncate(samples.bikes, out / "cut_index.mp4", keep=0.5),  # index at end
+    }
+
+
+def read_all(source: SourceConfig, stop_after_s: float | None = None
+             ) -> tuple[list[Frame], EndOfStream, list[dict]]:
+    """Every frame and the end marker of ``source``, and the log events on the way."""
+    stop = threading.Event()
+    if stop_after_s is not None:
+        threading.Timer(stop_after_s, stop.set).start()
+    with capture_logs() as logs:
+        *frames, end = DecodeStage(source).frames(stop)
+    stop.set()
+    return frames, end, logs
+
+
+def events(logs: list[dict], level: str) -> list[str]:
+    return [entry["event"] for entry in logs if entry["log_level"] == level]
+
+
+def test_file_yields_every_frame_in_order_as_i420(clips: dict[str, Path]) -> None:
+    frames, end, logs = read_all(SourceConfig(name="clip", uri=str(clips["clean"])))
+    assert [f.index for f in frames] == list(range(40)) and end == EndOfStream("clip", 40)
+    assert all((f.width, f.height) == WIDE and f.image.shape == (204, 320) for f in frames)
+    assert [f.pts for f in frames] == sorted(f.pts for f in frames)
+    assert not events(logs, "warning")
+
+
+@pytest.mark.parametrize(("clip", "frames", "sizes", "warning"), [
+    ("truncated", range(1, 40), {WIDE}, "file ended early (truncated or corrupt)"),
+    ("damaged", range(30, 40), {WIDE}, "skipping undecodable packets"),
+    ("multitrack", [30], {SMALL}, None),  # audio first, then video 176x144 x30, 320x136 x20
+    ("size_change", [40], {SMALL, WIDE}, None),
+])
+def test_damaged_and_unusual_files_yield_every_decodable_frame(
+        clips: dict[str, Path], clip: str, frames: range, sizes: set, warning: str | None) -> None:
+    got, end, logs = read_all(SourceConfig(name=clip, uri=str(clips[clip])))
+    assert len(got) in frames and end.frames == len(got) and end.error is None
+    assert [f.index for f in got] == list(range(len(got)))
+    assert {(f.width, f.height) for f in got} == sizes
+    assert all(f.image.shape == (f.height * 3 // 2, f.width) for f in got)
+    warnings = " | ".join(events(logs, "warning"))
+    assert (warning in warnings) if warning else not warnings
+
+
+def test_size_change_happens_at_the_segment_boundary(clips: dict[str, Path]) -> None:
+    got, _, _ = read_all(SourceConfig(name="s", uri=str(clips["size_change"])))
+    assert [(f.width, f.height) for f in got] == [SMALL] * 20 + [WIDE] * 20
+
+
+@pytest.mark.parametrize(("clip", "reason"), [
+    ("text", "Invalid data found when processing input"),
+    ("empty", "Invalid data found when processing input"),
+    ("cut_index", "Invalid data found when processing input"),  # MP4 index (moov) cut away
+    ("missing", "No such file or directory"),
+])
+def test_unreadable_file_ends_with_a_one_line_error(clips: dict[str, Path], tmp_path: Path,
+                                                    clip: str, reason: str) -> None:
+    path = clips.get(clip, tmp_path / "gone.mp4")
+    got, end, logs = read_all(SourceConfig(name="bad", uri=str(path)))
+    assert not got and end.frames == 0
+    assert end.error == f"cannot open {path}: {reason}"
+    assert "source failed" in events(logs, "error")
+
+
+@pytest.mark.parametrize(("uri", "shown"), [
+    ("rtsp://admin:hunter2@10.0.0.5:554/stream1", "rtsp://***@10.0.0.5:554/stream1"),
+    ("rtsp://admin:p@ss/word@cam.local/live", "rtsp://***@cam.local/live"),
+    ("rtsp://cam.local/live?user=admin&password=hunter2", "rtsp://cam.local/live?user=admin&password=***"),
+    ("rtsp://10.0.0.5/live", "rtsp://10.0.0.5/live"),
+    ("video/clip@2x.mp4", "video/clip@2x.mp4"),
+])
+def test_redact_url_hides_credentials(uri: str, shown: str) -> None:
+    assert redact_url(uri) == shown
+
+
+def test_backoff_doubles_from_initial_to_the_cap_with_jitter() -> None:
+    nominal = [backoff_delay(n, 0.5, 4.0, rng=lambda: 1.0) for n in range(7)]
+    assert nominal == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0, 4.0]
+    assert [backoff_delay(n, 0.5, 4.0, rng=lambda: 0.0) for n in range(4)] == [0.25, 0.5, 1.0, 2.0]
+    assert backoff_delay(10_000, 0.5, 4.0) <= 4.0  # no overflow
+
+
+def test_open_options_pick_the_transport() -> None:
+    cam = SourceConfig(name="c", uri="rtsp://h/x", rtsp_transport="udp")
+    assert open_options(cam) == {"rtsp_transport": "udp"}
+    assert open_options(SourceConfig(name="f", uri="clip.mp4")) == {}
+
+
+def test_unreachable_camera_without_reconnect_fails_in_one_line_without_credentials() -> None:
+    uri = f"rtsp://admin:hunter2@127.0.0.1:{free_port()}/cam"
+    got, end, logs = read_all(SourceConfig(name="door", uri=uri, reconnect=False))
+    assert not got
+    assert end.error == f"cannot open rtsp://***@127.0.0.1:{uri.split(':')[-1]}: Connection refused"
+    assert "hunter2" not in repr(logs) + end.error
+
+
+def test_live_source_retries_with_growing_jittered_delays_until_stopped() -> None:
+    source = SourceConfig(name="door", uri=f"rtsp://127.0.0.1:{free_port()}/cam",
+                          reconnect_initial_s=0.05, reconnect_max_s=0.2)
+    started = time.monotonic()
+    got, end, logs = read_all(source, stop_after_s=1.5)
+    assert time.monotonic() - started < 2.5  # the stop also cuts a backoff wait short
+    assert not got and end == EndOfStream("door", 0)  # stopped on request: no error
+    retries = [e for e in logs if e["event"] == "source lost, reconnecting"]
+    assert len(retries) >= 5 and retries[-1]["reconnects"] == len(retries)
+    assert all("Connection refused" in e["reason"] for e in retries)
+    for n, entry in enumerate(retries):
+        nominal = min(0.2, 0.05 * 2 ** n)
+        assert nominal / 2 - 0.01 <= entry["retry_in_s"] <= nominal + 0.01
+
+
+def test_server_that_never_answers_hits_the_open_timeout() -> None:
+    with socket.socket() as silent:  # listens (the kernel accepts) but never says a word
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        uri = f"rtsp://127.0.0.1:{silent.getsockname()[1]}/cam"
+        started = time.monotonic()
+        got, end, _ = read_all(SourceConfig(name="mute", uri=uri, open_timeout_s=0.5,
+                                            read_timeout_s=0.5, reconnect=False))
+    assert 0.4 < time.monotonic() - started < 3
+    assert end.error == f"cannot open {uri}: no answer within 0.5 s (open_timeout_s)"
+
+
+# -- a real RTSP server ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rtsp() -> Iterator[RtspServer]:
+    """GStreamer's RTSP server: a live pattern, and one that stalls 1.5 s into each session."""
+    if (reason := rtsp_server_missing()) is not None:
+        pytest.skip(reason)
+    with RtspServer({"live": "live", "stall": "stall:1.5"}) as server:
+        yield server
+
+
+def take(source: SourceConfig, until: Callable[[list[Frame], list[dict]], bool],
+         limit_s: float = 20.0) -> tuple[list[Frame], EndOfStream, list[dict], DecodeStage]:
+    """Read ``source`` until ``until(frames, logs)`` holds (or ``limit_s``), then stop it."""
+    stage, stop, frames = DecodeStage(source), threading.Event(), []
+    deadline = time.monotonic() + limit_s
+    with capture_logs() as logs:
+        for item in stage.frames(stop):
+            if isinstance(item, EndOfStream):
+                return frames, item, logs, stage
+            frames.append(item)
+            if until(frames, logs) or time.monotonic() > deadline:
+                stop.set()
+    raise AssertionError("the stream did not end with an EndOfStream")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "udp"])
+def test_live_rtsp_stream_over_either_transport(rtsp: RtspServer, transport: str) -> None:
+    source = SourceConfig(name="cam", uri=rtsp.url("live"), rtsp_transport=transport)
+    frames, end, logs, _ = take(source, lambda frames, _: len(frames) >= 60)
+    assert len(frames) >= 60 and end.error is None
+    assert {(f.width, f.height) for f in frames} == {(320, 240)}
+    # What the server buffered before PLAY comes in a burst, then frames come at 25 fps.
+    assert 0.6 < frames[-1].capture_time - frames[40].capture_time < 1.6
+
+
+def test_stalled_camera_hits_the_read_timeout_and_reconnects(rtsp: RtspServer) -> None:
+    source = SourceConfig(name="cam", uri=rtsp.url("stall"), read_timeout_s=1.0,
+                          reconnect_initial_s=0.05, reconnect_max_s=0.1)
+    reconnected = lambda frames, logs: (  # noqa: E731
+        any(e["event"] == "source reconnected" for e in logs) and len(frames) >= 50)
+    frames, end, logs, stage = take(source, reconnected)
+    lost = [e for e in logs if e["event"] == "source lost, reconnecting"]
+    assert lost and lost[0]["reason"] == (
+        f"no data from {rtsp.url('stall')} for 1.0 s (read_timeout_s)")
+    assert stage.reconnects >= 1 and end.error is None
+    assert [f.index for f in frames] == list(range(len(frames)))  # counts on across sessions
+    gaps = [b.capture_time - a.capture_time for a, b in zip(frames, frames[1:])]
+    assert max(gaps) >= 1.0  # the stall: no frame for at least the read timeout
