@@ -14,15 +14,16 @@ from pipeline.config import PipelineConfig, is_stream_url
 from pipeline.gpu import GpuContext, gpu_unavailable_reason
 from pipeline.graph import Graph
 from pipeline.records import Frame
-from pipeline.stage import Stage
+from pipeline.stage import SourceStage, Stage
 from stages.annotate import AnnotateStage
 from stages.backends.base import InferenceBackend, read_model_info
 from stages.decode import DecodeStage
+from stages.device_upload import DeviceUploadStage
+from stages.gpu_decode import GpuDecodeStage, gpu_decode_unavailable_reason
 from stages.infer import InferStage, create_backend
 from stages.postprocess import GpuPostprocessStage, PostprocessStage
 from stages.preprocess import GpuPreprocessStage, PreprocessStage
 from stages.sinks import SinkStage
-from stages.upload import UploadStage
 
 log = structlog.get_logger("build")
 
@@ -92,7 +93,7 @@ def build_graph(config: PipelineConfig, on_frame_done: Callable[[Frame], None] |
              batch=config.inference.batch_size)
 
     stop = threading.Event()
-    sources = [DecodeStage(source) for source in config.sources]
+    sources = [create_source(config, index, gpu) for index in range(len(config.sources))]
     inference = config.inference
     size = (info.input_height, info.input_width)
     chain: list[Stage]
@@ -104,7 +105,9 @@ def build_graph(config: PipelineConfig, on_frame_done: Callable[[Frame], None] |
             PostprocessStage("postprocess", config.nms),
         ]
     else:
-        chain = gpu_chain(config, gpu, backend, probe_output, stop)
+        nv12 = any(isinstance(source, GpuDecodeStage) for source in sources)
+        chain = gpu_chain(config, gpu, backend, probe_output, stop,
+                          ("i420", "nv12") if nv12 else ("i420",))
     if config.output.video is not None:
         chain.append(AnnotateStage("annotate", class_names))
     sinks = {
@@ -122,8 +125,28 @@ def build_graph(config: PipelineConfig, on_frame_done: Callable[[Frame], None] |
     return graph
 
 
+def create_source(config: PipelineConfig, index: int, gpu: GpuContext | None) -> SourceStage:
+    """The source stage of ``config.sources[index]``: GPU decode or CPU decode (its ``decode``).
+
+    Raises:
+        DeviceUnavailable: ``decode: gpu`` was asked for and cannot run (the message says why).
+    """
+    source = config.sources[index]
+    if source.decode == "cpu":
+        return DecodeStage(source)
+    reason = ("inference does not run on the GPU" if gpu is None else
+              "output.video needs the frames on the host" if config.output.video else
+              gpu_decode_unavailable_reason())
+    if reason is None:
+        return GpuDecodeStage(source, gpu.device_id)
+    if source.decode == "gpu":
+        raise DeviceUnavailable(f"sources[{index}].decode: 'gpu' cannot be used: {reason}")
+    return DecodeStage(source)
+
+
 def gpu_chain(config: PipelineConfig, gpu: GpuContext, backend: InferenceBackend,
-              probe_output: object, stop: threading.Event) -> list[Stage]:
+              probe_output: object, stop: threading.Event,
+              pixel_formats: tuple[str, ...] = ("i420",)) -> list[Stage]:
     """Allocate the GPU buffers and create the GPU stages."""
     inference, info = config.inference, backend.info
     sizes = [s for s in (probe_frame_size(src.uri) for src in config.sources
@@ -137,10 +160,10 @@ def gpu_chain(config: PipelineConfig, gpu: GpuContext, backend: InferenceBackend
                  (inference.batch_size, 3, info.input_height, info.input_width), input_dtype,
                  output_shape, output_dtype)
     return [
-        UploadStage("upload", gpu, stop),
+        DeviceUploadStage("upload", gpu, stop),
         GpuPreprocessStage("preprocess", (info.input_height, info.input_width), input_dtype,
                            inference.batch_size, inference.batch_timeout_ms, gpu,
-                           sorted(set(sizes)), stop),
+                           sorted(set(sizes)), stop, pixel_formats),
         InferStage("infer", backend, gpu),
         GpuPostprocessStage("postprocess", config.nms, gpu, inference.batch_size,
                             output_shape[2], output_shape[1] - 4, output_dtype),

@@ -82,9 +82,22 @@ def run_pipeline(config: PipelineConfig) -> int:
     from pipeline.graph import PipelineError
     from pipeline.progress import Progress
 
+    exporter = None
+    if config.runtime.metrics_port is not None:
+        from pipeline.prometheus import PrometheusExporter
+
+        exporter = PrometheusExporter(config.runtime.metrics_port)
     with Progress(enabled=config.runtime.progress) as progress:
+        def frame_done(frame: object) -> None:
+            progress.frame_done(frame)
+            if exporter is not None:
+                exporter.observe_frame(frame)  # type: ignore[arg-type]
+
         try:
-            graph = build_graph(config, on_frame_done=progress.frame_done)
+            graph = build_graph(config, on_frame_done=frame_done)
+            if exporter is not None:
+                port = exporter.start(graph)
+                log.info("serving Prometheus metrics", url=f"http://0.0.0.0:{port}/metrics")
         except (ValueError, OSError, RuntimeError) as error:
             print(f"error: {error}", file=sys.stderr)
             return EXIT_USAGE
@@ -99,6 +112,8 @@ def run_pipeline(config: PipelineConfig) -> int:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            if exporter is not None:
+                exporter.stop()
     elapsed = time.monotonic() - started
     _log_summary(graph, elapsed)
     if interrupts["count"] >= 2:

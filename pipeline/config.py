@@ -44,6 +44,12 @@ class SourceConfig:
     rtsp_transport: Literal["tcp", "udp"] = field(
         default="tcp", metadata=_doc("RTSP transport protocol.")
     )
+    decode: Literal["auto", "cpu", "gpu"] = field(
+        default="auto",
+        metadata=_doc("Where to decode: gpu keeps frames on the GPU (NVDEC through PyAV), cpu "
+                      "decodes with FFmpeg on the CPU. auto: gpu when inference runs on the GPU, "
+                      "a GPU decoder is usable and no annotated video is written, else cpu."),
+    )
     open_timeout_s: float = field(
         default=10.0, metadata=_doc("Seconds to wait when opening the source.", min=0.1)
     )
@@ -219,6 +225,12 @@ class RuntimeConfig:
     )
     progress: bool = field(
         default=True, metadata=_doc("Show a progress bar for file sources (on a terminal).")
+    )
+    metrics_port: int | None = field(
+        default=None,
+        metadata=_doc("Serve Prometheus metrics at http://HOST:PORT/metrics (frames, time and "
+                      "fps per stage and source, drops, queue depths, reconnections, latency "
+                      "histogram), or null for none.", min=1, max=65535),
     )
     staging_slots: int = field(
         default=0,

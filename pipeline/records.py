@@ -95,6 +95,15 @@ class Frame:
             Kept in YUV end to end: preprocessing converts colour on the fly, annotation
             draws on the planes and the encoder takes them as they are. None once released.
         device_slot: index of the GPU staging slot holding this frame, or None on the CPU path.
+        pixel_format: layout of the frame's 4:2:0 samples, in ``image`` or in its staging
+            slot: "i420" (planar U then V) or "nv12" (one interleaved UV plane, as GPU
+            decoders write it); the preprocess kernel reads both.
+        device_planes: a GPU-decoded frame's pictures before the upload stage packs them into
+            a staging slot: (Y (height, width) uint8, UV (height // 2, width // 2, 2) uint8)
+            CuPy views of the decoder's output surface (row pitch ``strides[0]``, usually
+            more than ``width``), valid on the legacy default stream of the CUDA primary
+            context (FFmpeg queues its copies there); they hold a reference to the surface,
+            so the decoder cannot reuse it while they live. None otherwise.
         detections: filled in by the postprocess stage.
     """
 
@@ -108,12 +117,18 @@ class Frame:
     image: Any = None
     device_slot: int | None = None
     detections: Detections | None = None
+    pixel_format: str = "i420"
+    device_planes: tuple[Any, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.width <= 0 or self.height <= 0 or self.width % 2 or self.height % 2:
             raise ValueError(f"frame size must be positive and even, got {self.width}x{self.height}")
         if self.image is not None:
             _check_shape("image", self.image, (self.height * 3 // 2, self.width))
+        if self.device_planes is not None:
+            _check_shape("device_planes[0]", self.device_planes[0], (self.height, self.width))
+            _check_shape("device_planes[1]", self.device_planes[1],
+                         (self.height // 2, self.width // 2, 2))
 
 
 @dataclass

@@ -86,6 +86,7 @@ class DecodeStage(SourceStage):
         self.display_uri = redact_url(source.uri)
         self.is_file = not is_stream_url(source.uri)
         self.reconnects = 0
+        self.thread_type = "SLICE" if self.live else "AUTO"
         self._container: av.container.InputContainer | None = None
         if self.is_file:
             self.expected_frames = self._probe_frame_count()
@@ -110,10 +111,7 @@ class DecodeStage(SourceStage):
                                  down_s=round(time.monotonic() - lost_at, 2),
                                  reconnects=self.reconnects)
                         lost_at = None
-                    yield Frame(source=self.name, index=index,
-                                pts=float(picture.time) if picture.time is not None else None,
-                                capture_time=time.time(), width=picture.width,
-                                height=picture.height, rate=rate, image=picture.to_ndarray())
+                    yield self.make_frame(picture, index, rate)
                     index += 1
             except Exception as failure:  # noqa: BLE001 - one source's failure ends or reconnects it
                 error = describe(failure, self.source)
@@ -143,14 +141,27 @@ class DecodeStage(SourceStage):
         log.info("source ended", source=self.name, frames=index, reconnects=self.reconnects)
         yield EndOfStream(self.name, index, error=error)
 
+    def open_container(self) -> av.container.InputContainer:
+        """Open the source (a subclass adds options, e.g. a hardware decoder)."""
+        source = self.source
+        return av.open(source.uri, options=open_options(source),
+                       timeout=(source.open_timeout_s, source.read_timeout_s))
+
+    def make_frame(self, picture: av.VideoFrame, index: int, rate: Fraction | None) -> Frame:
+        """The record of one decoded picture: an I420 host image."""
+        picture = to_i420(picture)
+        return Frame(source=self.name, index=index,
+                     pts=float(picture.time) if picture.time is not None else None,
+                     capture_time=time.time(), width=picture.width, height=picture.height,
+                     rate=rate, image=picture.to_ndarray())
+
     def _pictures(self, stop_reading: threading.Event
                   ) -> Iterator[tuple[av.VideoFrame, Fraction | None]]:
-        """One session: open, yield (I420 picture, nominal rate) until the end, close."""
+        """One session: open, yield (decoded picture, nominal rate) until the end, close."""
         source = self.source
         started = time.monotonic()
         try:
-            container = av.open(source.uri, options=open_options(source),
-                                timeout=(source.open_timeout_s, source.read_timeout_s))
+            container = self.open_container()
         except Exception as error:  # noqa: BLE001 - reworded to one line below
             # The interrupt surfaces as ExitError, or as invalid data mid RTSP handshake.
             timed_out = time.monotonic() - started >= source.open_timeout_s
@@ -164,7 +175,7 @@ class DecodeStage(SourceStage):
                 raise SourceError(f"{self.display_uri} has no video stream")
             stream = container.streams.video[0]
             # Frame threading delays output by a frame per thread: files only.
-            stream.thread_type = "SLICE" if self.live else "AUTO"
+            stream.thread_type = self.thread_type
             rate = stream.average_rate or stream.guessed_rate
             rate = Fraction(rate) if rate else None
             log.info("source opened", source=self.name, uri=self.display_uri, live=self.live,
@@ -189,7 +200,7 @@ class DecodeStage(SourceStage):
                     bad_in_a_row = 0
                 for picture in pictures:
                     decoded += 1
-                    yield to_i420(picture), rate
+                    yield picture, rate
                 waiting_since = time.monotonic()
             if bad:
                 log.warning("skipped undecodable packets", source=self.name, packets=bad)

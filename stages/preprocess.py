@@ -105,22 +105,27 @@ class GpuPreprocessStage(PreprocessStage):
         gpu: the ``GpuContext`` whose staging and batch ring are allocated.
         warm_sizes: (width, height) of the frames expected, compiled for at ``open()``.
         stop: the graph's stop event (ends a wait for free buffers).
+        pixel_formats: the staging slots' layouts expected ("i420" uploads, "nv12" GPU
+            decode), whose sampling tables are uploaded at ``open()``.
     """
 
     def __init__(self, name: str, input_size: tuple[int, int], dtype: np.dtype,
                  batch_size: int, batch_timeout_ms: float, gpu: Any,
-                 warm_sizes: list[tuple[int, int]], stop: Any = None) -> None:
+                 warm_sizes: list[tuple[int, int]], stop: Any = None,
+                 pixel_formats: tuple[str, ...] = ("i420",)) -> None:
         super().__init__(name, input_size, dtype, batch_size, batch_timeout_ms)
         self.gpu = gpu
         self.warm_sizes = warm_sizes
         self.stop = stop
+        self.pixel_formats = pixel_formats
 
     def open(self) -> None:
         from kernels.preprocess_cuda import warmup_preprocess
 
         self.gpu.activate()
         for width, height in self.warm_sizes:
-            warmup_preprocess(self.letterbox(width, height), self.dtype)
+            for pixel_format in self.pixel_formats:
+                warmup_preprocess(self.letterbox(width, height), self.dtype, pixel_format)
 
     def make_batch(self, frames: list[Frame]) -> Batch:
         from kernels.preprocess_cuda import launch_preprocess
@@ -128,22 +133,22 @@ class GpuPreprocessStage(PreprocessStage):
         gpu, stream = self.gpu, self.gpu.compute_stream
         gpu.activate()
         buffers = gpu.batches.acquire(self.stop)
-        by_size: dict[tuple[int, int], list[int]] = {}
+        by_size: dict[tuple[int, int, str], list[int]] = {}
         for index, frame in enumerate(frames):
             stream.wait_event(gpu.staging.copied[frame.device_slot])
-            by_size.setdefault((frame.width, frame.height), []).append(index)
+            by_size.setdefault((frame.width, frame.height, frame.pixel_format), []).append(index)
         token = gpu.timeline.begin("compute", stream)  # after the waits: copies are not compute
         row = 0
         groups = []
-        for (width, height), indices in by_size.items():
+        for (width, height, pixel_format), indices in by_size.items():
             for index in indices:
                 buffers.pairs_host[row] = (frames[index].device_slot, index)
                 row += 1
-            groups.append((self.letterbox(width, height), row - len(indices), row))
+            groups.append((self.letterbox(width, height), pixel_format, row - len(indices), row))
         buffers.pairs[:row].set(buffers.pairs_host[:row], stream=stream)
-        for letterbox, start, end in groups:
+        for letterbox, pixel_format, start, end in groups:
             launch_preprocess(gpu.staging.device, buffers.pairs[start:end], letterbox,
-                              buffers.images, stream)
+                              buffers.images, stream, pixel_format=pixel_format)
         gpu.staging.release([frame.device_slot for frame in frames], stream)
         for frame in frames:
             frame.device_slot = None

@@ -30,9 +30,9 @@ def needs_gpu() -> None:
         pytest.skip(f"GPU path unavailable: {reason}")
 
 
-def run(samples, out: Path, **inference) -> list[dict]:
+def run(samples, out: Path, decode: str = "cpu", **inference) -> list[dict]:
     config = parse_config({
-        "sources": [{"name": "bikes", "uri": str(samples.bikes)}],
+        "sources": [{"name": "bikes", "uri": str(samples.bikes), "decode": decode}],
         "model": {"path": str(samples.model), "class_names": str(samples.names)},
         "inference": {"batch_size": 4, **inference},
         "output": {"dir": str(out), "video": None},
@@ -64,16 +64,18 @@ def unmatched(expected: list[dict], actual: list[dict], margin: float) -> list[t
     return missing
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_gpu_path_gives_the_cpu_detections(samples, tmp_path: Path, precision: str) -> None:
+@pytest.mark.parametrize(("precision", "decode"), [("fp32", "cpu"), ("fp16", "cpu"), ("fp16", "gpu")])
+def test_gpu_path_gives_the_cpu_detections(samples, tmp_path: Path, precision: str,
+                                           decode: str) -> None:
     cpu = run(samples, tmp_path / "cpu", device="cpu")
-    gpu = run(samples, tmp_path / "gpu", device="cuda", backend="torch", precision=precision)
+    gpu = run(samples, tmp_path / "gpu", decode, device="cuda", backend="torch",
+              precision=precision)
     assert len(gpu) == len(cpu) == 250
     assert [r["frame"] for r in gpu] == list(range(250))
     total = sum(len(r["detections"]) for r in cpu)
     lost = unmatched(cpu, gpu, margin=0.02)
     extra = unmatched(gpu, cpu, margin=0.02)
-    print(f"{precision}: {total} CPU detections, {len(lost)} unmatched on the GPU, "
+    print(f"{precision}, {decode} decode: {total} CPU detections, {len(lost)} unmatched on the GPU, "
           f"{len(extra)} GPU detections unmatched on the CPU")
     assert total > 400
     assert not lost and not extra, (lost[:3], extra[:3])

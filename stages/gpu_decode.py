@@ -1,0 +1,185 @@
+"""GPU decode: NVDEC through PyAV's hardware acceleration; the frames stay on the device.
+
+``GpuDecodeStage`` reads a source like ``DecodeStage`` (same reconnection, timeouts and error
+contract) but decodes with ``HWAccel(device_type="cuda", is_hw_owned=True)``: FFmpeg's CUDA
+decoder writes each picture as NV12 into a surface of its frame pool, in device memory, and
+PyAV hands that surface over without downloading it. Each ``Frame`` then carries
+``device_planes`` (Y and interleaved UV CuPy views, imported through DLPack: no copy) and
+``pixel_format="nv12"`` instead of a host image; the upload stage
+(``stages.device_upload``) packs them into a staging slot with one device-to-device copy.
+
+**Which CUDA context.** FFmpeg's CUDA device context creates its own context unless told
+otherwise. Its ``primary_ctx`` option (PyAV sets it by default with ``is_hw_owned``) retains
+the device's primary context -- the one CuPy, Numba and torch use -- but FFmpeg refuses an
+already active primary context whose flags differ from ``CU_CTX_SCHED_BLOCKING_SYNC``
+("Primary context already active with incompatible flags"), which is the case once CuPy or
+torch ran anything with default flags, as the pipeline does before its sources start. So we
+pass ``current_ctx=1`` (``AV_CUDA_USE_CURRENT_CONTEXT``, FFmpeg >= 6.1) instead, after making
+the runtime's primary context current on the decoding thread: FFmpeg then allocates its
+surfaces and runs NVDEC in the very context every other stage uses, whatever its flags.
+The first frame of each session checks it (``cuPointerGetAttribute``): a surface in another
+context would not be readable by our kernels, and a copy out of it is only documented
+between contexts with ``cuMemcpyPeer``, so that is an error with the reason, not a guess.
+
+**Ordering.** FFmpeg queues its decoder output copies on the context's legacy default
+stream (its ``AVCUDADeviceContext.stream`` is NULL); the pipeline's streams are
+non-blocking, so the consumer must order itself after that stream (an event; see
+``stages.device_upload.stage_device_frame``).
+
+**Lifetime.** The DLPack export holds its own reference to the FFmpeg frame, so a surface
+returns to the decoder's pool only when the CuPy views are dropped; FFmpeg's CUDA frame pool
+grows on demand, so holding frames in queues never stalls the decoder.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import time
+from fractions import Fraction
+from typing import Any
+
+import av
+import structlog
+
+from pipeline.config import SourceConfig
+from pipeline.records import Frame
+from stages.decode import DecodeStage, SourceError, open_options
+
+log = structlog.get_logger("gpu_decode")
+
+HWACCEL_OPTIONS = {"primary_ctx": "0", "current_ctx": "1"}  # see the module docstring
+CU_POINTER_ATTRIBUTE_CONTEXT = 1
+
+
+@functools.cache
+def gpu_decode_unavailable_reason() -> str | None:
+    """Why GPU decode cannot run here, or None when CuPy, a CUDA device and PyAV's CUDA
+    hardware acceleration are all present (cached: asked once per process)."""
+    from pipeline.gpu import gpu_unavailable_reason
+
+    reason = gpu_unavailable_reason()
+    if reason is not None:
+        return reason
+    try:
+        from av.codec.hwaccel import HWAccel, hwdevices_available
+    except ImportError:
+        return f"PyAV {av.__version__} has no hardware acceleration (av.codec.hwaccel)"
+    if "cuda" not in hwdevices_available():
+        return f"this PyAV build ({av.__version__}) has no CUDA hardware decoding"
+    try:
+        cuda_hwaccel(HWAccel, 0)
+    except TypeError:
+        return f"PyAV {av.__version__} cannot keep decoded frames on the GPU (is_hw_owned)"
+    return None
+
+
+def cuda_hwaccel(hwaccel_type: Any, device_id: int) -> Any:
+    """A PyAV ``HWAccel`` for NVDEC that keeps frames on the device, in the current context.
+
+    Args:
+        hwaccel_type: ``av.codec.hwaccel.HWAccel``.
+        device_id: CUDA device ordinal.
+    """
+    options = dict(HWACCEL_OPTIONS)
+    try:
+        return hwaccel_type("cuda", device=device_id, allow_software_fallback=False,
+                            options=options, is_hw_owned=True)
+    except TypeError:  # later PyAV spells it output_format="hw"
+        return hwaccel_type("cuda", device=device_id, allow_software_fallback=False,
+                            options=options, output_format="hw")
+
+
+def activate_primary_context(device_id: int) -> int:
+    """Make the CUDA runtime's primary context of ``device_id`` current on this thread.
+
+    Returns:
+        Its ``CUcontext`` handle.
+    """
+    import cupy
+
+    cupy.cuda.Device(device_id).use()
+    cupy.cuda.runtime.memGetInfo()  # any runtime call creates the context and binds it
+    return int(cupy.cuda.driver.ctxGetCurrent())
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def pointer_context(ptr: int) -> int:
+    """The ``CUcontext`` that owns device pointer ``ptr`` (driver ``cuPointerGetAttribute``)."""
+    context = ctypes.c_void_p()
+    status = _driver().cuPointerGetAttribute(ctypes.byref(context), CU_POINTER_ATTRIBUTE_CONTEXT,
+                                          ctypes.c_uint64(ptr))
+    if status != 0:
+        raise RuntimeError(f"cuPointerGetAttribute failed with CUresult {status}")
+    return int(context.value or 0)
+
+
+def device_planes(picture: av.VideoFrame) -> tuple[Any, Any]:
+    """The NV12 planes of a CUDA frame as CuPy views through DLPack (zero copy).
+
+    Returns:
+        Y (height, width) uint8 and UV (height // 2, width // 2, 2) uint8 device arrays, row
+        pitch ``strides[0]``; valid on the legacy default stream (module docstring). The
+        capsules are taken with no stream: PyAV's export refuses the stream handshake that
+        ``cupy.from_dlpack(plane)`` would start, and the caller orders its reads itself.
+    """
+    import cupy
+
+    y = cupy.from_dlpack(picture.planes[0].__dlpack__())
+    uv = cupy.from_dlpack(picture.planes[1].__dlpack__())
+    return y, uv
+
+
+class GpuDecodeStage(DecodeStage):
+    """Decodes one source on the GPU (NVDEC) and yields frames whose pictures stay there.
+
+    Same contract as ``DecodeStage``: frames, then one ``EndOfStream``; a source that cannot
+    be opened (also: no usable GPU decoder) ends with ``EndOfStream(error=...)``.
+
+    Args:
+        source: the source's configuration.
+        device_id: the CUDA device the pipeline runs on.
+    """
+
+    def __init__(self, source: SourceConfig, device_id: int = 0) -> None:
+        super().__init__(source)
+        self.device_id = device_id
+        self.thread_type = "SLICE"  # NVDEC decodes; FFmpeg's frame threads would only add delay
+        self._context: int | None = None
+        self._checked = False
+
+    def open_container(self) -> av.container.InputContainer:
+        reason = gpu_decode_unavailable_reason()
+        if reason is not None:
+            raise SourceError(f"GPU decode unavailable: {reason}")
+        from av.codec.hwaccel import HWAccel
+
+        self._context = activate_primary_context(self.device_id)
+        self._checked = False
+        source = self.source
+        return av.open(source.uri, options=open_options(source),
+                       hwaccel=cuda_hwaccel(HWAccel, self.device_id),
+                       timeout=(source.open_timeout_s, source.read_timeout_s))
+
+    def make_frame(self, picture: av.VideoFrame, index: int, rate: Fraction | None) -> Frame:
+        if picture.format.name != "cuda":
+            raise SourceError(f"{self.display_uri}: the decoder returned {picture.format.name} "
+                              "frames, not CUDA frames (no GPU decoder for this stream?)")
+        y, uv = device_planes(picture)
+        if not self._checked:
+            owner = pointer_context(y.data.ptr)
+            if owner != self._context:
+                raise SourceError("FFmpeg decoded into another CUDA context than the pipeline's "
+                                  "(its CUDA device context ignored current_ctx: FFmpeg < 6.1?)")
+            self._checked = True
+        width, height = picture.width & ~1, picture.height & ~1
+        return Frame(source=self.name, index=index,
+                     pts=float(picture.time) if picture.time is not None else None,
+                     capture_time=time.time(), width=width, height=height, rate=rate,
+                     pixel_format="nv12",
+                     device_planes=(y[:height, :width], uv[:height // 2, :width // 2]))
+
