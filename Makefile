@@ -1,4 +1,4 @@
-# Two commands do everything on a fresh machine (Python 3.10+ with venv):
+# Two commands do everything on a fresh machine (Python 3.11+ with venv):
 #   make demo   set up, fetch the sample model and video, run the pipeline on them
 #   make test   set up, fetch the samples, run the test suite
 PYTHON ?= python3

@@ -5,14 +5,15 @@
 #   bash benchmarks/gpu_check.sh                 # all steps
 #   bash benchmarks/gpu_check.sh nms preprocess  # some steps
 #
-# Steps: tests (pytest -m gpu), nms, preprocess, overlap. Needs CuPy, Numba, torch,
-# torchvision, onnx2torch, PyAV and the assets (python -m samples.fetch) on that machine.
+# Steps: tests (pytest -m gpu), nms, preprocess, overlap, throughput. Needs CuPy, Numba,
+# torch, torchvision, onnx2torch, PyAV and the assets (python -m samples.fetch, and
+# python -m samples.yolov8 for throughput) on that machine.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests nms preprocess overlap)
+[ ${#steps[@]} -eq 0 ] && steps=(tests nms preprocess overlap throughput)
 rows=()
 
 run_step() {
@@ -36,6 +37,8 @@ for step in "${steps[@]}"; do
         nms) run_step nms python3 -m benchmarks.nms_benchmark ;;
         preprocess) run_step preprocess python3 -m benchmarks.preprocess_benchmark ;;
         overlap) run_step overlap python3 -m benchmarks.overlap_benchmark ;;
+        throughput) run_step throughput python3 -m benchmarks.throughput \
+            --cameras "${CAMERAS:-1,8,32}" --seconds 4 --out "$OUT/throughput.md" ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done

@@ -119,11 +119,8 @@ def download(package: Package, cache: Path) -> Path:
 
 def sha256(path: Path) -> str:
     """Hex sha256 of a file."""
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _archive(package: Package, cache: Path, log: Callable[[str], object]) -> Path:

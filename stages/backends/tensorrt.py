@@ -114,11 +114,8 @@ def gpu_target(device_id: int = 0) -> str:
 
 def file_sha256(path: Path) -> str:
     """Hex sha256 of a file's bytes."""
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @dataclass(frozen=True)
