@@ -212,6 +212,11 @@ def measure_pipeline(setup: Setup, row: Row, out: Path) -> None:
     latencies = sorted(s for m in graph.source_metrics.values() for s in m.latency_s)
     row.p50_ms, row.p99_ms = (1000 * float(np.percentile(latencies, q)) for q in (50, 99))
     row.gpu_util = sampler.mean(start, end)
+    # Host time inside each stage's hooks per frame (GIL waits included): the bottleneck hint.
+    busiest = sorted(((m.busy_s / m.frames, name) for name, m in graph.stage_metrics.items()
+                      if m.frames), reverse=True)[:3]
+    row.notes.append("busiest threads (ms/frame): "
+                     + ", ".join(f"{name} {1000 * busy:.2f}" for busy, name in busiest))
 
 
 def make_source(setup: Setup, decode: str, index: int) -> SourceStage:

@@ -58,7 +58,7 @@ def test_small_mode_runs_on_the_cpu_and_writes_one_table(samples, repo_root, tmp
     assert [row[:3] for row in rows] == [["cpu", "1", "4"], ["cpu", "2", "4"],
                                          ["naive sequential", "1", "1"]]
     for row in rows:
-        assert row[-1] == "", row[-1]  # no measurement failed
+        assert "failed" not in row[-1], row[-1]  # no measurement failed
         assert float(row[3].replace(",", "")) > 0  # pipeline fps
         assert float(row[5].replace(",", "")) >= float(row[4].replace(",", ""))  # p99 >= p50
     for row in rows[:2]:
