@@ -102,7 +102,8 @@ class FrameStaging:
         size = image.size
         if size > self.slot_bytes:
             raise ValueError(f"frame of {size} bytes exceeds the staging slot of "
-                             f"{self.slot_bytes} bytes (runtime.max_frame_size)")
+                             f"{self.slot_bytes} bytes"
+                             " (slots fit the largest file source, at least 1920x1080)")
         self.copied[slot].synchronize()  # the previous copy out of this pinned slot is done
         self.host[slot, :size] = image.reshape(-1)
         copy_stream.wait_event(self.consumed[slot])  # the device slot is no longer read

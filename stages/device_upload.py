@@ -78,7 +78,8 @@ def stage_device_frame(staging: FrameStaging, slot: int, frame: Frame, copy_stre
     width, height = frame.width, frame.height
     if height * 3 // 2 * width > staging.slot_bytes:
         raise ValueError(f"frame of {height * 3 // 2 * width} bytes exceeds the staging slot of "
-                         f"{staging.slot_bytes} bytes (runtime.max_frame_size)")
+                         f"{staging.slot_bytes} bytes"
+                         " (slots fit the largest file source, at least 1920x1080)")
     decoded = decoded or cupy.cuda.Event(disable_timing=True)
     decoded.record(cupy.cuda.ExternalStream(CUDA_STREAM_LEGACY))
     copy_stream.wait_event(decoded)
