@@ -417,6 +417,9 @@ def run_benchmark(setup: Setup, cameras: list[int]) -> list[Row]:
                     continue
                 measure_row(setup, row, infer_fps, Path(tmp) / "out")
                 row.naive_fps = naive.fps
+                # Each row as it is done, so a run cut short still shows what it measured.
+                print(markdown([row], f"measured {mode} decode, {count} cameras:"),
+                      file=sys.stderr, flush=True)
     return [*rows, naive]
 
 
