@@ -52,6 +52,16 @@ def gpu_unavailable_reason() -> str | None:
     return None
 
 
+def take(free: queue.Queue, stop: threading.Event | None, what: str) -> Any:
+    """The next item of ``free``, waiting for one; raises InterruptedError once ``stop`` is set."""
+    while True:
+        try:
+            return free.get(timeout=ACQUIRE_POLL_S)
+        except queue.Empty:
+            if stop is not None and stop.is_set():
+                raise InterruptedError(f"stopped while waiting for {what}") from None
+
+
 class FrameStaging:
     """A ring of pinned host slots and device slots for uploading frames.
 
@@ -84,12 +94,7 @@ class FrameStaging:
 
     def acquire(self, stop: threading.Event | None = None) -> int:
         """A free slot; waits while every slot is in flight (backpressure)."""
-        while True:
-            try:
-                return self._free.get(timeout=ACQUIRE_POLL_S)
-            except queue.Empty:
-                if stop is not None and stop.is_set():
-                    raise InterruptedError("stopped while waiting for a staging slot") from None
+        return take(self._free, stop, "a staging slot")
 
     def upload(self, slot: int, image: np.ndarray, copy_stream: Any,
                timeline: GpuTimeline | None = None) -> None:
@@ -158,12 +163,8 @@ class BatchRing:
             self._free.put(buffers)
 
     def acquire(self, stop: threading.Event | None = None) -> BatchBuffers:
-        while True:
-            try:
-                return self._free.get(timeout=ACQUIRE_POLL_S)
-            except queue.Empty:
-                if stop is not None and stop.is_set():
-                    raise InterruptedError("stopped while waiting for batch buffers") from None
+        """A free set; waits while every set is in use (backpressure)."""
+        return take(self._free, stop, "batch buffers")
 
     def release(self, buffers: BatchBuffers) -> None:
         """Return a set once every host read of it is done (after the D2H of detections)."""
