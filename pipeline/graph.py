@@ -229,7 +229,7 @@ class Graph:
             metrics = self.source_metrics[source.name]
             sink_lane = self._sink_inboxes[source.name].dropped()
             metrics.dropped = first[source.name] + sum(sink_lane.values())
-            metrics.reconnects = getattr(source, "reconnects", 0)
+            metrics.reconnects = source.reconnects
 
     def queue_depths(self) -> dict[str, int]:
         """Items waiting now in front of each stage and sink, by its name."""

@@ -59,10 +59,12 @@ class SourceStage:
         live: True when the source is a live camera (its queue lane drops the oldest frame
             instead of blocking).
         expected_frames: frame count announced by a file's container, or None when unknown.
+        reconnects: reconnection attempts so far (live streams).
     """
 
     live: bool = False
     expected_frames: int | None = None
+    reconnects: int = 0
 
     def __init__(self, name: str) -> None:
         self.name = name
