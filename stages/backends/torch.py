@@ -26,11 +26,53 @@ nothing. A new batch size met mid-stream costs one capture (a device synchronise
 milliseconds); captures use ``thread_local`` mode, so other threads' CUDA calls stay legal. A
 model whose forward still cannot be captured (an op reading device values on the host) runs
 eagerly, with a warning in the log.
+
+**Compiled inference** (``compile=True``). The capture-safe module is compiled with
+``torch.compile(backend="inductor")`` in the *default* mode, and our own CUDA graphs capture the
+compiled callable per batch size exactly as above (inductor's triton kernels and its calls into
+cuDNN are capturable; the side-stream runs before each capture take the compilation, the
+autotuning and the kernel loading out of the capture). Not ``mode="reduce-overhead"``: torch's
+cudagraph trees copy every input into a placeholder of their own, an extra device copy of the
+model input per batch, where our graphs read the static input the preprocess writes, so the
+model's input and output are never copied. The batch dimension is marked dynamic
+(``torch._dynamo.mark_dynamic``), so one compilation serves batches 2..max_batch; batch 1 is
+specialised separately. Before compiling, :func:`make_compile_friendly` bakes the sizes that
+onnx2torch's ``Reshape``, ``Split``, ``Resize`` and ``Slice`` read from host tensors (with
+``tolist()``, which dynamo cannot trace: a graph break each) into the FX graph as Python numbers
+(:func:`bake_host_sizes`): the same torch calls with the same ONNX semantics (a Reshape's 0
+copies that input dimension, so a dynamic batch stays dynamic), hence the same outputs, and
+dynamo traces YOLOv3-tiny or a YOLOv8 export as a single graph (no graph break), once per
+shape variant. A size computed at run time (a ``Reshape`` of a ``Shape``) is still read on the
+host, with :class:`SizeListReshape` (onnx2torch's ``Reshape`` fails inside dynamo): a graph
+break, and the frames dynamo resumes after it are compiled for the first batch size, then once
+more as dynamic at the second. ``warmup()`` therefore compiles at max_batch, 2 and 1 (batch 2
+compiles nothing for a graph without breaks), then captures every other size without
+compiling. A compilation that fails is logged as a warning with the reason and the eager module
+is captured instead.
+
+**Compile cache.** inductor's caches (FX graphs, AOTAutograd, triton kernels) live under
+``<cache_dir>/torch-<key>/`` (``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` point there
+while the backend compiles, then are restored). The key, like the TensorRT engines', hashes the
+ONNX file's sha256, the GPU (name and compute capability), the torch version, the precision,
+max_batch and channels_last; ``key.json`` beside the caches records it, and a miss logs which
+fields changed. A start with a warm cache still traces the model with dynamo but loads every
+compiled graph instead of compiling it. ``warmup()`` logs a heartbeat every few seconds while it
+compiles and one ``model ready`` line with ``seconds`` (construction and warm-up),
+``cache="hit"`` (every compiled graph came from the cache) or ``"miss"``, and ``compiled``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import inspect
+import json
+import operator
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +81,7 @@ import onnx2torch
 import structlog
 import torch
 from onnx2torch.node_converters.constant import OnnxConstant
+from onnx2torch.node_converters.reshape import OnnxReshape
 from onnx2torch.node_converters.shape import OnnxShape
 from onnx2torch.utils.common import OnnxToTorchModule
 from torch import fx, nn
@@ -49,6 +92,8 @@ log = structlog.get_logger("torch")
 
 PRECISIONS = ("fp16", "fp32")
 WARMUP_RUNS = 3  # eager runs on a side stream before a capture (cuDNN autotuning, workspaces)
+HEARTBEAT_SECONDS = 5.0  # log interval while warm-up compiles
+NO_GPU = "no-gpu"
 # Parameter names of onnx2torch modules' forward() that take sizes, shapes, axes or scales:
 # values read on the host, never data that kernels read.
 SHAPE_PARAMETERS = frozenset({"split", "shape", "roi", "scales", "sizes", "starts", "ends", "axes",
@@ -165,6 +210,258 @@ def convert(model_path: str | Path) -> fx.GraphModule:
     return make_capture_safe(onnx2torch.convert(str(model_path))).eval()
 
 
+class SizeListReshape(nn.Module):
+    """ONNX ``Reshape`` (allowzero=0) reading its shape as a list of ints, which dynamo traces.
+
+    onnx2torch's ``OnnxReshape`` builds ``torch.Size`` from a list of 0-d tensors, which fails
+    inside dynamo; this reads the host shape with ``tolist()`` (a graph break, no GPU work). Used
+    only for a shape computed at run time (from a ``Shape``); a constant shape is baked in by
+    :func:`bake_host_sizes`.
+    """
+
+    def forward(self, input_tensor: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+        dims = shape.tolist()
+        return torch.reshape(input_tensor, [input_tensor.shape[i] if d == 0 else d
+                                            for i, d in enumerate(dims)])
+
+
+def onnx_reshape(input_tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """ONNX ``Reshape`` (allowzero=0) to a shape of Python ints: a 0 copies the input's dimension
+    at that index (the batch of a dynamic-batch export), a -1 is inferred."""
+    return torch.reshape(input_tensor, [input_tensor.shape[i] if d == 0 else d
+                                        for i, d in enumerate(shape)])
+
+
+def onnx_resize_to(input_tensor: torch.Tensor, sizes: tuple[int, ...], mode: str,
+                   align_corners: bool | None, check_batch_channels: bool) -> torch.Tensor:
+    """ONNX ``Resize`` to ``sizes`` (all dimensions, as in ONNX), as onnx2torch's ``OnnxResize``."""
+    if check_batch_channels and list(input_tensor.shape[:2]) != list(sizes[:2]):
+        raise NotImplementedError("Pytorch's interpolate cannot resize channel or batch dimensions.")
+    return nn.functional.interpolate(input_tensor, size=list(sizes[2:]), mode=mode,
+                                     align_corners=align_corners)
+
+
+def _host_list(value: Any) -> list | None:
+    """A host size value as a Python list (``tolist()``); None for a missing or empty one."""
+    if value is None:
+        return None
+    value = torch.as_tensor(value)
+    return value.tolist() if value.numel() else None
+
+
+def _plain(value: Any) -> Any:
+    """A slice bound or axis from onnx2torch's ``_get_slices`` (0-d tensor, NumPy scalar) as int."""
+    return None if value is None else int(value)
+
+
+def _baked_calls(mod: nn.Module, sizes: dict[str, Any]) -> list[tuple[Any, tuple, dict]] | None:
+    """The torch calls, with Python-number sizes, that do what ``mod`` does with these host
+    ``sizes`` (its size parameters); None where ``mod`` is not one we bake.
+
+    Each call is (function, args after the data input, kwargs); calls chain, each taking the
+    previous one's output as its first argument.
+    """
+    from onnx2torch.node_converters.resize import _MODES_MAPPING, OnnxResize, OnnxResizeV10
+    from onnx2torch.node_converters.slice import OnnxSlice, _get_slices
+    from onnx2torch.node_converters.split import OnnxSplit13
+
+    if isinstance(mod, (OnnxReshape, SizeListReshape)):
+        shape = tuple(int(d) for d in torch.as_tensor(sizes["shape"]).tolist())
+        if 0 in shape:
+            return [(onnx_reshape, (shape,), {})]
+        return [(torch.reshape, (shape,), {})]
+    if isinstance(mod, OnnxSplit13) and sizes.get("split") is not None:
+        return [(torch.split, ([int(d) for d in torch.as_tensor(sizes["split"]).tolist()],),
+                 {"dim": mod.axis})]
+    if isinstance(mod, OnnxResizeV10):
+        mod, sizes = mod._resize, {"scales": sizes["scales"]}
+    if isinstance(mod, OnnxResize):
+        roi, scales, target = (_host_list(sizes.get(k)) for k in ("roi", "scales", "sizes"))
+        if roi is not None and not mod.ignore_roi:
+            return None  # onnx2torch raises NotImplementedError: leave it to
+        if target is not None and scales is not None:
+            return None  # interpolate refuses both: leave the error to onnx2torch
+        spatial = len(target or scales or []) - 2
+        mode = _MODES_MAPPING.get((mod.onnx_mode, spatial))
+        if mode is None:
+            return None
+        if target is not None:
+            return [(onnx_resize_to, (tuple(int(d) for d in target), mode, mod.align_corners,
+                                      not mod.ignore_bs_ch_size), {})]
+        if scales is None or scales[:2] != [1, 1]:
+            return None
+        return [(nn.functional.interpolate, (), {"size": None, "scale_factor": scales[2:],
+                                                  "mode": mode,
+                                                  "align_corners": mod.align_corners})]
+    if isinstance(mod, OnnxSlice):
+        tensors = {k: None if sizes.get(k) is None else torch.as_tensor(sizes[k])
+                   for k in ("starts", "ends", "axes", "steps")}
+        flip, positive, negative = _get_slices(tensors["starts"], tensors["ends"], tensors["axes"],
+                                               tensors["steps"])
+        calls: list[tuple[Any, tuple, dict]] = []
+        if flip:
+            calls.append((torch.flip, (), {"dims": [int(d) for d in flip]}))
+        for index in (positive, negative):
+            if index:
+                calls.append((operator.getitem, (tuple(
+                    i if i is Ellipsis else slice(_plain(i.start), _plain(i.stop), _plain(i.step))
+                    for i in index),), {}))
+        return calls
+    return None
+
+
+def bake_host_sizes(module: fx.GraphModule) -> fx.GraphModule:
+    """Replace onnx2torch's Reshape, Split, Resize and Slice, where their sizes are host constants
+    (after :func:`make_capture_safe`), by torch calls with those sizes as Python numbers in the
+    FX graph; ``module`` in place.
+
+    onnx2torch's modules read their sizes from tensors (``tolist()``), which dynamo cannot trace:
+    every one is a graph break. The calls are the ones onnx2torch's modules make (same ONNX
+    semantics: a Reshape's 0 copies the input's dimension, -1 is inferred), so the outputs are
+    identical. Host values computed from constants only (arithmetic on constants) are evaluated
+    once here; sizes computed at run time (from a ``Shape``) stay as they are.
+    """
+    modules = dict(module.named_modules())
+    graph = module.graph
+    known: dict[fx.Node, Any] = {}  # host nodes whose value is a constant
+    for node in list(graph.nodes):
+        mod = modules.get(node.target) if node.op == "call_module" else None
+        if isinstance(mod, HostConstant):
+            known[node] = mod.value
+            continue
+        inputs = node.all_input_nodes
+        if node.op not in ("call_module", "call_function") or not inputs:
+            continue
+        if all(i in known for i in inputs):  # host arithmetic on constants: fold it
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: known[n])
+            try:
+                known[node] = (mod if mod is not None else node.target)(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - not foldable here; it runs as before
+                pass
+            continue
+        if mod is None:
+            continue
+        try:
+            bound = inspect.signature(mod.forward).bind(*node.args, **node.kwargs).arguments
+        except TypeError:
+            continue
+        data = list(bound.values())[0]
+        sizes = {name: arg for name, arg in bound.items() if name in SHAPE_PARAMETERS}
+        if not sizes or not isinstance(data, fx.Node) or data in sizes.values() or not all(
+                arg is None or isinstance(arg, fx.Node) and arg in known for arg in sizes.values()):
+            continue
+        calls = _baked_calls(mod, {name: None if arg is None else known[arg]
+                                   for name, arg in sizes.items()})
+        if calls is None:
+            continue
+        with graph.inserting_before(node):
+            value = data
+            for function, args, kwargs in calls:
+                value = graph.call_function(function, (value, *args), kwargs)
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
+    for node in reversed(list(known)):  # constants and folded values nothing reads any more
+        if not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    module.delete_all_unused_submodules()
+    module.recompile()
+    return module
+
+
+def make_compile_friendly(module: fx.GraphModule) -> fx.GraphModule:
+    """Make a capture-safe module traceable by dynamo without graph breaks; ``module`` in place.
+
+    Constant sizes are baked into the graph (:func:`bake_host_sizes`); a Reshape whose shape is
+    computed at run time gets :class:`SizeListReshape` (onnx2torch's fails inside dynamo).
+    """
+    bake_host_sizes(module)
+    for name, sub in list(module.named_modules()):
+        if isinstance(sub, OnnxReshape):
+            module.add_submodule(name, SizeListReshape())
+    return module
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def gpu_target(device: torch.device | None) -> str:
+    """``"<name> sm_<major><minor>"`` of a CUDA device (as the TensorRT engine keys), else NO_GPU."""
+    if device is None or device.type != "cuda":
+        return NO_GPU
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
+
+
+@dataclass(frozen=True)
+class CompileKey:
+    """Everything the compiled artefacts depend on: a cache folder is reused only for an equal key."""
+
+    model_sha256: str
+    gpu: str
+    torch_version: str
+    precision: str
+    max_batch: int
+    channels_last: bool
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+    def folder(self, cache_dir: str | Path) -> Path:
+        """``<cache_dir>/torch-<digest>``: where the compile caches for this key live."""
+        return Path(cache_dir) / f"torch-{self.digest()}"
+
+
+def compile_cache_key(model_path: str | Path, gpu: str, precision: str, max_batch: int,
+                      channels_last: bool, torch_version: str | None = None) -> CompileKey:
+    """The compile cache key of a model and settings (``torch_version``: None for this torch)."""
+    return CompileKey(file_sha256(model_path), gpu, torch_version or torch.__version__, precision,
+                      max_batch, channels_last)
+
+
+def _miss_reason(cache_dir: Path, model_name: str, key: CompileKey) -> str:
+    """Which key fields differ from the newest compile cache recorded for the same model name."""
+    records = sorted(cache_dir.glob("torch-*/key.json"), key=lambda p: p.stat().st_mtime)
+    for record in reversed(records):
+        try:
+            old = json.loads(record.read_text())
+        except (OSError, ValueError):
+            continue
+        if old.get("model") != model_name:
+            continue
+        changed = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in asdict(key).items()
+                   if old.get(k) != v]
+        return "key changed: " + ", ".join(changed)
+    return f"no compile cache for {model_name} in {cache_dir} yet"
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block, then restore them."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _cache_counters() -> tuple[int, int]:
+    """(hits, misses) of inductor's FX graph and AOTAutograd caches so far in this process."""
+    from torch._dynamo.utils import counters
+
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return (inductor["fxgraph_cache_hit"] + aot["autograd_cache_hit"],
+            inductor["fxgraph_cache_miss"])
+
+
 class TorchBackend(InferenceBackend):
     """Runs the ONNX model converted to torch, in FP16 or FP32, as CUDA graphs on the GPU.
 
@@ -178,7 +475,14 @@ class TorchBackend(InferenceBackend):
         device: "cuda" (``infer`` takes and returns CuPy arrays) or "cpu" (NumPy; no graphs,
             for tests and machines without a GPU).
         cuda_graphs: replay CUDA graphs (cuda only); False runs the module eagerly.
-        channels_last: run convolutions in NHWC memory layout (often faster with FP16).
+        channels_last: run convolutions in NHWC memory layout (often faster with FP16); None:
+            on when compiling, else off. The static input stays NCHW either way.
+        compile: compile the module with ``torch.compile`` (inductor, default mode) before
+            capturing the graphs; the compilation happens in ``warmup()`` (or at the first
+            ``infer`` of a batch size). On the CPU (tests) inductor generates C++ and needs a
+            compiler.
+        cache_dir: folder of the compile caches (``torch-<key>/`` in it, created when missing);
+            None: inductor's default cache folder.
 
     Raises:
         ValueError: an unknown precision or device; "int8" (only the tensorrt backend has it).
@@ -188,7 +492,9 @@ class TorchBackend(InferenceBackend):
 
     def __init__(self, model_path: str | Path, info: ModelInfo, max_batch: int, precision: str,
                  gpu: Any, *, device: str = "cuda", cuda_graphs: bool = True,
-                 channels_last: bool = False) -> None:
+                 channels_last: bool | None = None, compile: bool = False,
+                 cache_dir: str | Path | None = None) -> None:
+        started = time.perf_counter()
         super().__init__(info, max_batch)
         if precision == "int8":
             raise ValueError("precision 'int8' needs the tensorrt backend; the torch backend runs "
@@ -206,10 +512,31 @@ class TorchBackend(InferenceBackend):
             torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest kernels once
         else:
             self._device = torch.device("cpu")
-        module = convert(model_path).to(self._device, self._dtype)
-        self.module = module.to(memory_format=torch.channels_last) if channels_last else module
+        self.compile = compile
+        self.channels_last = self.compile if channels_last is None else channels_last
+        module = convert(model_path)
+        if self.compile:
+            make_compile_friendly(module)
+        module = module.to(self._device, self._dtype)
+        self.module = module.to(memory_format=torch.channels_last) if self.channels_last else module
         # A model with a fixed batch of 1 runs image by image (inside the same graph).
         self._forward = self.module if info.dynamic_batch else self._per_image
+        self._compiled: Any = None  # the torch.compile'd forward; None: eager
+        self.compiled = False  # the graphs run compiled code (False after a failed compilation)
+        self.cache_hit: bool | None = None  # set by warmup() when compiling
+        self.ready_seconds: float | None = None  # construction and warm-up, set by warmup()
+        self._cache_env: dict[str, str] = {}
+        self._cache_folder: Path | None = None
+        self.cache_key: CompileKey | None = None
+        if self.compile:
+            # A fixed-batch model compiles its batch-1 module, called image by image.
+            self._compiled = torch.compile(self.module, backend="inductor")
+            self.compiled = True
+            self.cache_key = compile_cache_key(model_path, gpu_target(self._device), precision,
+                                               max_batch, self.channels_last)
+            if cache_dir is not None:
+                self._cache_folder = self.cache_key.folder(cache_dir)
+                self._open_cache(Path(model_path).name)
         shape = (max_batch, 3, info.input_height, info.input_width)
         self._input = torch.empty(shape, dtype=self._dtype, device=self._device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, Any]] = {}
@@ -220,6 +547,22 @@ class TorchBackend(InferenceBackend):
             self._pool = torch.cuda.graph_pool_handle()
         else:
             self._input_array = self._input.numpy()
+        self._init_seconds = time.perf_counter() - started
+
+    def _open_cache(self, model_name: str) -> None:
+        """Point inductor's and triton's caches at this key's folder; log whether it exists."""
+        folder, key = self._cache_folder, self.cache_key
+        record = folder / "key.json"
+        if record.exists():
+            log.info("using cached torch compile artefacts", path=str(folder))
+        else:
+            log.info("no cached torch compile artefacts match; compiling takes a while",
+                     path=str(folder), reason=_miss_reason(folder.parent, model_name, key))
+        folder.mkdir(parents=True, exist_ok=True)
+        self._record = {"model": model_name, **asdict(key)}  # written once warm-up compiled
+        device = str(self._device.index or 0)
+        self._cache_env = {"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
+                           "TRITON_CACHE_DIR": str(folder / "triton" / device)}
 
     @property
     def input_dtype(self) -> type[np.floating]:
@@ -261,7 +604,8 @@ class TorchBackend(InferenceBackend):
             raise ValueError(f"torch backend: images must be (1..{self.max_batch}, {expected[0]}, "
                              f"{expected[1]}, {expected[2]}), got {tuple(images.shape)}")
         if self.device == "cpu":
-            return self._forward(torch.from_numpy(np.asarray(images)).to(self._dtype)).numpy()
+            with _environment(self._cache_env):
+                return self._run(torch.from_numpy(np.asarray(images)).to(self._dtype)).numpy()
         import cupy
 
         stream = stream or self._stream or cupy.cuda.get_current_stream()
@@ -278,37 +622,104 @@ class TorchBackend(InferenceBackend):
                 if captured is not None:  # None: the capture failed, graphs are now off
                     captured[0].replay()
                     return captured[2]
-            return cupy.from_dlpack(self._forward(x.to(self._dtype)))
+            with _environment(self._cache_env):
+                return cupy.from_dlpack(self._run(x.to(self._dtype)))
 
     def warmup(self) -> Any:
-        """Capture the graphs of batch sizes 1..max_batch (or run once eagerly), so neither the
-        first frame nor a partial batch later pays for a capture.
+        """Compile (``compile=True``) and capture the graphs of batch sizes 1..max_batch (or run
+        once eagerly), so neither the first frame nor a partial batch later pays for a
+        compilation or a capture; logs ``model ready`` (seconds, cache hit or miss, compiled).
 
         Returns:
             The output of that run, (max_batch, 4 + classes, anchors), as ``infer`` returns it.
         """
-        if self.device == "cpu":
-            return super().warmup()
-        import cupy
+        started = time.perf_counter()
+        hits, misses = _cache_counters()
+        # Compiling: max_batch (the dynamic graph), 2 (frames after graph breaks turn dynamic)
+        # and 1 (specialised) first; then every size a partial batch can have, so nothing is
+        # compiled or captured in the steady state.
+        first = [b for b in (self.max_batch, 2, 1) if b <= self.max_batch] if self.compile else []
+        with self._heartbeat():
+            if self.device == "cpu":
+                images = np.full((self.max_batch, *self._input.shape[1:]), 0.5, self.input_dtype)
+                for batch in first:
+                    self.infer(images[:batch])
+                output = self.infer(images)
+            else:
+                import cupy
 
-        stream = self._stream or cupy.cuda.get_current_stream()
-        images = self.input_buffer(self.max_batch)
-        with stream:
-            images.fill(0.5)
-        # Every size a partial batch can have, so nothing is captured in the steady state.
-        for batch in range(1, self.max_batch):
-            self.infer(images[:batch], stream)
-        output = self.infer(images, stream)
-        stream.synchronize()
+                stream = self._stream or cupy.cuda.get_current_stream()
+                images = self.input_buffer(self.max_batch)
+                with stream:
+                    images.fill(0.5)
+                for batch in dict.fromkeys(first + list(range(1, self.max_batch))):
+                    self.infer(images[:batch], stream)
+                output = self.infer(images, stream)
+                stream.synchronize()
+        new_hits, new_misses = _cache_counters()
+        self.cache_hit = (self.compiled and new_misses == misses and new_hits > hits)
+        if self.compiled and self._cache_folder is not None:
+            record = self._cache_folder / "key.json"
+            if not record.exists():
+                record.write_text(json.dumps(self._record, indent=1))
+        self.ready_seconds = self._init_seconds + time.perf_counter() - started
+        log.info("model ready", seconds=round(self.ready_seconds, 1),
+                 cache="hit" if self.cache_hit else "miss", compiled=self.compiled,
+                 cuda_graphs=self.cuda_graphs, max_batch=self.max_batch)
         return output
+
+    @contextlib.contextmanager
+    def _heartbeat(self) -> Iterator[None]:
+        """Log every HEARTBEAT_SECONDS while the block runs (compiling takes tens of seconds)."""
+        if not self.compile:
+            yield
+            return
+        done, started = threading.Event(), time.perf_counter()
+
+        def beat() -> None:
+            while not done.wait(HEARTBEAT_SECONDS):
+                log.info("compiling the model", seconds=round(time.perf_counter() - started),
+                         batch_sizes_captured=len(self._graphs), max_batch=self.max_batch)
+
+        thread = threading.Thread(target=beat, name="torch-compile-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def close(self) -> None:
         """Drop the graphs and the module."""
         self._graphs.clear()
-        self.module = self._forward = None
+        self.module = self._forward = self._compiled = None
 
     def _per_image(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.module(x[i:i + 1]) for i in range(x.shape[0])])
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
+        """The compiled forward (the batch dimension marked dynamic), or the eager one."""
+        if self._compiled is None:
+            return self._forward(x)
+        if not self.info.dynamic_batch:
+            return torch.cat([self._compiled(x[i:i + 1]) for i in range(x.shape[0])])
+        if x.shape[0] > 1:  # batch 1 specialises: a size-1 dimension cannot be marked dynamic
+            torch._dynamo.mark_dynamic(x, 0)
+        return self._compiled(x)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        """``_call``, falling back to the eager module (with a warning) when compiling fails."""
+        if self._compiled is not None:
+            try:
+                return self._call(x)
+            except Exception as e:  # dynamo, inductor or triton: any failure means eager
+                self._drop_compiled("torch.compile failed, running the eager module", e)
+        return self._forward(x)
+
+    def _drop_compiled(self, message: str, error: BaseException) -> None:
+        log.warning(message, error=f"{type(error).__name__}: {error}"[:2000])
+        self._compiled = None
+        self.compiled = False  # graphs captured already keep their (working) compiled kernels
 
     def _capture(self, batch: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, Any] | None:
         """Capture the graph for ``batch`` images (called on the infer stream); None: failed."""
@@ -318,15 +729,19 @@ class TorchBackend(InferenceBackend):
         current = torch.cuda.current_stream(self._device)
         side = torch.cuda.Stream(self._device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                self._forward(x)
+        with _environment(self._cache_env), torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):  # compiles here, never inside the capture
+                self._run(x)
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                output = self._forward(x)
-        except RuntimeError as e:
+                output = self._call(x)
+        except Exception as e:
+            if self._compiled is not None:  # try the eager module before giving graphs up
+                self._drop_compiled("CUDA graph capture of the compiled module failed, "
+                                    "capturing the eager module", e)
+                return self._capture(batch)
             log.warning("CUDA graph capture failed, running eagerly", error=str(e))
             self.cuda_graphs = False
             return None
