@@ -14,12 +14,23 @@ boxes and scores), computed in four steps per batch, all on one stream:
    candidate j > i has the same class (unless class-agnostic) and IoU > threshold.
 4. ``reduce_kernel``: one block per image sweeps the sorted list 64 candidates at a time,
    keeps candidate i unless a kept one removed it, ORs the kept rows into a shared-memory
-   bitset (threads split the words), stops at ``max_detections`` and writes the results.
+   bitset (threads split the words), stops at ``max_detections`` and writes the results:
+   into ``CudaNms``'s own buffers, or straight into the caller's ``out`` arrays (e.g. views
+   of one device allocation, so that one copy brings a whole batch to the host). With a
+   per-image ``letterbox`` the same write undoes the letterbox (no extra kernel): the
+   boxes land in source-frame pixels, bit-equal to ``kernels.preprocess.Letterbox.unmap_boxes``.
 
 Floating point: the IoU and box arithmetic use libdevice's round-to-nearest intrinsics
 (``fmul_rn`` ...) so the compiler cannot fuse a multiply and an add into an FMA, which
 would round differently from the NumPy reference. The class scores are read as float32
-(float16 predictions are converted on read), thresholds are float32.
+(float16 predictions are converted on read), thresholds are float32. Undoing the letterbox
+is ``clip((x - pad) / scale, 0, size)`` per coordinate, every step in float32 with the
+letterbox numbers rounded to float32 first: what NumPy 2 computes in ``unmap_boxes`` (a
+Python int or float meeting a float32 array is converted to float32, NEP 50), NaN kept.
+
+Numba compiles each kernel once per combination of argument types (dtype, number of
+dimensions, layout C/F/A of every array). ``CudaNms.warmup`` with the very arrays the
+pipeline passes (CuPy views, model output) compiles exactly what the first batch needs.
 
 The buffers of one ``CudaNms`` are reused by every call: calls must be ordered on one
 stream (one instance per stream).
@@ -39,7 +50,10 @@ SIMULATOR = bool(config.ENABLE_CUDASIM)
 TILE = 64  # candidates per mask word and per mask tile side
 MAX_WORDS = 512  # shared-memory bitset size of the reduction: at most 32768 anchors
 MAX_ANCHORS = MAX_WORDS * TILE
-_THREADS = 256  # block size of the filter, rank and reduce kernels
+# Block size of the filter, rank and reduce kernels (at least TILE). The simulator runs one
+# Python thread per CUDA thread, so there 64 keeps the tests fast and gives the rank kernel
+# several tiles to walk even for small anchor counts.
+_THREADS = TILE if SIMULATOR else 256
 _MASK_BLOCKS = 4096  # mask-kernel blocks per launch, over all images (they loop over tiles)
 _ZERO, _HALF = np.float32(0.0), np.float32(0.5)
 
@@ -77,10 +91,22 @@ def _iou_exceeds(ax1, ay1, ax2, ay2, area_a, bx1, by1, bx2, by2, area_b, thresho
     return _div(inter, _sub(_add(area_a, area_b), inter)) > threshold  # NaN (0/0) is False
 
 
+@cuda.jit(device=True)
+def _unmap(v, pad, scale, limit):
+    """``clip((v - pad) / scale, 0, limit)`` as NumPy's float32 ``unmap_boxes``; NaN stays NaN
+    and -0.0 stays -0.0 (NumPy's clip keeps both)."""
+    v = _div(_sub(v, pad), scale)
+    if v < _ZERO:
+        v = _ZERO
+    elif v > limit:
+        v = limit
+    return v
+
+
 @cuda.jit
 def filter_kernel(predictions, conf_threshold, cand_count, cand_anchor, cand_score, cand_class,
                   cand_box):
-    """Grid (ceil(A / 256), B) x 256 threads: one thread per anchor; see the module doc."""
+    """Grid (ceil(A / T), B) x T threads (T = _THREADS): one thread per anchor; see the module doc."""
     a = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     b = cuda.blockIdx.y
     if a >= predictions.shape[2]:
@@ -109,7 +135,7 @@ def filter_kernel(predictions, conf_threshold, cand_count, cand_anchor, cand_sco
 @cuda.jit
 def rank_kernel(cand_count, cand_anchor, cand_score, cand_class, cand_box, sorted_score,
                 sorted_class, sorted_box):
-    """Grid (ceil(A / 256), B) x 256 threads: candidate i moves to its rank in the order."""
+    """Grid (ceil(A / T), B) x T threads (T = _THREADS): candidate i moves to its rank."""
     b = cuda.blockIdx.y
     n = cand_count[b]
     first = cuda.blockIdx.x * cuda.blockDim.x
@@ -182,8 +208,12 @@ def mask_kernel(cand_count, sorted_class, sorted_box, iou_threshold, class_agnos
 
 @cuda.jit
 def reduce_kernel(cand_count, sorted_score, sorted_class, sorted_box, mask, max_detections,
-                  out_box, out_score, out_class, out_count):
-    """Grid B x 256 threads: the greedy sweep of one image per block; resets its counter."""
+                  out_box, out_score, out_class, out_count, letterbox, unmap):
+    """Grid B x _THREADS: the greedy sweep of one image per block; resets its counter.
+
+    Kept row k of image b goes to ``out_*[b, k]``; when ``unmap``, its box is mapped back to
+    source pixels with ``letterbox[b]`` on the way (``letterbox`` is not read otherwise).
+    """
     b = cuda.blockIdx.x
     t = cuda.threadIdx.x
     n = cand_count[b]
@@ -216,8 +246,15 @@ def reduce_kernel(cand_count, sorted_score, sorted_class, sorted_box, mask, max_
             row = new_rows[r]
             out_score[b, kept + r] = sorted_score[b, row]
             out_class[b, kept + r] = sorted_class[b, row]
-            for c in range(4):
-                out_box[b, kept + r, c] = sorted_box[b, row, c]
+            if unmap:
+                for c in range(4):  # x1 y1 x2 y2: even c is x, odd c is y
+                    axis = c % 2
+                    out_box[b, kept + r, c] = _unmap(
+                        sorted_box[b, row, c], letterbox[b, 2 + axis], letterbox[b, axis],
+                        letterbox[b, 4 + axis])
+            else:
+                for c in range(4):
+                    out_box[b, kept + r, c] = sorted_box[b, row, c]
         for w in range(word + 1 + t, num_words, cuda.blockDim.x):
             bits = removed[w]
             for r in range(num_new):
@@ -287,21 +324,31 @@ def launch_mask(batch: int, cand_count, sorted_class, sorted_box, iou_threshold:
 
 def launch_reduce(batch: int, cand_count, sorted_score, sorted_class, sorted_box, mask,
                   max_detections: int, out_box, out_score, out_class, out_count,
-                  stream: Any = 0) -> None:
+                  stream: Any = 0, letterbox: Any = None) -> None:
     """Greedy sweep: write each image's kept detections and count; zero ``cand_count``.
+
+    Grid: B blocks (one per image) x ``_THREADS`` (256); the letterbox is undone in the same
+    kernel, by the threads that write the kept rows.
 
     Args:
         batch: number of images B.
         cand_count, sorted_score, sorted_class, sorted_box, mask: the previous steps' arrays.
         max_detections: most detections kept per image (<= out_box.shape[1]).
-        out_box: (>= B, max_detections, 4) float32 device output; rows past the count are stale.
+        out_box: (>= B, max_detections, 4) float32 device output, x1 y1 x2 y2; rows past the
+            count and images past B are not written.
         out_score, out_class: (>= B, max_detections) float32 / int32 device outputs.
         out_count: (>= B,) int32 device output, kept detections per image.
         stream: numba stream (or 0) all arrays are valid on.
+        letterbox: None (boxes stay in model-input pixels) or a (>= B, 6) float32 device array,
+            per image scale_x, scale_y, pad_left, pad_top, src_width, src_height: boxes are
+            written in source-frame pixels. When None, ``out_score`` (also 2-D float32) is
+            passed in its place and never read, so both cases share one compiled kernel when
+            the two arrays have the same layout.
     """
+    unmap = letterbox is not None
     reduce_kernel[batch, _THREADS, stream](cand_count, sorted_score, sorted_class, sorted_box,
                                            mask, max_detections, out_box, out_score, out_class,
-                                           out_count)
+                                           out_count, letterbox if unmap else out_score, unmap)
 
 
 def stream_from_cupy(cupy_stream: Any) -> Any:
@@ -352,23 +399,40 @@ class CudaNms:
         self._out_class = cuda.device_array((bc, max_detections), np.int32)
         self._out_count = cuda.to_device(np.zeros(bc, np.int32))
 
-    def run(self, predictions: Any, stream: Any = 0) -> tuple[Any, Any, Any, Any]:
+    def run(self, predictions: Any, stream: Any = 0, out: tuple[Any, Any, Any, Any] | None = None,
+            letterbox: Any = None) -> tuple[Any, Any, Any, Any]:
         """Decode and NMS a batch; everything stays on the device, nothing synchronises.
+
+        Four kernels on ``stream`` (see the module doc); the last one writes the results, into
+        ``out`` when given, undoing the letterbox on the way when ``letterbox`` is given.
 
         Args:
             predictions: (B, 4 + K, A) float32 or float16 device array (any object with
                 ``__cuda_array_interface__``, e.g. a CuPy array, read in place), B <=
                 batch_capacity, valid on ``stream``.
             stream: numba stream to run on (``stream_from_cupy`` wraps a CuPy one), or 0.
+            out: None (results go to this instance's buffers), or ``(boxes, scores, class_ids,
+                counts)`` device arrays with ``__cuda_array_interface__`` (CuPy arrays or views,
+                numba device arrays), valid on ``stream``: (B', max_detections, 4) float32,
+                (B', max_detections) float32, (B', max_detections) int32, (B',) int32 with
+                B' >= B. They may be views of one allocation (they must not overlap); only
+                rows ``[b, :counts[b]]`` of images b < B and ``counts[:B]`` are written, the
+                rest of the arrays is left untouched.
+            letterbox: None (boxes in model-input pixels), or a (B', 6) float32 device array
+                with ``__cuda_array_interface__``, B' >= B, valid on ``stream``: per image
+                scale_x, scale_y, pad_left, pad_top, src_width, src_height (the
+                ``kernels.preprocess.Letterbox`` numbers rounded to float32; ``letterbox_rows``
+                makes them). Then the boxes are in source-frame pixels, bit-equal to
+                ``Letterbox.unmap_boxes`` of the model-input boxes on the host.
 
         Returns:
-            ``(xyxy, scores, class_ids, counts)`` device arrays valid on ``stream``: (B,
-            max_detections, 4) float32 boxes in model-input pixels, (B, max_detections)
-            float32, (B, max_detections) int32, (B,) int32. Image b's detections are the
-            first ``counts[b]`` rows, best score first; later rows are stale. They are
-            overwritten by the next call.
+            ``(boxes, scores, class_ids, counts)`` valid on ``stream``: ``out`` itself when
+            given; otherwise views of this instance's numba buffers, (B, max_detections, 4)
+            float32, (B, max_detections) float32, (B, max_detections) int32, (B,) int32,
+            overwritten by the next call. Image b's detections are the first ``counts[b]``
+            rows, best score first; later rows are stale (whatever was there before).
         """
-        preds = predictions if SIMULATOR else cuda.as_cuda_array(predictions, sync=False)
+        preds = self._device(predictions)
         expected = (self.batch_capacity, 4 + self.num_classes, self.num_anchors)
         if preds.ndim != 3 or tuple(preds.shape[1:]) != expected[1:] or not (
             1 <= preds.shape[0] <= self.batch_capacity
@@ -378,6 +442,16 @@ class CudaNms:
         if preds.dtype not in (np.float32, np.float16):
             raise ValueError(f"predictions must be float32 or float16, got {preds.dtype}")
         batch = preds.shape[0]
+        if out is None:
+            targets = (self._out_box, self._out_score, self._out_class, self._out_count)
+        else:
+            targets = self._check_out(out, batch)
+        lb = None
+        if letterbox is not None:
+            lb = self._device(letterbox)
+            if lb.ndim != 2 or lb.shape[1] != 6 or lb.shape[0] < batch or lb.dtype != np.float32:
+                raise ValueError(f"letterbox must be ({batch}.., 6) float32, got "
+                                 f"{tuple(lb.shape)} {lb.dtype}")
         launch_filter(preds, self.conf_threshold, self._cand_count, self._cand_anchor,
                       self._cand_score, self._cand_class, self._cand_box, stream)
         launch_rank(batch, self._cand_count, self._cand_anchor, self._cand_score,
@@ -386,23 +460,107 @@ class CudaNms:
         launch_mask(batch, self._cand_count, self._sorted_class, self._sorted_box,
                     self.iou_threshold, self.class_agnostic, self._mask, stream)
         launch_reduce(batch, self._cand_count, self._sorted_score, self._sorted_class,
-                      self._sorted_box, self._mask, self.max_detections, self._out_box,
-                      self._out_score, self._out_class, self._out_count, stream)
+                      self._sorted_box, self._mask, self.max_detections, *targets, stream,
+                      letterbox=lb)
+        if out is not None:
+            return out
         return (self._out_box[:batch], self._out_score[:batch], self._out_class[:batch],
                 self._out_count[:batch])
 
-    def warmup(self, dtype: Any = np.float32) -> None:
-        """Compile the kernels for ``dtype`` predictions now, not on the first frame."""
-        self.run(cuda.to_device(np.zeros((1, 4 + self.num_classes, self.num_anchors), dtype)))
-        cuda.synchronize()
+    def warmup(self, predictions: Any = None, out: tuple[Any, Any, Any, Any] | None = None,
+               letterbox: Any = None, stream: Any = 0, dtype: Any = np.float32) -> None:
+        """Compile the kernels now, not on the first batch, by running them once; synchronises.
+
+        Numba compiles per argument types (dtype, dimensions, layout of every array): pass the
+        very arrays the pipeline will pass to ``run`` (e.g. the model's CuPy output binding and
+        the CuPy ``out`` / ``letterbox`` views), and the first real call compiles nothing.
+        Their contents are read and ``out`` is written like in ``run`` (any values are safe).
+        The batch size is not part of the types, but the layout can follow it: ``[:n]`` views
+        of C-contiguous arrays are typed C for every n, while a non-contiguous view is typed
+        A for n > 1 and C for n = 1 (numba ignores the strides of size-1 dimensions), so
+        such a view would compile twice. Keep every array C-contiguous.
+
+        Args:
+            predictions: an example of ``run``'s ``predictions``, of its real type, dtype and
+                layout (its values are used as they are). Or None, or a dtype (the old
+                ``warmup(dtype)`` form): one image of zeros of that dtype in a numba device
+                array is used instead.
+            out, letterbox, stream: as in ``run``; the stream is synchronised at the end.
+            dtype: the dtype of the zero image when ``predictions`` is None.
+        """
+        if predictions is None or isinstance(predictions, (type, np.dtype, str)):
+            shape = (1, 4 + self.num_classes, self.num_anchors)
+            zeros = np.zeros(shape, np.dtype(dtype if predictions is None else predictions))
+            predictions = cuda.to_device(zeros)
+        self.run(predictions, stream, out=out, letterbox=letterbox)
+        if stream:
+            stream.synchronize()
+        else:
+            cuda.synchronize()
+
+    @staticmethod
+    def _device(array: Any) -> Any:
+        """A numba view of a ``__cuda_array_interface__`` array (no copy, no sync)."""
+        return array if SIMULATOR else cuda.as_cuda_array(array, sync=False)
+
+    def _check_out(self, out: tuple[Any, Any, Any, Any], batch: int) -> tuple[Any, ...]:
+        """``out`` as numba views, after checking the shapes and dtypes ``run`` documents."""
+        if len(out) != 4:
+            raise ValueError(f"out must be (boxes, scores, class_ids, counts), got {len(out)} arrays")
+        views = tuple(self._device(a) for a in out)
+        d = self.max_detections
+        wanted = (((d, 4), np.float32), ((d,), np.float32), ((d,), np.int32), ((), np.int32))
+        for name, view, (tail, dtype) in zip(("boxes", "scores", "class_ids", "counts"), views,
+                                             wanted):
+            shape = tuple(view.shape)
+            if shape[1:] != tail or shape[0] < batch or view.dtype != dtype:
+                wanted_shape = ", ".join([f"{batch}.."] + [str(v) for v in tail])
+                raise ValueError(f"out {name} must be ({wanted_shape}) {np.dtype(dtype).name}, "
+                                 f"got {shape} {view.dtype}")
+        return views
+
+
+def letterbox_rows(letterboxes: Any) -> np.ndarray:
+    """The ``letterbox`` rows of ``CudaNms.run`` for some ``kernels.preprocess.Letterbox``es.
+
+    Returns:
+        (n, 6) float32 host array: scale_x, scale_y, pad_left, pad_top, src_width,
+        src_height, each rounded to float32 as NumPy 2 rounds them in ``unmap_boxes``.
+    """
+    return np.array([(lb.scale_x, lb.scale_y, lb.pad_left, lb.pad_top, lb.src_width,
+                      lb.src_height) for lb in letterboxes], np.float32).reshape(-1, 6)
+
+
+def split_detections(boxes: np.ndarray, scores: np.ndarray, class_ids: np.ndarray,
+                     counts: np.ndarray, batch: int | None = None
+                     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per-image copies of the kept rows of ``CudaNms.run``'s results, once on the host.
+
+    Args:
+        boxes, scores, class_ids, counts: host arrays (e.g. the pinned mirror that one D2H of
+            the ``out`` allocation filled): (B', D, 4) float32, (B', D) float32, (B', D)
+            int32, (B',) int32.
+        batch: images to take (default B').
+
+    Returns:
+        Per image ``(xyxy (M, 4) float32, scores (M,) float32, class_ids (M,) int32)``, host
+        copies (the buffers may be reused), like ``kernels.nms.postprocess_reference``.
+    """
+    n = len(counts) if batch is None else batch
+    return [(boxes[b, :m].copy(), scores[b, :m].copy(), class_ids[b, :m].copy())
+            for b, m in enumerate(np.asarray(counts[:n]).tolist())]
 
 
 def to_host(xyxy: Any, scores: Any, class_ids: Any, counts: Any,
             stream: Any = 0) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Copy ``CudaNms.run``'s kept detections to the host: the counts, then only the kept rows.
 
+    A convenience for tests and benchmarks (1 + 3 per image small copies and two
+    synchronisations); the pipeline copies a whole ``out`` allocation back in one copy instead.
+
     Args:
-        xyxy, scores, class_ids, counts: ``CudaNms.run``'s device outputs, valid on ``stream``.
+        xyxy, scores, class_ids, counts: ``CudaNms.run``'s numba device outputs (``out=None``),
+            valid on ``stream``.
         stream: the numba stream (or 0) they are valid on; synchronised here.
 
     Returns:
@@ -425,5 +583,5 @@ def _empty() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.empty((0, 4), np.float32), np.empty(0, np.float32), np.empty(0, np.int32)
 
 
-__all__ = ["CudaNms", "launch_filter", "launch_mask", "launch_rank",
-           "launch_reduce", "stream_from_cupy", "to_host"]
+__all__ = ["CudaNms", "launch_filter", "launch_mask", "launch_rank", "launch_reduce",
+           "letterbox_rows", "split_detections", "stream_from_cupy", "to_host"]
