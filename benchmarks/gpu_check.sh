@@ -2,28 +2,55 @@
 # Every GPU check and timing, in one call on the GPU machine; a short table is printed last
 # and full logs are written under $OUT (default /tmp/gpu-check).
 #
-#   bash benchmarks/gpu_check.sh                 # all steps
-#   bash benchmarks/gpu_check.sh nms preprocess  # some steps
+#   bash benchmarks/gpu_check.sh                      # all steps
+#   bash benchmarks/gpu_check.sh nms preprocess       # some steps
+#   CAMERAS=1,8 THROUGHPUT_ARGS="--decode cpu" bash benchmarks/gpu_check.sh throughput
 #
 # Steps: tests (pytest -m gpu), nms, preprocess, overlap, throughput. Needs CuPy, Numba,
 # torch, torchvision, onnx2torch, PyAV and the assets (python -m samples.fetch, and
 # python -m samples.yolov8 for throughput) on that machine.
+#
+# Time: the whole script keeps within BUDGET_S seconds (default 570: the device allows 600 s
+# per command). Every step runs under `timeout` with the time left; while throughput is still
+# to come, the steps before it leave it THROUGHPUT_RESERVE_S (default 300) of that. The
+# throughput benchmark itself gets its time left as --budget-s: it starts no measurement that
+# would not end in time and always prints its table (rows it skipped say so); each row is
+# also printed to its log as soon as it is measured.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
+BUDGET_S=${BUDGET_S:-570}
+THROUGHPUT_RESERVE_S=${THROUGHPUT_RESERVE_S:-300}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests nms preprocess overlap throughput)
 rows=()
+throughput_pending=0
+for step in "${steps[@]}"; do [ "$step" = throughput ] && throughput_pending=1; done
+
+left() { echo $((BUDGET_S - SECONDS)); }
 
 run_step() {
-    local name=$1; shift
+    local name=$1 limit=$2; shift 2
     local started=$SECONDS
-    echo "== $name: $*"
-    "$@" >"$OUT/$name.log" 2>&1
+    if [ "$limit" -lt 10 ]; then
+        rows+=("$(printf '%-11s %-4s %5ss  %s' "$name" "-" 0 "skipped: no time left")")
+        echo "== $name: skipped, no time left"
+        return
+    fi
+    echo "== $name (limit ${limit}s): $*"
+    timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
+    [ $rc -eq 124 ] && echo "(killed after ${limit}s)" >>"$OUT/$name.log"
     rows+=("$(printf '%-11s %-4s %5ss  %s' "$name" "$rc" "$((SECONDS - started))" \
         "$(grep -v '^\s*$' "$OUT/$name.log" | tail -n 1 | cut -c1-90)")")
+}
+
+# The time a step before throughput may take: what is left, less throughput's reserve.
+step_limit() {
+    local limit=$(( $(left) - 15 ))
+    [ "$throughput_pending" = 1 ] && limit=$((limit - THROUGHPUT_RESERVE_S))
+    echo "$limit"
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
@@ -33,19 +60,32 @@ numba.__version__, 'numba-cuda', numba_cuda.__version__, 'numpy', numpy.__versio
     | tee -a "$OUT/gpu.txt"
 for step in "${steps[@]}"; do
     case $step in
-        tests) run_step tests python3 -m pytest -q -m gpu -rA -p no:cacheprovider ${GPU_TESTS:-tests} ;;
-        nms) run_step nms python3 -m benchmarks.nms_benchmark ;;
-        preprocess) run_step preprocess python3 -m benchmarks.preprocess_benchmark ;;
-        overlap) run_step overlap python3 -m benchmarks.overlap_benchmark ;;
-        throughput) run_step throughput python3 -m benchmarks.throughput \
-            --cameras "${CAMERAS:-1,8,32}" --seconds 4 --out "$OUT/throughput.md" ;;
+        tests) run_step tests "$(step_limit)" python3 -m pytest -q -m gpu -rA -p no:cacheprovider \
+            ${GPU_TESTS:-tests} ;;
+        nms) run_step nms "$(step_limit)" python3 -m benchmarks.nms_benchmark ;;
+        preprocess) run_step preprocess "$(step_limit)" python3 -m benchmarks.preprocess_benchmark ;;
+        overlap) run_step overlap "$(step_limit)" python3 -m benchmarks.overlap_benchmark ;;
+        throughput)
+            throughput_pending=0
+            limit=$(( $(left) - 15 ))
+            # The benchmark plans with 20 s less than its hard limit, to print its table.
+            # shellcheck disable=SC2086
+            run_step throughput "$limit" python3 -m benchmarks.throughput \
+                --cameras "${CAMERAS:-1,8,32,64}" --seconds "${SECONDS_PER_RUN:-4}" \
+                --budget-s "$((limit - 20))" --out "$OUT/throughput.md" ${THROUGHPUT_ARGS:-} ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done
 for step in "${steps[@]}"; do
+    [ -f "$OUT/$step.log" ] || continue
     [ "$step" = tests ] && { grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed" \
         "$OUT/tests.log" | tail -n 40; continue; }
-    echo "---- $step"; tail -n 25 "$OUT/$step.log"
+    echo "---- $step"
+    if [ "$step" = throughput ] && [ -s "$OUT/throughput.md" ]; then
+        cat "$OUT/throughput.md"
+    else
+        tail -n 30 "$OUT/$step.log"
+    fi
 done
 echo
 printf '%-11s %-4s %6s  %s\n' step rc time "last line"

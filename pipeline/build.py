@@ -7,28 +7,28 @@ from collections.abc import Callable
 from pathlib import Path
 
 import av
-import numpy as np
 import structlog
 
 from pipeline.config import PipelineConfig, is_stream_url
 from pipeline.gpu import GpuContext, gpu_unavailable_reason
 from pipeline.graph import Graph
-from pipeline.records import Frame
+from pipeline.records import BatchDetections
+from pipeline.slots import SlotRing, i420_bytes
 from pipeline.stage import SourceStage, Stage
 from stages.annotate import AnnotateStage
-from stages.backends.base import InferenceBackend, read_model_info
+from stages.backends.base import read_model_info
+from stages.batcher import BatcherStage
 from stages.decode import DecodeStage
-from stages.device_upload import DeviceUploadStage
 from stages.gpu_decode import GpuDecodeStage, gpu_decode_unavailable_reason
 from stages.infer import InferStage, create_backend
-from stages.postprocess import GpuPostprocessStage, PostprocessStage
-from stages.preprocess import GpuPreprocessStage, PreprocessStage
+from stages.postprocess import DeviceNms, PostprocessStage
+from stages.preprocess import DevicePreprocess, HostPreprocess
 from stages.sinks import SinkStage
 
 log = structlog.get_logger("build")
 
 DEFAULT_FRAME_SIZE = (1920, 1080)  # staging slot size when no source announces a larger one
-BATCH_SETS = 3  # batch buffers: one filling, one in inference, one in postprocess
+BATCH_SETS = 3  # batch sets: one being copied in, one on the GPU, one being read back
 
 
 class DeviceUnavailable(RuntimeError):
@@ -71,13 +71,27 @@ def probe_frame_size(uri: str) -> tuple[int, int] | None:
         return None
 
 
-def build_graph(config: PipelineConfig, on_frame_done: Callable[[Frame], None] | None = None,
+def frame_slots(config: PipelineConfig) -> int:
+    """How many ring slots: ``runtime.staging_slots``, or enough for every batch set in
+    flight plus two frames per source (one being decoded, one waiting), and as much again
+    for the sinks' queues when the sinks read the images (video is written)."""
+    if config.runtime.staging_slots:
+        return config.runtime.staging_slots
+    batch, sources = config.inference.batch_size, len(config.sources)
+    slots = batch * (BATCH_SETS + 2) + 2 * sources
+    if config.output.video is not None:
+        slots += batch * 2 + 2 * sources
+    return slots
+
+
+def build_graph(config: PipelineConfig,
+                on_batch_done: Callable[[str, BatchDetections], None] | None = None,
                 profile_gpu: bool = False) -> Graph:
     """Create every stage the configuration asks for and connect them.
 
-    CPU path: decode -> preprocess (batching) -> infer -> postprocess -> annotate -> sinks.
-    GPU path: decode -> upload -> preprocess (fused kernel) -> infer -> postprocess (Numba
-    NMS) -> annotate -> sinks, with every buffer allocated here, before the first frame.
+    sources (decode into the slot ring) -> batch -> infer -> postprocess -> [annotate] ->
+    sinks. On the GPU path every device buffer is allocated and every kernel compiled here,
+    before the first frame.
     """
     info = read_model_info(config.model.path)
     class_names = read_class_names(config.model.class_names)
@@ -93,39 +107,54 @@ def build_graph(config: PipelineConfig, on_frame_done: Callable[[Frame], None] |
              batch=config.inference.batch_size)
 
     stop = threading.Event()
-    sources = [create_source(config, index, gpu) for index in range(len(config.sources))]
     inference = config.inference
+    sizes = sorted({s for s in (probe_frame_size(src.uri) for src in config.sources
+                                if not src.is_live) if s is not None})
+    largest = max([DEFAULT_FRAME_SIZE, *sizes], key=lambda wh: wh[0] * wh[1])
+    slot_bytes = i420_bytes(*largest)
+    ring = SlotRing(frame_slots(config), slot_bytes, pinned=gpu is not None)
+    log.info("frame slots allocated", slots=ring.slots, pinned=ring.pinned,
+             mb=round(ring.slots * slot_bytes / 2**20, 1))
+    sources = [create_source(config, index, gpu, ring, stop) for index in range(len(config.sources))]
+    video = config.output.video is not None
+    release = None if video else ring.release  # the sinks release when they read the images
     size = (info.input_height, info.input_width)
-    chain: list[Stage]
+    batcher = BatcherStage("batch", size, inference.batch_size, inference.batch_timeout_ms,
+                           tuple(s.name for s in config.sources), gpu, ring, stop)
     if gpu is None:
-        chain = [
-            PreprocessStage("preprocess", size, np.dtype(np.float32), inference.batch_size,
-                            inference.batch_timeout_ms),
-            InferStage("infer", backend),
-            PostprocessStage("postprocess", config.nms),
-        ]
+        infer = InferStage("infer", backend, HostPreprocess(size, info.input_dtype,
+                                                           inference.batch_size))
     else:
-        nv12 = any(isinstance(source, GpuDecodeStage) for source in sources)
-        chain = gpu_chain(config, gpu, backend, probe_output, stop,
-                          ("i420", "nv12") if nv12 else ("i420",))
-    if config.output.video is not None:
+        gpu.allocate(BATCH_SETS, inference.batch_size, slot_bytes, config.nms.max_detections)
+        formats = ["i420", *(["nv12"] if any(isinstance(s, GpuDecodeStage) for s in sources)
+                             else [])]
+        geometries = [(batcher.letterbox(w, h), fmt) for w, h in sizes for fmt in formats]
+        num_classes, anchors = probe_output.shape[1] - 4, probe_output.shape[2]
+        infer = InferStage("infer", backend, DevicePreprocess(geometries), gpu,
+                           DeviceNms(config.nms, inference.batch_size, anchors, num_classes))
+    chain: list[Stage] = [batcher, infer, PostprocessStage("postprocess", config.nms, gpu, release)]
+    if video:
         chain.append(AnnotateStage("annotate", class_names))
     sinks = {
         source.name: SinkStage(
             f"sink:{source.name}",
-            config.output_path(config.output.video, source.name) if config.output.video else None,
+            config.output_path(config.output.video, source.name) if video else None,
             config.output_path(config.output.jsonl, source.name) if config.output.jsonl else None,
             class_names,
             config.output.video_crf,
+            release_slots=ring.release if video else None,
         )
         for source in config.sources
     }
-    graph = Graph(sources, chain, sinks, config.runtime.queue_size, on_frame_done, stop=stop)
+    graph = Graph(sources, chain, sinks, config.runtime.queue_size, on_batch_done, stop=stop,
+                  ring=ring, release_at_sink=video)
     graph.gpu = gpu
     return graph
 
 
-def create_source(config: PipelineConfig, index: int, gpu: GpuContext | None) -> SourceStage:
+def create_source(config: PipelineConfig, index: int, gpu: GpuContext | None,
+                  ring: SlotRing | None = None, abort: threading.Event | None = None
+                  ) -> SourceStage:
     """The source stage of ``config.sources[index]``: GPU decode or CPU decode (its ``decode``).
 
     Raises:
@@ -133,38 +162,12 @@ def create_source(config: PipelineConfig, index: int, gpu: GpuContext | None) ->
     """
     source = config.sources[index]
     if source.decode == "cpu":
-        return DecodeStage(source)
+        return DecodeStage(source, ring, abort)
     reason = ("inference does not run on the GPU" if gpu is None else
               "output.video needs the frames on the host" if config.output.video else
               gpu_decode_unavailable_reason())
     if reason is None:
-        return GpuDecodeStage(source, gpu.device_id)
+        return GpuDecodeStage(source, gpu.device_id, ring)
     if source.decode == "gpu":
         raise DeviceUnavailable(f"sources[{index}].decode: 'gpu' cannot be used: {reason}")
-    return DecodeStage(source)
-
-
-def gpu_chain(config: PipelineConfig, gpu: GpuContext, backend: InferenceBackend,
-              probe_output: object, stop: threading.Event,
-              pixel_formats: tuple[str, ...] = ("i420",)) -> list[Stage]:
-    """Allocate the GPU buffers and create the GPU stages."""
-    inference, info = config.inference, backend.info
-    sizes = [s for s in (probe_frame_size(src.uri) for src in config.sources
-                         if not src.is_live) if s is not None]
-    largest = max([DEFAULT_FRAME_SIZE, *sizes], key=lambda wh: wh[0] * wh[1])
-    slots = config.runtime.staging_slots or (2 * inference.batch_size + config.runtime.queue_size)
-    input_dtype = np.dtype(getattr(backend, "input_dtype", info.input_dtype))
-    output_shape = (inference.batch_size, *probe_output.shape[1:])  # type: ignore[attr-defined]
-    output_dtype = probe_output.dtype  # type: ignore[attr-defined]
-    gpu.allocate(slots, largest[0] * largest[1] * 3 // 2, BATCH_SETS,
-                 (inference.batch_size, 3, info.input_height, info.input_width), input_dtype,
-                 output_shape, output_dtype)
-    return [
-        DeviceUploadStage("upload", gpu, stop),
-        GpuPreprocessStage("preprocess", (info.input_height, info.input_width), input_dtype,
-                           inference.batch_size, inference.batch_timeout_ms, gpu,
-                           sorted(set(sizes)), stop, pixel_formats),
-        InferStage("infer", backend, gpu),
-        GpuPostprocessStage("postprocess", config.nms, gpu, inference.batch_size,
-                            output_shape[2], output_shape[1] - 4, output_dtype),
-    ]
+    return DecodeStage(source, ring, abort)

@@ -81,6 +81,7 @@ def run_pipeline(config: PipelineConfig) -> int:
     from pipeline.build import build_graph
     from pipeline.graph import PipelineError
     from pipeline.progress import Progress
+    from pipeline.records import BatchDetections
 
     exporter = None
     if config.runtime.metrics_port is not None:
@@ -88,13 +89,13 @@ def run_pipeline(config: PipelineConfig) -> int:
 
         exporter = PrometheusExporter(config.runtime.metrics_port)
     with Progress(enabled=config.runtime.progress) as progress:
-        def frame_done(frame: object) -> None:
-            progress.frame_done(frame)
+        def batch_done(source: str, part: BatchDetections) -> None:
+            progress.frames_done(len(part))
             if exporter is not None:
-                exporter.observe_frame(frame)  # type: ignore[arg-type]
+                exporter.observe_batch(source, time.time() - part.frames.capture_time)
 
         try:
-            graph = build_graph(config, on_frame_done=frame_done)
+            graph = build_graph(config, on_batch_done=batch_done)
             if exporter is not None:
                 port = exporter.start(graph)
                 log.info("serving Prometheus metrics", url=f"http://0.0.0.0:{port}/metrics")

@@ -169,7 +169,14 @@ class InferenceConfig:
         default=64, metadata=_doc("int8 (tensorrt): frames used for calibration.", min=1)
     )
     engine_cache: str = field(
-        default="assets/engines", metadata=_doc("Folder for built TensorRT engines.")
+        default="assets/engines",
+        metadata=_doc("Folder for built TensorRT engines and torch compile artefacts."),
+    )
+    compile: bool = field(
+        default=True,
+        metadata=_doc("torch backend: compile the model with torch.compile (inductor) before "
+                      "capturing CUDA graphs; artefacts are cached under engine_cache, so a "
+                      "second start is fast. false runs the converted module eagerly."),
     )
 
 
@@ -234,9 +241,9 @@ class RuntimeConfig:
     )
     staging_slots: int = field(
         default=0,
-        metadata=_doc("GPU path: pinned upload slots (frames in flight between decode and "
-                      "preprocess); 0 = 2 x batch_size + queue_size. 1 disables double "
-                      "buffering.", min=0),
+        metadata=_doc("Host frame slots (frames in flight between decode and the last stage "
+                      "reading them; pinned on the GPU path); 0 sizes them from the number "
+                      "of sources, queue_size and batch_size.", min=0),
     )
 
 

@@ -1,23 +1,22 @@
-"""The GPU context: device, streams, events and every buffer of the hot path, allocated once.
+"""The GPU context: device, streams, events and the per-batch buffer sets, allocated once.
 
 ```
-host (pinned)          copy stream                 compute stream
-staging slot i  --H2D async--> device slot i --event copied[i]--> preprocess kernel
-                      ^                                    |
-                      +---- waits on event consumed[i] <---+ (recorded after the kernel)
+slot ring (pinned host)     copy stream                         compute stream
+frame slots of a batch --n async H2D + 1 table H2D--> set.frames --event set.copied-->
+   wait copied -> preprocess kernels (into the model's input binding) -> model -> NMS
+   (reads the output binding in place, undoes the letterbox) -> 1 D2H of the detections
+   --event set.done--> postprocess stage (host) reads the pinned detections, frees the set
 ```
 
-- ``FrameStaging``: a ring of pinned host slots and matching device slots, one frame each.
-  The upload of frame N+1 into slot j runs on the copy stream while the compute stream works
-  on frame N in slot i: that is the double buffering. A slot is rewritten on the host only
-  after its previous copy completed, and on the device only after the kernel that read it.
-- ``BatchRing``: a few sets of model input/output buffers. The preprocess stage fills the
-  input of set k while inference runs on set k-1; the postprocess stage returns set k once
-  the detections are back on the host.
+- ``BatchRing``: a few ``BatchBuffers`` sets, each with device rows for a batch's frames, its
+  small tables and its detections (device + pinned mirror). The batcher copies batch N+1 into
+  set k+1 on the copy stream while the compute stream works on batch N in set k: that is the
+  double buffering, with one event per batch each way.
 - ``GpuTimeline``: optional CUDA-event ranges per stream, to measure overlap.
 
-All device work of a frame is ordered on the compute stream; the stages' threads only
-enqueue. CuPy is imported lazily: on a machine without a GPU nothing here is used.
+All device work of a batch is ordered on the compute stream by one thread (the infer stage);
+the batcher's thread only queues copies. CuPy is imported lazily: on a machine without a GPU
+nothing here is used.
 """
 
 from __future__ import annotations
@@ -62,102 +61,116 @@ def take(free: queue.Queue, stop: threading.Event | None, what: str) -> Any:
                 raise InterruptedError(f"stopped while waiting for {what}") from None
 
 
-class FrameStaging:
-    """A ring of pinned host slots and device slots for uploading frames.
+class PinnedMirror:
+    """One device allocation and one pinned host allocation of the same size, both carved into
+    the same typed views, so a single copy moves every view at once.
+
+    Args:
+        fields: (name, shape, dtype) of each view, laid out in order, each 16-byte aligned.
 
     Attributes:
-        host: (slots, slot_bytes) uint8 pinned host array.
-        device: (slots, slot_bytes) uint8 CuPy device array.
-        copied: per slot, event recorded on the copy stream after its H2D copy.
-        consumed: per slot, event recorded on the compute stream after the last kernel
-            that read it.
+        host: name -> NumPy view of the pinned host buffer.
+        device: name -> CuPy view of the device buffer.
+        nbytes: bytes of each buffer.
     """
 
-    def __init__(self, slots: int, slot_bytes: int) -> None:
+    def __init__(self, fields: list[tuple[str, tuple[int, ...], Any]]) -> None:
         import cupy
 
-        if slots < 1:
-            raise ValueError(f"staging needs at least one slot, got {slots}")
-        self.slot_bytes = slot_bytes
-        memory = cupy.cuda.alloc_pinned_memory(slots * slot_bytes)
-        self.host = np.frombuffer(memory, np.uint8, slots * slot_bytes).reshape(slots, slot_bytes)
-        self.device = cupy.empty((slots, slot_bytes), np.uint8)
-        self.copied = [cupy.cuda.Event() for _ in range(slots)]
-        self.consumed = [cupy.cuda.Event() for _ in range(slots)]
-        self._free: queue.Queue[int] = queue.Queue()
-        for slot in range(slots):
-            self._free.put(slot)
+        offsets, offset = [], 0
+        for _, shape, dtype in fields:
+            offsets.append(offset)
+            offset += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 16) * 16
+        self.nbytes = max(offset, 16)
+        self._pinned = cupy.cuda.alloc_pinned_memory(self.nbytes)
+        host_bytes = np.frombuffer(self._pinned, np.uint8, self.nbytes)
+        self._device_bytes = cupy.empty(self.nbytes, np.uint8)
+        self.host: dict[str, np.ndarray] = {}
+        self.device: dict[str, Any] = {}
+        for (name, shape, dtype), start in zip(fields, offsets):
+            size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            self.host[name] = host_bytes[start:start + size].view(dtype).reshape(shape)
+            self.device[name] = self._device_bytes[start:start + size].view(dtype).reshape(shape)
 
-    @property
-    def slots(self) -> int:
-        return self.host.shape[0]
+    def to_device(self, stream: Any) -> None:
+        """Queue one H2D copy of the whole host buffer on ``stream``."""
+        import cupy
 
-    def acquire(self, stop: threading.Event | None = None) -> int:
-        """A free slot; waits while every slot is in flight (backpressure)."""
-        return take(self._free, stop, "a staging slot")
+        cupy.cuda.runtime.memcpyAsync(self._device_bytes.data.ptr, self._pinned.ptr, self.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
 
-    def upload(self, slot: int, image: np.ndarray, copy_stream: Any,
-               timeline: GpuTimeline | None = None) -> None:
-        """Copy a frame into ``slot``: host memcpy into pinned memory, then an async H2D copy.
+    def to_host(self, stream: Any) -> None:
+        """Queue one D2H copy of the whole device buffer on ``stream``."""
+        import cupy
 
-        Args:
-            image: C-contiguous uint8 host array of at most ``slot_bytes`` bytes (an I420 frame).
-            copy_stream: the CuPy stream the H2D copy is queued on.
-        """
-        size = image.size
-        if size > self.slot_bytes:
-            raise ValueError(f"frame of {size} bytes exceeds the staging slot of "
-                             f"{self.slot_bytes} bytes"
-                             " (slots fit the largest file source, at least 1920x1080)")
-        self.copied[slot].synchronize()  # the previous copy out of this pinned slot is done
-        self.host[slot, :size] = image.reshape(-1)
-        copy_stream.wait_event(self.consumed[slot])  # the device slot is no longer read
-        token = timeline.begin("h2d", copy_stream) if timeline else None
-        self.device[slot, :size].set(self.host[slot, :size], stream=copy_stream)
-        if token is not None:
-            timeline.end(token, copy_stream)
-        self.copied[slot].record(copy_stream)
-
-    def release(self, slots: list[int], compute_stream: Any) -> None:
-        """Return slots whose last reader has been queued on ``compute_stream``."""
-        for slot in slots:
-            self.consumed[slot].record(compute_stream)
-            self._free.put(slot)
+        cupy.cuda.runtime.memcpyAsync(self._pinned.ptr, self._device_bytes.data.ptr, self.nbytes,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
 
 
 @dataclass
 class BatchBuffers:
-    """One set of model input and output buffers (device).
+    """Everything one batch needs on its way through the device, allocated once.
+
+    A set is taken by the batcher, filled (frames and table copied in on the copy stream, then
+    ``copied`` recorded), processed by the infer stage on the compute stream (which waits on
+    ``copied``, writes the detections and records ``done``) and given back by the postprocess
+    stage once ``done`` completed and the detections were read. So nothing in a set is
+    rewritten while a stream may still read it, and no per-frame event is needed.
 
     Attributes:
         index: position in the ring.
-        images: (max_batch, 3, H, W) input array of the model's input dtype.
-        outputs: (max_batch, 4 + classes, anchors) array of the model's output dtype.
-        pairs_host: (max_batch, 2) int32 pinned host array of (staging slot, batch index).
-        pairs: (max_batch, 2) int32 device copy of ``pairs_host``.
+        frames: (max_batch, slot_bytes) uint8 device array: row i holds batch frame i,
+            packed I420 or NV12 (``kernels.preprocess``), written on the copy stream.
+        table: ``PinnedMirror`` of the batch's small per-frame tables, copied in with one H2D:
+            ``pairs`` (max_batch, 2) int32 (frame row, batch index) grouped by geometry, as the
+            preprocess kernel reads them; ``letterbox`` (max_batch, 6) float32 (columns of
+            ``pipeline.records.LETTERBOX_COLUMNS``), which the NMS uses to undo the letterbox.
+        detections: ``PinnedMirror`` of the batch's results, copied out with one D2H:
+            ``boxes`` (max_batch, max_detections, 4) float32 in frame pixels, ``scores``
+            (max_batch, max_detections) float32, ``class_ids`` (max_batch, max_detections)
+            int32, ``counts`` (max_batch,) int32; image b's first ``counts[b]`` rows count.
+        copied: event recorded on the copy stream after the batch's copies in.
+        done: event recorded on the compute stream after the D2H of the detections.
+        groups: set by the batcher: per frame geometry, (letterbox, pixel_format, start, end)
+            rows of ``table.host["pairs"]``, one preprocess launch each.
+        surfaces: GPU-decoded frames' planes, kept alive until ``done`` (their copies ran).
     """
 
     index: int
-    images: Any
-    outputs: Any
-    pairs_host: np.ndarray
-    pairs: Any
+    frames: Any
+    table: PinnedMirror
+    detections: PinnedMirror
+    copied: Any
+    done: Any
+    groups: list[tuple[Any, str, int, int]] = field(default_factory=list)
+    surfaces: list[Any] = field(default_factory=list)
 
 
 class BatchRing:
-    """A few ``BatchBuffers`` handed out in turn; ``acquire`` waits while all are in use."""
+    """A few ``BatchBuffers`` handed out in turn; ``acquire`` waits while all are in use.
 
-    def __init__(self, count: int, input_shape: tuple[int, ...], input_dtype: Any,
-                 output_shape: tuple[int, ...], output_dtype: Any) -> None:
+    Args:
+        count: sets (one being filled, one on the GPU, one being read back is 3).
+        max_batch: frames per set.
+        slot_bytes: bytes of a frame row (the slot ring's slot size).
+        max_detections: detection rows per frame.
+    """
+
+    def __init__(self, count: int, max_batch: int, slot_bytes: int, max_detections: int) -> None:
         import cupy
 
         self.sets = []
         for index in range(count):
-            memory = cupy.cuda.alloc_pinned_memory(input_shape[0] * 2 * 4)
-            pairs_host = np.frombuffer(memory, np.int32, input_shape[0] * 2).reshape(-1, 2)
+            table = PinnedMirror([("pairs", (max_batch, 2), np.int32),
+                                  ("letterbox", (max_batch, 6), np.float32)])
+            detections = PinnedMirror([
+                ("counts", (max_batch,), np.int32),
+                ("boxes", (max_batch, max_detections, 4), np.float32),
+                ("scores", (max_batch, max_detections), np.float32),
+                ("class_ids", (max_batch, max_detections), np.int32)])
             self.sets.append(BatchBuffers(
-                index, cupy.empty(input_shape, input_dtype), cupy.empty(output_shape, output_dtype),
-                pairs_host, cupy.empty((input_shape[0], 2), np.int32)))
+                index, cupy.empty((max_batch, slot_bytes), np.uint8), table, detections,
+                cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)))
         self._free: queue.Queue[BatchBuffers] = queue.Queue()
         for buffers in self.sets:
             self._free.put(buffers)
@@ -167,7 +180,8 @@ class BatchRing:
         return take(self._free, stop, "batch buffers")
 
     def release(self, buffers: BatchBuffers) -> None:
-        """Return a set once every host read of it is done (after the D2H of detections)."""
+        """Return a set once its ``done`` event completed and its results were read."""
+        buffers.groups, buffers.surfaces = [], []
         self._free.put(buffers)
 
 
@@ -254,22 +268,19 @@ class GpuContext:
         self.copy_stream = cupy.cuda.Stream(non_blocking=True)
         self.compute_stream = cupy.cuda.Stream(non_blocking=True)
         self.timeline = GpuTimeline(enabled=profile)
-        self.staging: FrameStaging | None = None
         self.batches: BatchRing | None = None
         properties = cupy.cuda.runtime.getDeviceProperties(device_id)
         self.name = properties["name"].decode()
         log.info("gpu ready", device=device_id, name=self.name,
                  compute_capability=f"{properties['major']}.{properties['minor']}")
 
-    def allocate(self, staging_slots: int, slot_bytes: int, batch_sets: int,
-                 input_shape: tuple[int, ...], input_dtype: Any,
-                 output_shape: tuple[int, ...], output_dtype: Any) -> None:
-        """Allocate every hot-path buffer once, before the first frame."""
+    def allocate(self, batch_sets: int, max_batch: int, slot_bytes: int,
+                 max_detections: int) -> None:
+        """Allocate the batch sets once, before the first frame."""
         self.device.use()
-        self.staging = FrameStaging(staging_slots, slot_bytes)
-        self.batches = BatchRing(batch_sets, input_shape, input_dtype, output_shape, output_dtype)
-        log.info("gpu buffers allocated", staging_slots=staging_slots,
-                 staging_mb=round(staging_slots * slot_bytes / 2**20, 1), batch_sets=batch_sets)
+        self.batches = BatchRing(batch_sets, max_batch, slot_bytes, max_detections)
+        log.info("gpu buffers allocated", batch_sets=batch_sets,
+                 frame_rows_mb=round(batch_sets * max_batch * slot_bytes / 2**20, 1))
 
     def activate(self) -> None:
         """Make this context's device current for the calling thread (CuPy is per thread)."""

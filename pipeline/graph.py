@@ -1,10 +1,14 @@
 """The graph: source threads fan in to a chain of stages that fans out to per-source sinks.
 
 ```
-source A ─┐                                                       ┌─> sink A
-source B ─┼─> queue ─> stage 1 ─> queue ─> ... ─> stage n ─> route ┼─> sink B
-source C ─┘  (one lane per source: block or drop_oldest)           └─> sink C
+source A ─┐                                                          ┌─> sink A
+source B ─┼─> queue ─> batcher ─> queue ─> ... ─> stage n ─> split ──┼─> sink B
+source C ─┘  (one lane per source: block or drop_oldest)   by source └─> sink C
 ```
+
+Frames travel one by one only into the batcher; after it every item is a batch record, and
+the last stage's ``BatchDetections`` is split by source once per batch (one queue put per
+source present in the batch).
 
 Each node runs on its own thread. The first exception in any node stops the graph: every
 thread is woken, joined with a timeout, and ``run()`` raises ``PipelineError`` from it.
@@ -12,9 +16,10 @@ thread is woken, joined with a timeout, and ``run()`` raises ``PipelineError`` f
 everything queued drains and every sink finalises; ``abort()`` (second Ctrl-C) stops at once.
 
 Live sources never hold the graph up: their lanes, in front of the first stage and of their
-sink, drop the oldest waiting frame when full, so a frame's capture-to-sink latency stays
-below (frames the queues can hold) x (time per frame of the slowest stage). The run ends
-when every source ended; when all file sources are done, the live ones are stopped too.
+sink, drop the oldest waiting item when full (returning its frame slots to the ring), so a
+frame's capture-to-sink latency stays below (frames the queues can hold) x (time per frame of
+the slowest stage). The run ends when every source ended; when all file sources are done, the
+live ones are stopped too.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import structlog
 
 from pipeline.metrics import SourceMetrics, StageMetrics
 from pipeline.queues import CLOSED, StageQueue, Stopped
-from pipeline.records import EndOfStream, Frame
+from pipeline.records import BatchDetections, EndOfStream, Frame
+from pipeline.slots import SlotRing
 from pipeline.stage import SourceStage, Stage, frames_in
 
 log = structlog.get_logger("graph")
@@ -52,8 +58,13 @@ class Graph:
         chain: stages every frame passes through, in order (at least one).
         sinks: the last stage of each source, keyed by source name.
         queue_size: capacity of every queue lane.
-        on_frame_done: called with each frame once its sink handled it (progress bars).
+        on_batch_done: called from a sink's thread with (source name, that source's part of
+            a batch) once the sink handled it (progress bars, Prometheus).
         stop: the event that aborts the graph, when stages created before it need it.
+        ring: the ``SlotRing`` the sources' frames live in: frames and batch parts dropped
+            from a live lane give their slots back to it. None when frames own their images.
+        release_at_sink: the sinks return their parts' slots (they are the last readers of
+            the host images); dropped sink-lane parts then return theirs here.
     """
 
     def __init__(
@@ -62,8 +73,10 @@ class Graph:
         chain: list[Stage],
         sinks: dict[str, Stage],
         queue_size: int,
-        on_frame_done: Callable[[Frame], None] | None = None,
+        on_batch_done: Callable[[str, BatchDetections], None] | None = None,
         stop: threading.Event | None = None,
+        ring: SlotRing | None = None,
+        release_at_sink: bool = False,
     ) -> None:
         if not chain:
             raise ValueError("the graph needs at least one stage between sources and sinks")
@@ -71,25 +84,34 @@ class Graph:
         self.stop_reading = threading.Event()
         self._stop = stop or threading.Event()  # shared with stages that wait on GPU buffers
         self.gpu: Any = None  # the GpuContext on the GPU path (for profiling), else None
-        self._on_frame_done = on_frame_done
+        self.ring = ring
+        self._on_batch_done = on_batch_done
         self._error: tuple[str, BaseException] | None = None
         self._error_lock = threading.Lock()
         self.stage_metrics = {n.name: StageMetrics(n.name) for n in [*chain, *sinks.values()]}
         self.source_metrics = {s.name: SourceMetrics(s.name) for s in sources}
 
+        self._dropped = {source.name: 0 for source in sources}  # frames, per source
+        self._dropped_lock = threading.Lock()
         self._inboxes = [StageQueue(stage.name, self._stop) for stage in chain]
         for source in sources:
-            policy = "drop_oldest" if source.live else "block"
-            self._inboxes[0].add_lane(source.name, queue_size, policy)
+            if source.live:
+                self._inboxes[0].add_lane(source.name, queue_size, "drop_oldest",
+                                          on_drop=self._drop_frame)
+            else:
+                self._inboxes[0].add_lane(source.name, queue_size, "block")
         for upstream, inbox in zip(chain, self._inboxes[1:]):
             inbox.add_lane(upstream.name, queue_size)
         self._sink_inboxes = {}
         live = {source.name: source.live for source in sources}
+        self._release_at_sink = release_at_sink
         for name, sink in sinks.items():
             inbox = StageQueue(sink.name, self._stop)
-            # A slow sink of a live source drops its oldest frame rather than stall the chain.
-            inbox.add_lane(chain[-1].name, queue_size,
-                           "drop_oldest" if live.get(name) else "block")
+            # A slow sink of a live source drops its oldest part rather than stall the chain.
+            if live.get(name):
+                inbox.add_lane(chain[-1].name, queue_size, "drop_oldest", on_drop=self._drop_part)
+            else:
+                inbox.add_lane(chain[-1].name, queue_size, "block")
             self._sink_inboxes[name] = inbox
         self._threads: list[threading.Thread] = []
 
@@ -103,6 +125,21 @@ class Graph:
         self._stop.set()
         for queue in [*self._inboxes, *self._sink_inboxes.values()]:
             queue.wake()
+
+    def _drop_frame(self, frame: Frame) -> None:
+        """A live lane in front of the batcher dropped ``frame``: count it, free its slot."""
+        with self._dropped_lock:
+            self._dropped[frame.source] += 1
+        if self.ring is not None and frame.slot >= 0:
+            self.ring.release([frame.slot])
+
+    def _drop_part(self, part: BatchDetections) -> None:
+        """A live sink lane dropped a batch part: count its frames, free their slots."""
+        name = part.frames.source_name(0)
+        with self._dropped_lock:
+            self._dropped[name] += len(part)
+        if self.ring is not None and self._release_at_sink:
+            self.ring.release(part.frames.slot)
 
     def _fail(self, node: str, error: BaseException) -> None:
         with self._error_lock:
@@ -127,13 +164,18 @@ class Graph:
             inbox.close(source.name)
             self._close_quietly(source)
 
-    def _run_stage(self, stage: Stage, inbox: StageQueue, emit: Callable[[Any], None],
+    def _run_stage(self, stage: Stage, inbox: StageQueue, emit: Callable[[Any], float],
                    close_outputs: Callable[[], None]) -> None:
+        """One stage's thread. Time inside its hooks is split into work and blocked time:
+        blocked is what ``emit`` waited for room downstream plus what the stage itself
+        reported waiting (``stage.blocked_s``: free buffers, the GPU)."""
         metrics = self.stage_metrics[stage.name]
+        sink_source = self._sink_of.get(stage.name)
         try:
             while True:
                 item = inbox.get(timeout=stage.poll_interval_s)
                 started = time.perf_counter()
+                stage_blocked = stage.blocked_s
                 if item is CLOSED:
                     self._emit_all(stage.finish(), emit)
                     break
@@ -143,11 +185,13 @@ class Graph:
                     outputs = stage.end_of_stream(item)
                 else:
                     outputs = stage.process(item)
-                self._emit_all(outputs, emit)
+                waited = self._emit_all(outputs, emit)
                 if item is not None and not isinstance(item, EndOfStream):
-                    metrics.record(frames_in(item), time.perf_counter() - started)
-                    if stage.name in self._sink_names and isinstance(item, Frame):
-                        self._frame_done(item)
+                    blocked = waited + stage.blocked_s - stage_blocked
+                    metrics.record(frames_in(item), time.perf_counter() - started - blocked,
+                                   blocked)
+                    if sink_source is not None:
+                        self._part_done(sink_source, item)
         except Stopped:
             pass
         except BaseException as error:  # noqa: BLE001 - surfaces from run()
@@ -157,18 +201,30 @@ class Graph:
             self._close_quietly(stage)
 
     @staticmethod
-    def _emit_all(outputs: Iterable[Any], emit: Callable[[Any], None]) -> None:
+    def _emit_all(outputs: Iterable[Any], emit: Callable[[Any], float]) -> float:
+        """Emit every output; returns the seconds spent waiting for room downstream."""
+        waited = 0.0
         for output in outputs:
-            emit(output)
+            waited += emit(output)
+        return waited
 
-    def _frame_done(self, frame: Frame) -> None:
-        self.source_metrics[frame.source].frame_done(time.time() - frame.capture_time)
-        if self._on_frame_done is not None:
-            self._on_frame_done(frame)
+    def _part_done(self, source: str, part: BatchDetections) -> None:
+        """A sink handled ``part`` (frames of ``source``): latencies, counters, hooks."""
+        latencies = time.time() - part.frames.capture_time
+        self.source_metrics[source].frames_done(latencies)
+        if self._on_batch_done is not None:
+            self._on_batch_done(source, part)
 
-    def _route(self, item: Any) -> None:
-        """Send the last chain stage's output to the sink of the item's source."""
-        self._sink_inboxes[item.source].put(self.chain[-1].name, item)
+    def _route(self, item: Any) -> float:
+        """Send the last chain stage's output to the sinks: an end marker to its source's
+        sink, a batch split by source (once per batch), each part to its source's sink."""
+        upstream = self.chain[-1].name
+        if isinstance(item, EndOfStream):
+            return self._sink_inboxes[item.source].put(upstream, item)
+        waited = 0.0
+        for source, part in item.by_source():
+            waited += self._sink_inboxes[source].put(upstream, part)
+        return waited
 
     def _close_quietly(self, node: Stage | SourceStage) -> None:
         try:
@@ -183,7 +239,7 @@ class Graph:
         Raises:
             PipelineError: a stage or source failed; the first failure is the cause.
         """
-        self._sink_names = {sink.name for sink in self.sinks.values()}
+        self._sink_of = {sink.name: name for name, sink in self.sinks.items()}
         opened: list[Stage] = []
         try:
             for stage in [*self.chain, *self.sinks.values()]:
@@ -212,7 +268,7 @@ class Graph:
         for name, sink in self.sinks.items():
             self._threads.append(threading.Thread(
                 target=self._run_stage,
-                args=(sink, self._sink_inboxes[name], lambda item: None, lambda: None),
+                args=(sink, self._sink_inboxes[name], lambda item: 0.0, lambda: None),
                 name=f"sink:{sink.name}", daemon=True))
         for thread in self._threads:
             thread.start()
@@ -224,11 +280,11 @@ class Graph:
 
     def refresh_source_metrics(self) -> None:
         """Bring ``source_metrics``' drop and reconnection counters up to date (any thread)."""
-        first = self._inboxes[0].dropped()
+        with self._dropped_lock:
+            dropped = dict(self._dropped)
         for source in self.sources:
             metrics = self.source_metrics[source.name]
-            sink_lane = self._sink_inboxes[source.name].dropped()
-            metrics.dropped = first[source.name] + sum(sink_lane.values())
+            metrics.dropped = dropped[source.name] + source.dropped
             metrics.reconnects = source.reconnects
 
     def queue_depths(self) -> dict[str, int]:

@@ -1,53 +1,70 @@
-"""Counters the graph keeps per stage and per source, and the end-of-run summary."""
+"""Counters the graph keeps per stage and per source, and the end-of-run summary.
+
+Both are fed once per item a stage handles (a batch counts once), never once per frame.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
 class StageMetrics:
-    """What one stage (or source) did.
+    """What one stage (or sink) did.
 
     Attributes:
         name: the stage's name.
         frames: frames that went through the stage.
         calls: items handled (a batch counts once).
-        busy_s: seconds spent inside the stage's hooks (excludes waiting on queues).
-        started, ended: monotonic times of the first and last item.
+        work_s: seconds spent doing the stage's work (its hooks), excluding ``blocked_s``.
+        blocked_s: seconds spent waiting on something else while handling items: for room in a
+            full downstream queue, for a free buffer or slot, or for the GPU.
+        started, ended: monotonic times the first item's handling began and the last ended.
     """
 
     name: str
     frames: int = 0
     calls: int = 0
-    busy_s: float = 0.0
+    work_s: float = 0.0
+    blocked_s: float = 0.0
     started: float | None = None
     ended: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record(self, frames: int, busy_s: float) -> None:
-        """Count one handled item of ``frames`` frames that took ``busy_s`` seconds."""
+    def record(self, frames: int, work_s: float, blocked_s: float) -> None:
+        """Count one handled item of ``frames`` frames.
+
+        Args:
+            frames: frames in the item (the batch size for a batch).
+            work_s: seconds of work on it.
+            blocked_s: seconds it waited for room downstream, a free buffer or the GPU.
+        """
         now = time.monotonic()
         with self._lock:
             if self.started is None:
-                self.started = now - busy_s
+                self.started = now - work_s - blocked_s
             self.ended = now
             self.frames += frames
             self.calls += 1
-            self.busy_s += busy_s
+            self.work_s += work_s
+            self.blocked_s += blocked_s
 
     def summary(self) -> dict[str, float | int | str]:
-        """Frames, throughput over the stage's active time, and busy milliseconds per frame."""
-        wall = (self.ended - self.started) if self.started is not None and self.ended else 0.0
+        """Frames, throughput over the stage's active time, work per frame, work and blocked time."""
+        with self._lock:
+            frames, work_s, blocked_s = self.frames, self.work_s, self.blocked_s
+            wall = (self.ended - self.started) if self.started is not None and self.ended else 0.0
         return {
             "stage": self.name,
-            "frames": self.frames,
-            "fps": round(self.frames / wall, 1) if wall > 0 else 0.0,
-            "busy_ms_per_frame": round(1000 * self.busy_s / self.frames, 2) if self.frames else 0.0,
-            "busy_s": round(self.busy_s, 3),
+            "frames": frames,
+            "fps": round(frames / wall, 1) if wall > 0 else 0.0,
+            "work_ms_per_frame": round(1000 * work_s / frames, 2) if frames else 0.0,
+            "work_s": round(work_s, 3),
+            "blocked_s": round(blocked_s, 3),
         }
 
 
@@ -63,31 +80,60 @@ class SourceMetrics:
         frames_out: frames that reached the sinks.
         dropped: frames a live source discarded because the pipeline was behind.
         reconnects: reconnection attempts of a stream (successful or not).
-        latency_s: capture-to-sink latencies of the last ``LATENCY_WINDOW`` frames, seconds.
         error: why the source ended early, or None.
+        latency_s: (read-only) capture-to-sink latencies of the last ``LATENCY_WINDOW`` frames,
+            seconds, oldest first: a copy, ``(min(frames_out, LATENCY_WINDOW),) float64``.
     """
 
     name: str
     frames_out: int = 0
     dropped: int = 0
     reconnects: int = 0
-    latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
     error: str | None = None
+    # The latency window: a ring of LATENCY_WINDOW float64, written at _head, _filled valid.
+    _ring: np.ndarray = field(default_factory=lambda: np.zeros(LATENCY_WINDOW, np.float64),
+                              repr=False)
+    _head: int = field(default=0, repr=False)
+    _filled: int = field(default=0, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def frame_done(self, latency_s: float) -> None:
-        """Count a frame that reached its sink ``latency_s`` seconds after its capture."""
+    def frames_done(self, latencies_s: np.ndarray) -> None:
+        """Count frames of this source that reached their sink: one call per batch slice.
+
+        Args:
+            latencies_s: ``(n,)`` float (any float dtype; stored as float64), each frame's
+                capture-to-sink latency in seconds. ``n`` may be 0.
+        """
+        latencies = np.asarray(latencies_s, dtype=np.float64).reshape(-1)
+        count = len(latencies)
+        if count > LATENCY_WINDOW:
+            latencies = latencies[-LATENCY_WINDOW:]
+        kept = len(latencies)
         with self._lock:
-            self.frames_out += 1
-            self.latency_s.append(latency_s)
+            self.frames_out += count
+            if kept:
+                first = min(kept, LATENCY_WINDOW - self._head)
+                self._ring[self._head:self._head + first] = latencies[:first]
+                self._ring[:kept - first] = latencies[first:]
+                self._head = (self._head + kept) % LATENCY_WINDOW
+                self._filled = min(LATENCY_WINDOW, self._filled + kept)
+
+    @property
+    def latency_s(self) -> np.ndarray:
+        """The latency window, oldest first (see the class docstring)."""
+        with self._lock:
+            if self._filled < LATENCY_WINDOW:
+                return self._ring[:self._filled].copy()
+            return np.concatenate((self._ring[self._head:], self._ring[:self._head]))
 
     def latency_percentile(self, q: float) -> float | None:
         """The q-th percentile (0..100) of the recorded latencies, in milliseconds."""
         with self._lock:
-            ordered = sorted(self.latency_s)
-        if not ordered:
+            window = self._ring[:self._filled].copy()
+        if not len(window):
             return None
-        return round(1000 * ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))], 1)
+        index = min(len(window) - 1, int(q / 100 * len(window)))
+        return round(1000 * float(np.partition(window, index)[index]), 1)
 
     def summary(self, elapsed_s: float) -> dict[str, float | int | str | None]:
         """Frames, rate over ``elapsed_s``, drops, reconnections, latency p50/p99 (ms), error."""

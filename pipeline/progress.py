@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from pipeline.records import Frame
-from pipeline.stage import SourceStage
+if TYPE_CHECKING:
+    from pipeline.stage import SourceStage
 
 
 class Progress:
@@ -24,8 +24,10 @@ class Progress:
         if all(c is not None for c in counts) and not any(s.live for s in sources):
             self._bar.reset(total=sum(counts))  # type: ignore[arg-type]
 
-    def frame_done(self, frame: Frame) -> None:
-        self._bar.update(1)
+    def frames_done(self, count: int) -> None:
+        """Count ``count`` frames that reached their sinks: one call (one update) per batch slice."""
+        if count:
+            self._bar.update(count)
 
     def __enter__(self) -> Progress:
         return self

@@ -2,21 +2,24 @@
 
 Serves ``http://ADDR:PORT/metrics`` from a daemon thread (prometheus-client's server). Counters
 and gauges are read from the graph when Prometheus scrapes, so the hot path pays nothing for
-them; only the latency histogram is fed per frame, by :meth:`PrometheusExporter.observe_frame`
-used as (or chained into) the graph's ``on_frame_done`` hook, so it counts every frame.
+them; only the latency histogram is fed, once per batch slice of one source, by
+:meth:`PrometheusExporter.observe_batch` (numpy bucketing, one lock operation per call).
 
 =========================================  =======  =========================================
 metric                                     type     labels, meaning
 =========================================  =======  =========================================
 pipeline_stage_frames_total                counter  stage: frames that went through it
 pipeline_stage_calls_total                 counter  stage: items handled (a batch counts once)
-pipeline_stage_busy_seconds_total          counter  stage: time inside its hooks
+pipeline_stage_work_seconds_total          counter  stage: time doing its work
+pipeline_stage_blocked_seconds_total       counter  stage: time waiting on a full downstream
+                                                    queue, a free buffer or the GPU
 pipeline_source_frames_total               counter  source: frames that reached its sink
 pipeline_source_fps                        gauge    source: frames/s over the last ~5 s
 pipeline_source_dropped_frames_total       counter  source: frames dropped (live, behind)
 pipeline_source_reconnects_total           counter  source: reconnection attempts
 pipeline_queue_depth                       gauge    queue (the stage or sink it feeds): items
-pipeline_frame_latency_seconds             histo    source: capture to sink
+pipeline_frame_latency_seconds             histo    source: capture to sink (``_bucket`` with
+                                                    ``le``, ``_sum``, ``_count``)
 =========================================  =======  =========================================
 """
 
@@ -25,30 +28,86 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+import numpy as np
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from pipeline.records import Frame
+from prometheus_client.utils import floatToGoString
 
 # Capture-to-sink latency: a few ms (GPU, batch 1) up to seconds (a backlog of file frames).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 FPS_WINDOW_S = 5.0
+_BOUNDS = np.asarray(LATENCY_BUCKETS_S, dtype=np.float64)
+_LE = [floatToGoString(b) for b in LATENCY_BUCKETS_S] + ["+Inf"]
+
+
+class LatencyHistogram:
+    """Capture-to-sink latency per source, fed in bulk (prometheus_client's ``Histogram`` is not).
+
+    Keeps, per source, a count per bucket of ``LATENCY_BUCKETS_S`` plus one for ``+Inf`` (not
+    cumulative) and the sum of the latencies. A latency equal to a bound counts in that bound's
+    bucket (Prometheus's ``le``).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, np.ndarray] = {}  # source -> (len(LATENCY_BUCKETS_S)+1,) int64
+        self._sums: dict[str, float] = {}
+
+    def observe(self, source: str, latencies_s: np.ndarray) -> None:
+        """Add the latencies of frames of one source.
+
+        Args:
+            source: the source's name.
+            latencies_s: ``(n,)`` float (any float dtype, compared as float64), seconds; ``n``
+                may be 0.
+        """
+        latencies = np.asarray(latencies_s, dtype=np.float64).reshape(-1)
+        if not len(latencies):
+            return
+        # side="left": the first bound >= the latency, i.e. the smallest `le` it falls under.
+        counts = np.bincount(np.searchsorted(_BOUNDS, latencies, side="left"),
+                             minlength=len(_BOUNDS) + 1)
+        total = float(latencies.sum())
+        with self._lock:
+            if source in self._counts:
+                self._counts[source] += counts
+                self._sums[source] += total
+            else:
+                self._counts[source] = counts.astype(np.int64)
+                self._sums[source] = total
+
+    def family(self, sources: Iterable[str] = ()) -> HistogramMetricFamily:
+        """The histogram as a metric family: every observed source, and ``sources`` (zeros)."""
+        with self._lock:
+            snapshot = {name: (counts.copy(), self._sums[name]) for name, counts in self._counts.items()}
+        for name in sources:
+            snapshot.setdefault(name, (np.zeros(len(_BOUNDS) + 1, np.int64), 0.0))
+        family = HistogramMetricFamily("pipeline_frame_latency_seconds",
+                                       "Capture-to-sink latency of each frame.", labels=["source"])
+        for name, (counts, total) in snapshot.items():
+            cumulative = np.cumsum(counts)
+            family.add_metric([name], list(zip(_LE, (int(c) for c in cumulative))), total)
+        return family
 
 
 class GraphCollector(Collector):
     """Reads a graph's counters at scrape time (see the module docstring for the metrics).
 
     Args:
-        graph: a ``pipeline.graph.Graph``; read through ``stage_metrics``, ``source_metrics``,
-            ``refresh_source_metrics()`` and ``queue_depths()``.
+        graph: a ``pipeline.graph.Graph``; read through ``stage_metrics`` (name ->
+            ``StageMetrics``), ``source_metrics`` (name -> ``SourceMetrics``),
+            ``refresh_source_metrics()`` and ``queue_depths()`` (queue name -> items).
+        latency: the latency histogram to expose with the graph's counters, or None; every
+            source of the graph appears in it, with zeros until its first frame.
     """
 
-    def __init__(self, graph: Any) -> None:
+    def __init__(self, graph: Any, latency: LatencyHistogram | None = None) -> None:
         self.graph = graph
+        self.latency = latency
         self._history: dict[str, deque[tuple[float, int]]] = {}
         self._started = time.monotonic()
         self._lock = threading.Lock()  # two scrapes at once must not interleave the history
@@ -59,13 +118,17 @@ class GraphCollector(Collector):
                                      labels=["stage"])
         calls = CounterMetricFamily("pipeline_stage_calls", "Items handled (a batch counts once).",
                                     labels=["stage"])
-        busy = CounterMetricFamily("pipeline_stage_busy_seconds", "Seconds inside the stage.",
+        work = CounterMetricFamily("pipeline_stage_work_seconds", "Seconds doing the stage's work.",
                                    labels=["stage"])
+        blocked = CounterMetricFamily("pipeline_stage_blocked_seconds",
+                                      "Seconds the stage waited on a full downstream queue, "
+                                      "a free buffer or the GPU.", labels=["stage"])
         for stage in graph.stage_metrics.values():
             frames.add_metric([stage.name], stage.frames)
             calls.add_metric([stage.name], stage.calls)
-            busy.add_metric([stage.name], stage.busy_s)
-        yield from (frames, calls, busy)
+            work.add_metric([stage.name], stage.work_s)
+            blocked.add_metric([stage.name], stage.blocked_s)
+        yield from (frames, calls, work, blocked)
 
         graph.refresh_source_metrics()
         done = CounterMetricFamily("pipeline_source_frames", "Frames that reached the sink.",
@@ -92,6 +155,9 @@ class GraphCollector(Collector):
             depth.add_metric([name], items)
         yield depth
 
+        if self.latency is not None:
+            yield self.latency.family(list(graph.source_metrics))
+
     def _rate(self, name: str, frames: int, now: float) -> float:
         """Frames/s since the oldest sample still at least ``FPS_WINDOW_S`` old."""
         with self._lock:
@@ -109,7 +175,7 @@ class PrometheusExporter:
     Usage::
 
         exporter = PrometheusExporter(config.runtime.metrics_port)
-        graph = build_graph(config, on_frame_done=exporter.observe_frame)
+        graph = build_graph(config, ...)   # calls exporter.observe_batch per batch slice
         exporter.start(graph)
         try:
             graph.run()
@@ -124,14 +190,20 @@ class PrometheusExporter:
     def __init__(self, port: int, addr: str = "0.0.0.0") -> None:
         self.port, self.addr = port, addr
         self.registry = CollectorRegistry()
-        self.latency = Histogram("pipeline_frame_latency_seconds",
-                                 "Capture-to-sink latency of each frame.", ["source"],
-                                 buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.latency = LatencyHistogram()
         self._server: Any = None
 
-    def observe_frame(self, frame: Frame) -> None:
-        """Record a frame that reached its sink (the graph's ``on_frame_done`` hook)."""
-        self.latency.labels(frame.source).observe(time.time() - frame.capture_time)
+    def observe_batch(self, source: str, latencies_s: np.ndarray) -> None:
+        """Record frames of one source that reached its sink: once per batch slice.
+
+        Thread-safe; may be called before ``start``.
+
+        Args:
+            source: the source's name.
+            latencies_s: ``(n,)`` float (any float dtype), each frame's capture-to-sink
+                latency in seconds; ``n`` may be 0.
+        """
+        self.latency.observe(source, latencies_s)
 
     def start(self, graph: Any) -> int:
         """Start serving ``graph``'s metrics; returns the port bound.
@@ -139,7 +211,7 @@ class PrometheusExporter:
         Raises:
             OSError: the port is taken or cannot be bound (the message names it).
         """
-        self.registry.register(GraphCollector(graph))
+        self.registry.register(GraphCollector(graph, self.latency))
         try:
             self._server, _ = start_http_server(self.port, self.addr, registry=self.registry)
         except OSError as error:

@@ -3,13 +3,25 @@
 A ``StageQueue`` has one lane per producer (one per source in front of the first stage, one
 in front of every later stage). Each lane is bounded and has its policy:
 
-- ``block``: ``put`` waits while the lane is full (file sources: no frame is ever lost);
-- ``drop_oldest``: ``put`` on a full lane discards the oldest waiting frame and counts it
-  (live sources: latency stays bounded instead of growing).
+- ``block``: ``put`` waits while the lane is full (file sources: no frame is ever lost) and
+  returns how long it waited, so the graph can report time blocked downstream apart from work;
+- ``drop_oldest``: ``put`` on a full lane discards the oldest waiting item, counts it and hands
+  it to the lane's ``on_drop`` callback (live sources: latency stays bounded instead of
+  growing, and the dropped item's resources, such as its frame slot, go back to their owner).
+
+An ``EndOfStream`` is never dropped: a ``drop_oldest`` lane discards the oldest item that is not
+one, and waits like a ``block`` lane when it holds nothing else.
 
 ``get`` takes from the lanes round-robin, so one busy source cannot starve the others. When
 every lane is closed and empty, ``get`` returns ``CLOSED``. Every wait also wakes on the
 graph's stop event, so no thread can hang on a full or empty queue during shutdown.
+
+Waking: one lock, a ``not_empty`` condition the consumer waits on and one ``not_full``
+condition per lane its producer waits on. A ``put`` notifies one consumer; a ``get`` from lane
+L notifies one producer of lane L, and nobody else. Only ``close`` (the consumer must see
+``CLOSED``) and ``wake`` (shutdown) notify every waiter. So the wake-ups per item stay constant
+however many cameras feed the queue. Waits are bounded (``POLL_S``): a stop that races with a
+notification is still seen within ``POLL_S`` seconds.
 """
 
 from __future__ import annotations
@@ -17,12 +29,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pipeline.records import EndOfStream
 
 QueuePolicy = Literal["block", "drop_oldest"]
+
+# Longest single wait on a condition before the stop event is checked again, seconds.
+POLL_S = 0.1
 
 
 class Closed:
@@ -43,6 +59,8 @@ class Stopped(Exception):
 class _Lane:
     capacity: int
     policy: QueuePolicy
+    not_full: threading.Condition
+    on_drop: Callable[[Any], None] | None = None
     items: deque = field(default_factory=deque)
     closed: bool = False
     dropped: int = 0
@@ -60,33 +78,67 @@ class StageQueue:
         self.name = name
         self._stop = stop
         self._lanes: dict[str, _Lane] = {}
-        self._order: list[str] = []
+        self._order: list[_Lane] = []
         self._next = 0
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._not_empty = threading.Condition(self._lock)
 
-    def add_lane(self, lane: str, capacity: int, policy: QueuePolicy = "block") -> None:
-        """Declare a producer's lane; done while the graph is wired, before threads start."""
+    def add_lane(self, lane: str, capacity: int, policy: QueuePolicy = "block",
+                 on_drop: Callable[[Any], None] | None = None) -> None:
+        """Declare a producer's lane; done while the graph is wired, before threads start.
+
+        Args:
+            lane: the lane's name (unique in this queue).
+            capacity: most items the lane holds, >= 1.
+            policy: ``block`` or ``drop_oldest`` (see the module docstring).
+            on_drop: called with every item a ``drop_oldest`` lane discards, in the producer's
+                thread, by the ``put`` that discarded it, *outside* the queue's lock (so it may
+                take other locks, such as a slot ring's, or even use this queue), after the new
+                item was enqueued. An exception it raises propagates out of that ``put``.
+
+        Raises:
+            ValueError: capacity < 1, an unknown policy, or a lane of that name exists.
+        """
         if capacity < 1:
             raise ValueError(f"queue {self.name}: capacity must be >= 1, got {capacity}")
-        self._lanes[lane] = _Lane(capacity, policy)
-        self._order.append(lane)
+        if policy not in ("block", "drop_oldest"):
+            raise ValueError(f"queue {self.name}: policy must be block or drop_oldest, got {policy!r}")
+        if lane in self._lanes:
+            raise ValueError(f"queue {self.name}: lane {lane!r} declared twice")
+        state = _Lane(capacity, policy, threading.Condition(self._lock), on_drop)
+        with self._lock:
+            self._lanes[lane] = state
+            self._order.append(state)
 
-    def put(self, lane: str, item: Any) -> None:
+    def put(self, lane: str, item: Any) -> float:
         """Append ``item`` to ``lane`` following the lane's policy.
+
+        Returns:
+            Seconds spent waiting for room (0.0 when the lane had room or dropped its oldest
+            item instead).
 
         Raises:
             Stopped: the graph was stopped while waiting for room.
         """
         state = self._lanes[lane]
-        with self._cond:
+        dropped: list[Any] = []
+        waited = 0.0
+        with self._lock:
             while len(state.items) >= state.capacity:
-                if state.policy == "drop_oldest" and not isinstance(state.items[0], EndOfStream):
-                    state.items.popleft()
-                    state.dropped += 1
-                    break
-                self._wait()
+                if state.policy == "drop_oldest":
+                    victim = self._drop_oldest(state)
+                    if victim is not _NOTHING:
+                        dropped.append(victim)
+                        continue
+                began = time.monotonic()
+                self._wait(state.not_full)
+                waited += time.monotonic() - began
             state.items.append(item)
-            self._cond.notify_all()
+            self._not_empty.notify()
+        if state.on_drop is not None:
+            for victim in dropped:
+                state.on_drop(victim)
+        return waited
 
     def get(self, timeout: float | None = None) -> Any:
         """Take the next item round-robin over the lanes.
@@ -101,46 +153,68 @@ class StageQueue:
             Stopped: the graph was stopped while waiting.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             while True:
-                for _ in range(len(self._order)):
-                    state = self._lanes[self._order[self._next]]
-                    self._next = (self._next + 1) % len(self._order)
+                count = len(self._order)
+                for _ in range(count):
+                    state = self._order[self._next]
+                    self._next = (self._next + 1) % count
                     if state.items:
                         item = state.items.popleft()
-                        self._cond.notify_all()
+                        state.not_full.notify()
                         return item
-                if all(s.closed for s in self._lanes.values()):
+                if all(s.closed for s in self._order):
                     return CLOSED
-                if deadline is not None and time.monotonic() >= deadline:
-                    return None
-                self._wait(None if deadline is None else deadline - time.monotonic())
+                if deadline is None:
+                    self._wait(self._not_empty)
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return None
+                    self._wait(self._not_empty, left)
 
     def close(self, lane: str) -> None:
         """The producer of ``lane`` will put nothing more."""
-        with self._cond:
+        with self._lock:
             self._lanes[lane].closed = True
-            self._cond.notify_all()
+            self._not_empty.notify_all()
 
     def depth(self) -> int:
         """Items waiting in all lanes."""
-        with self._cond:
-            return sum(len(s.items) for s in self._lanes.values())
+        with self._lock:
+            return sum(len(s.items) for s in self._order)
 
     def dropped(self) -> dict[str, int]:
-        """Frames discarded so far, per lane."""
-        with self._cond:
+        """Items discarded so far, per lane."""
+        with self._lock:
             return {name: s.dropped for name, s in self._lanes.items()}
 
     def wake(self) -> None:
         """Wake every waiting thread (called after the stop event is set)."""
-        with self._cond:
-            self._cond.notify_all()
+        with self._lock:
+            self._not_empty.notify_all()
+            for state in self._order:
+                state.not_full.notify_all()
 
-    def _wait(self, timeout: float | None = None) -> None:
+    def _drop_oldest(self, state: _Lane) -> Any:
+        """Remove and count the oldest item that is not an EndOfStream; ``_NOTHING`` if none.
+
+        Called with the lock held.
+        """
+        for index, candidate in enumerate(state.items):
+            if not isinstance(candidate, EndOfStream):
+                del state.items[index]
+                state.dropped += 1
+                return candidate
+        return _NOTHING
+
+    def _wait(self, condition: threading.Condition, timeout: float | None = None) -> None:
+        """Wait on ``condition`` (lock held) at most ``POLL_S``; raise ``Stopped`` if stopping."""
         if self._stop.is_set():
             raise Stopped(self.name)
-        # A bounded wait: a stop that raced with notify_all is still seen within 0.1 s.
-        self._cond.wait(0.1 if timeout is None else max(0.0, min(timeout, 0.1)))
+        condition.wait(POLL_S if timeout is None else max(0.0, min(timeout, POLL_S)))
         if self._stop.is_set():
             raise Stopped(self.name)
+
+
+_NOTHING = object()

@@ -1,7 +1,16 @@
-"""Records that flow between stages: frames, detections and batches.
+"""Records that flow between stages: frames before the batcher, batches after it.
 
-Every record is a dataclass validated in ``__post_init__``. Arrays may be NumPy (host) or
-CuPy (device) arrays; the records never import CuPy themselves.
+```
+decode --Frame--> batcher --FrameBatch--> infer --ModelOutputs--> postprocess
+       --BatchDetections--> annotate --> split by source once per batch --> sinks
+```
+
+Before the batcher the unit is one decoded ``Frame``. From the batcher on, the unit is the
+batch: ``FrameBatch`` holds the batch's frames as columns (arrays of source, frame index,
+pts, ...), ``BatchDetections`` holds all their detections in flat arrays with per-frame
+offsets, and the per-frame ``Detections`` users see is a view of it. Batch records are
+validated once, in ``__post_init__``, not per frame. Arrays may be NumPy (host) or CuPy
+(device) arrays where a docstring says so; the records never import CuPy themselves.
 """
 
 from __future__ import annotations
@@ -11,6 +20,8 @@ from fractions import Fraction
 from typing import Any
 
 import numpy as np
+
+LETTERBOX_COLUMNS = ("scale_x", "scale_y", "pad_left", "pad_top", "src_width", "src_height")
 
 
 def _check_shape(name: str, array: Any, expected: tuple[int | None, ...]) -> None:
@@ -63,24 +74,10 @@ class Detections:
             index = slice(int(index), int(index) + 1)
         return Detections(self.xyxy[index], self.confidence[index], self.class_id[index])
 
-    def to_records(self, class_names: list[str] | None = None) -> list[dict[str, Any]]:
-        """Plain dicts for JSON output (host arrays only)."""
-        out = []
-        for box, score, cls in zip(self.xyxy.tolist(), self.confidence.tolist(), self.class_id.tolist()):
-            record: dict[str, Any] = {
-                "class_id": int(cls),
-                "confidence": round(float(score), 4),
-                "xyxy": [round(float(v), 2) for v in box],
-            }
-            if class_names is not None and 0 <= cls < len(class_names):
-                record["class_name"] = class_names[cls]
-            out.append(record)
-        return out
-
 
 @dataclass
 class Frame:
-    """One decoded video frame and everything learnt about it on its way through the graph.
+    """One decoded video frame, before the batcher.
 
     Attributes:
         source: name of the source (unique in the config).
@@ -92,19 +89,18 @@ class Frame:
         image: the picture as I420 (YUV 4:2:0 planar): (height * 3 // 2, width) uint8 host
             array, rows 0..height-1 the Y plane, then the U and the V plane, each
             (height // 2) x (width // 2) stored contiguously -- PyAV's ``yuv420p`` layout.
-            Kept in YUV end to end: preprocessing converts colour on the fly, annotation
-            draws on the planes and the encoder takes them as they are. None once released.
-        device_slot: index of the GPU staging slot holding this frame, or None on the CPU path.
-        pixel_format: layout of the frame's 4:2:0 samples, in ``image`` or in its staging
-            slot: "i420" (planar U then V) or "nv12" (one interleaved UV plane, as GPU
-            decoders write it); the preprocess kernel reads both.
-        device_planes: a GPU-decoded frame's pictures before the upload stage packs them into
-            a staging slot: (Y (height, width) uint8, UV (height // 2, width // 2, 2) uint8)
-            CuPy views of the decoder's output surface (row pitch ``strides[0]``, usually
-            more than ``width``), valid on the legacy default stream of the CUDA primary
-            context (FFmpeg queues its copies there); they hold a reference to the surface,
-            so the decoder cannot reuse it while they live. None otherwise.
-        detections: filled in by the postprocess stage.
+            Usually a view of slot ``slot`` of the pipeline's ``pipeline.slots.SlotRing``
+            (pinned host memory on the GPU path). None for a GPU-decoded frame.
+        slot: the ring slot holding ``image``, or -1 when ``image`` is an array of its own
+            (or there is none). Whoever drops or finishes with the frame returns the slot.
+        pixel_format: layout of the frame's 4:2:0 samples: "i420" (planar U then V) or
+            "nv12" (one interleaved UV plane, as GPU decoders write it).
+        device_planes: a GPU-decoded frame's pictures: (Y (height, width) uint8, UV
+            (height // 2, width // 2, 2) uint8) CuPy views of the decoder's output surface
+            (row pitch ``strides[0]``, usually more than ``width``), valid on the legacy
+            default stream of the CUDA primary context (FFmpeg queues its copies there); they
+            hold a reference to the surface, so the decoder cannot reuse it while they live.
+            None otherwise.
     """
 
     source: str
@@ -115,8 +111,7 @@ class Frame:
     height: int
     rate: Fraction | None = None
     image: Any = None
-    device_slot: int | None = None
-    detections: Detections | None = None
+    slot: int = -1
     pixel_format: str = "i420"
     device_planes: tuple[Any, Any] | None = None
 
@@ -125,10 +120,6 @@ class Frame:
             raise ValueError(f"frame size must be positive and even, got {self.width}x{self.height}")
         if self.image is not None:
             _check_shape("image", self.image, (self.height * 3 // 2, self.width))
-        if self.device_planes is not None:
-            _check_shape("device_planes[0]", self.device_planes[0], (self.height, self.width))
-            _check_shape("device_planes[1]", self.device_planes[1],
-                         (self.height // 2, self.width // 2, 2))
 
 
 @dataclass
@@ -147,33 +138,225 @@ class EndOfStream:
 
 
 @dataclass
-class Batch:
-    """Frames preprocessed together for one inference call.
+class FrameBatch:
+    """The frames of one inference call, as columns (batch order = the model's batch axis).
 
     Attributes:
-        frames: the frames, in the order of the batch dimension.
-        letterboxes: for each frame, how its image was fitted into the model input.
-        images: (len(frames), 3, H, W) model input, float32 or float16, host or device.
-        outputs: (len(frames), 4 + classes, anchors) raw model output, same device as images;
-            set by the infer stage.
-        buffers: on the GPU path, the ``pipeline.gpu.BatchBuffers`` set holding ``images``
-            and ``outputs``, returned to its ring by the postprocess stage; else None.
-        timeline_token: the open 'compute' range of ``GpuTimeline`` when profiling, else None.
+        source_names: every source's name; ``source`` indexes it (shared by all batches).
+        source: (n,) int32 host array, the source of each frame.
+        index: (n,) int64 host array, frame numbers within their sources.
+        pts: (n,) float64 host array, presentation times in seconds (NaN when unknown).
+        capture_time: (n,) float64 host array, wall-clock capture times (``time.time()``).
+        width, height: (n,) int32 host arrays, frame sizes in pixels.
+        letterbox: (n, 6) float32 host array, how each frame was fitted into the model
+            input; columns ``LETTERBOX_COLUMNS`` (scale_x, scale_y, pad_left, pad_top,
+            src_width, src_height), as in ``kernels.preprocess.Letterbox``.
+        slot: (n,) int32 host array, the ring slot holding each frame's image (-1: none).
+        images: n host I420 arrays ((height * 3 // 2, width) uint8, views of ring slots),
+            None for a frame decoded on the GPU; read by annotate and the video sink.
+        rates: n nominal frame rates (frames/s) of the frames' sources, None when unknown.
+        buffers: on the GPU path, the ``pipeline.gpu.BatchBuffers`` set that carries the batch
+            through the device (its frames, model input, detections); None on the CPU path.
     """
 
-    frames: list[Frame]
-    letterboxes: list[Any]
-    images: Any
-    outputs: Any = None
+    source_names: tuple[str, ...]
+    source: np.ndarray
+    index: np.ndarray
+    pts: np.ndarray
+    capture_time: np.ndarray
+    width: np.ndarray
+    height: np.ndarray
+    letterbox: np.ndarray
+    slot: np.ndarray
+    images: list[Any]
+    rates: list[Fraction | None]
     buffers: Any = None
-    timeline_token: Any = None
 
     def __post_init__(self) -> None:
-        if len(self.frames) != len(self.letterboxes):
-            raise ValueError(
-                f"batch has {len(self.frames)} frames but {len(self.letterboxes)} letterboxes"
-            )
-        if self.images is not None and self.images.shape[0] < len(self.frames):
-            raise ValueError(
-                f"images hold {self.images.shape[0]} slots for {len(self.frames)} frames"
-            )
+        n = self.source.shape[0]
+        for name, dtype in (("source", np.int32), ("index", np.int64), ("pts", np.float64),
+                            ("capture_time", np.float64), ("width", np.int32),
+                            ("height", np.int32), ("slot", np.int32)):
+            array = getattr(self, name)
+            _check_shape(name, array, (n,))
+            if array.dtype != dtype:
+                raise ValueError(f"{name} must be {np.dtype(dtype).name}, got {array.dtype}")
+        _check_shape("letterbox", self.letterbox, (n, len(LETTERBOX_COLUMNS)))
+        if len(self.images) != n or len(self.rates) != n:
+            raise ValueError(f"batch of {n} frames has {len(self.images)} images and "
+                             f"{len(self.rates)} rates")
+        if n and not 0 <= int(self.source.min()) <= int(self.source.max()) < len(self.source_names):
+            raise ValueError(f"source ids must index {len(self.source_names)} source names")
+
+    def __len__(self) -> int:
+        return int(self.source.shape[0])
+
+    @classmethod
+    def from_frames(cls, frames: list[Frame], source_ids: dict[str, int],
+                    source_names: tuple[str, ...], letterbox: np.ndarray,
+                    buffers: Any = None) -> FrameBatch:
+        """Columns of ``frames`` (one pass over them).
+
+        Args:
+            frames: the frames, in batch order.
+            source_ids: source name -> its index in ``source_names``.
+            letterbox: (len(frames), 6) float32 host array (see the class docstring).
+        """
+        return cls(
+            source_names=source_names,
+            source=np.fromiter((source_ids[f.source] for f in frames), np.int32, len(frames)),
+            index=np.fromiter((f.index for f in frames), np.int64, len(frames)),
+            pts=np.fromiter((np.nan if f.pts is None else f.pts for f in frames), np.float64,
+                            len(frames)),
+            capture_time=np.fromiter((f.capture_time for f in frames), np.float64, len(frames)),
+            width=np.fromiter((f.width for f in frames), np.int32, len(frames)),
+            height=np.fromiter((f.height for f in frames), np.int32, len(frames)),
+            letterbox=letterbox,
+            slot=np.fromiter((f.slot for f in frames), np.int32, len(frames)),
+            images=[f.image for f in frames],
+            rates=[f.rate for f in frames],
+            buffers=buffers,
+        )
+
+    def select(self, rows: np.ndarray) -> FrameBatch:
+        """The frames at ``rows`` ((k,) integer host array of batch positions), in that order.
+        The result has no ``buffers``: only the whole batch owns its device set."""
+        return FrameBatch(
+            self.source_names, self.source[rows], self.index[rows], self.pts[rows],
+            self.capture_time[rows], self.width[rows], self.height[rows], self.letterbox[rows],
+            self.slot[rows], [self.images[i] for i in rows.tolist()],
+            [self.rates[i] for i in rows.tolist()])
+
+    def source_name(self, row: int) -> str:
+        """The source name of the frame at batch position ``row``."""
+        return self.source_names[int(self.source[row])]
+
+    def pts_at(self, row: int) -> float | None:
+        """The pts of the frame at ``row`` as in a JSON record (None when unknown)."""
+        value = float(self.pts[row])
+        return None if value != value else value
+
+
+@dataclass
+class ModelOutputs:
+    """A batch after the model ran (the infer stage's output).
+
+    Attributes:
+        frames: the batch.
+        outputs: CPU path: the raw (n, 4 + classes, anchors) float32 host model output.
+            GPU path: None; the NMS already ran on the device and the batch's detections
+            are on their way to ``frames.buffers``' pinned host buffer (its ``done`` event).
+    """
+
+    frames: FrameBatch
+    outputs: Any = None
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+
+@dataclass
+class BatchDetections:
+    """The detections of every frame of a batch, flat, in source-frame pixels (host arrays).
+
+    Frame ``i``'s detections are rows ``offsets[i]:offsets[i + 1]``, best score first;
+    ``batch[i]`` is a ``Detections`` view of them (no copy).
+
+    Attributes:
+        frames: the frames the detections belong to.
+        xyxy: (m, 4) float32 boxes x1, y1, x2, y2, clipped to their frame.
+        confidence: (m,) float32 scores.
+        class_id: (m,) int32 class indices.
+        offsets: (n + 1,) int64, non-decreasing, ``offsets[0] == 0``, ``offsets[n] == m``.
+    """
+
+    frames: FrameBatch
+    xyxy: np.ndarray
+    confidence: np.ndarray
+    class_id: np.ndarray
+    offsets: np.ndarray
+
+    def __post_init__(self) -> None:
+        m, n = self.xyxy.shape[0], len(self.frames)
+        _check_shape("xyxy", self.xyxy, (m, 4))
+        _check_shape("confidence", self.confidence, (m,))
+        _check_shape("class_id", self.class_id, (m,))
+        _check_shape("offsets", self.offsets, (n + 1,))
+        if int(self.offsets[0]) != 0 or int(self.offsets[-1]) != m or (
+                n and bool((np.diff(self.offsets) < 0).any())):
+            raise ValueError(f"offsets must rise from 0 to {m}, got {self.offsets.tolist()}")
+
+    def __len__(self) -> int:
+        """Number of frames."""
+        return len(self.frames)
+
+    def __getitem__(self, row: int) -> Detections:
+        """The detections of the frame at batch position ``row``: views, no copy."""
+        start, end = int(self.offsets[row]), int(self.offsets[row + 1])
+        return Detections(self.xyxy[start:end], self.confidence[start:end],
+                          self.class_id[start:end])
+
+    @property
+    def counts(self) -> np.ndarray:
+        """(n,) int64 host array: detections per frame."""
+        return np.diff(self.offsets)
+
+    def select(self, rows: np.ndarray) -> BatchDetections:
+        """The frames at ``rows`` ((k,) integer host array of batch positions) with their
+        detections, gathered into new flat arrays."""
+        counts = self.counts[rows]
+        offsets = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        starts = self.offsets[rows]
+        # Row numbers of every kept detection, frame by frame, in one vectorised gather.
+        detection_rows = np.repeat(starts - offsets[:-1], counts) + np.arange(offsets[-1])
+        return BatchDetections(self.frames.select(rows), self.xyxy[detection_rows],
+                               self.confidence[detection_rows], self.class_id[detection_rows],
+                               offsets)
+
+    def by_source(self) -> list[tuple[str, BatchDetections]]:
+        """The batch split by source (once per batch): (source name, its frames in batch
+        order with their detections), one entry per source present."""
+        source = self.frames.source
+        if len(source) and (source == source[0]).all():
+            return [(self.frames.source_names[int(source[0])], self)]
+        order = np.argsort(source, kind="stable")
+        ids, starts = np.unique(source[order], return_index=True)
+        bounds = [*starts.tolist(), len(order)]
+        return [(self.frames.source_names[int(ids[k])], self.select(order[bounds[k]:bounds[k + 1]]))
+                for k in range(len(ids))]
+
+    @classmethod
+    def from_padded(cls, frames: FrameBatch, boxes: np.ndarray, scores: np.ndarray,
+                    class_ids: np.ndarray, counts: np.ndarray) -> BatchDetections:
+        """Flatten per-image padded results (the GPU's layout) into a batch record.
+
+        Args:
+            boxes: (>= n, D, 4) float32 host array; image b's first ``counts[b]`` rows count.
+            scores: (>= n, D) float32 host array.
+            class_ids: (>= n, D) int32 host array.
+            counts: (>= n,) integer host array, each at most D.
+        """
+        n = len(frames)
+        counts = counts[:n].astype(np.int64)
+        keep = np.arange(boxes.shape[1])[None, :] < counts[:, None]  # (n, D), row-major order
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        return cls(frames, boxes[:n][keep], scores[:n][keep], class_ids[:n][keep].astype(np.int32),
+                   offsets)
+
+    @classmethod
+    def from_lists(cls, frames: FrameBatch, per_frame: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+                   ) -> BatchDetections:
+        """Concatenate per-frame results (the CPU reference's layout): per frame (xyxy (k, 4)
+        float32, scores (k,) float32, class_ids (k,) int32) host arrays in frame pixels."""
+        counts = [len(scores) for _, scores, _ in per_frame]
+        offsets = np.zeros(len(per_frame) + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        if not per_frame:
+            return cls(frames, np.empty((0, 4), np.float32), np.empty(0, np.float32),
+                       np.empty(0, np.int32), offsets)
+        return cls(frames,
+                   np.concatenate([np.asarray(x, np.float32).reshape(-1, 4) for x, _, _ in per_frame]),
+                   np.concatenate([np.asarray(s, np.float32) for _, s, _ in per_frame]),
+                   np.concatenate([np.asarray(c, np.int32) for _, _, c in per_frame]), offsets)

@@ -21,18 +21,23 @@ class Stage:
         name: unique name, used in logs and metrics.
         poll_interval_s: when set, ``on_idle`` is called after this long without input
             (batching stages use it to run a partial batch).
+        blocked_s: seconds the stage's hooks spent waiting rather than working (for a free
+            buffer set, for the GPU); the stage adds to it, the graph reports it apart from
+            work time.
     """
 
     poll_interval_s: float | None = None
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.blocked_s = 0.0
 
     def open(self) -> None:
         """Allocate buffers and warm up; called once before any frame flows."""
 
     def process(self, item: Any) -> Iterable[Any]:
-        """Handle one frame (or batch) and return what goes downstream."""
+        """Handle one item (a ``Frame`` before the batcher, a batch record after it) and
+        return what goes downstream; subclasses declare the record types they take."""
         return (item,)
 
     def end_of_stream(self, eos: EndOfStream) -> Iterable[Any]:
@@ -60,11 +65,14 @@ class SourceStage:
             instead of blocking).
         expected_frames: frame count announced by a file's container, or None when unknown.
         reconnects: reconnection attempts so far (live streams).
+        dropped: frames a live source decoded but discarded because every frame slot was in
+            flight (the pipeline is behind); they still count in the frame index.
     """
 
     live: bool = False
     expected_frames: int | None = None
     reconnects: int = 0
+    dropped: int = 0
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -80,8 +88,10 @@ class SourceStage:
 
 
 def frames_in(item: Any) -> int:
-    """How many frames an item carries (for metrics)."""
+    """How many frames an item carries (for metrics): 1 for a ``Frame``, the batch size for
+    a batch record, 0 for a marker."""
     if isinstance(item, Frame):
         return 1
-    frames = getattr(item, "frames", None)
-    return len(frames) if isinstance(frames, list) else 0
+    if isinstance(item, EndOfStream):
+        return 0
+    return len(item)

@@ -1,5 +1,7 @@
 """Annotate: draw each frame's detections (box, class name, score) onto its I420 planes.
 
+The stage gets one ``BatchDetections`` per batch and draws on the batch's host images in
+place (the images are views of the pipeline's slot ring; the video sink encodes them later).
 Drawing on the Y, U and V planes directly (boxes in the class colour, converted to YUV)
 avoids two colour conversions per frame: the encoder takes I420 as it is.
 """
@@ -11,7 +13,7 @@ from collections.abc import Iterable
 import cv2
 import numpy as np
 
-from pipeline.records import Detections, Frame
+from pipeline.records import BatchDetections, Detections
 from pipeline.stage import Stage
 
 FONT = cv2.FONT_HERSHEY_SIMPLEX
@@ -70,14 +72,29 @@ def draw_detections(image: np.ndarray, width: int, height: int, detections: Dete
 
 
 class AnnotateStage(Stage):
-    """Draws every frame's detections onto its own image (in place) and passes it on."""
+    """Draws every frame's detections onto its own image (in place) and passes the batch on.
+
+    Args:
+        name: stage name.
+        class_names: names indexed by class id (printed in the labels), or None to print ids.
+    """
 
     def __init__(self, name: str, class_names: list[str] | None) -> None:
         super().__init__(name)
         self.class_names = class_names
 
-    def process(self, item: Frame) -> Iterable[Frame]:
-        if item.detections is not None and len(item.detections):
-            draw_detections(item.image, item.width, item.height, item.detections,
-                            self.class_names)
+    def process(self, item: BatchDetections) -> Iterable[BatchDetections]:
+        """Draw frame ``row``'s detections (``item[row]``) on ``item.frames.images[row]``
+        ((height * 3 // 2, width) uint8 I420 host array, modified in place) for every frame
+        that has detections and an image; frames without an image (None: decoded on the GPU)
+        are skipped. Returns ``(item,)``, the same batch."""
+        if not len(item.xyxy):
+            return (item,)
+        frames = item.frames
+        counts = item.counts.tolist()
+        widths, heights = frames.width.tolist(), frames.height.tolist()
+        for row, image in enumerate(frames.images):
+            if image is None or not counts[row]:
+                continue
+            draw_detections(image, widths[row], heights[row], item[row], self.class_names)
         return (item,)

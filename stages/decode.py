@@ -21,9 +21,10 @@ import structlog
 
 from pipeline.config import SourceConfig, is_stream_url, redact_url
 from pipeline.records import EndOfStream, Frame
+from pipeline.slots import SlotRing, copy_i420_planes
 from pipeline.stage import SourceStage
 
-__all__ = ["DecodeStage", "SourceError", "backoff_delay", "open_options", "redact_url"]
+__all__ = ["DecodeStage", "FrameTooLarge", "SourceError", "backoff_delay", "open_options", "redact_url"]
 
 log = structlog.get_logger("decode")
 
@@ -31,8 +32,19 @@ log = structlog.get_logger("decode")
 MAX_BAD_PACKETS_IN_A_ROW = 50
 
 
+class Dropped:
+    """``make_frame``'s answer for a live frame dropped for want of a free slot."""
+
+
+DROPPED = Dropped()
+
+
 class SourceError(Exception):
     """A source failed; the message is one line, credentials redacted."""
+
+
+class FrameTooLarge(SourceError):
+    """A picture is larger than a frame slot: the source ends (no reconnection can help)."""
 
 
 def open_options(source: SourceConfig) -> dict[str, str]:
@@ -70,6 +82,12 @@ def to_i420(frame: av.VideoFrame) -> av.VideoFrame:
 class DecodeStage(SourceStage):
     """Reads one source and yields its frames as I420 host arrays.
 
+    With a ``SlotRing`` (how the pipeline runs it) each picture's planes are copied once,
+    straight from the decoder's buffers, into a free slot of the ring, and the frame's image
+    is a view of that slot; without one (tests), each frame gets an array of its own. A
+    picture larger than a slot ends this source with an error naming both sizes; the other
+    sources go on.
+
     Uses the first video stream of the container (audio and further video streams are
     ignored); a change of picture size mid-stream passes through (each frame carries its
     size). A source that cannot be read ends its stream with an error instead of raising,
@@ -79,9 +97,12 @@ class DecodeStage(SourceStage):
         reconnects: reconnection attempts so far (successful or not).
     """
 
-    def __init__(self, source: SourceConfig) -> None:
+    def __init__(self, source: SourceConfig, ring: SlotRing | None = None,
+                 abort: threading.Event | None = None) -> None:
         super().__init__(source.name)
         self.source = source
+        self.ring = ring
+        self.abort = abort or threading.Event()  # the graph's abort: stop waiting for a slot
         self.live = source.is_live
         self.display_uri = redact_url(source.uri)
         self.is_file = not is_stream_url(source.uri)
@@ -103,7 +124,7 @@ class DecodeStage(SourceStage):
         index, attempt, lost_at = 0, 0, None
         while True:
             first = index
-            error = None
+            error, fatal = None, False
             try:
                 for picture, rate in self._pictures(stop_reading):
                     if lost_at is not None:
@@ -111,15 +132,22 @@ class DecodeStage(SourceStage):
                                  down_s=round(time.monotonic() - lost_at, 2),
                                  reconnects=self.reconnects)
                         lost_at = None
-                    yield self.make_frame(picture, index, rate)
+                    frame = self.make_frame(picture, index, rate, stop_reading)
                     index += 1
+                    if frame is DROPPED:
+                        continue
+                    if frame is None:  # stopped while waiting for a free slot
+                        index -= 1
+                        break
+                    yield frame
             except Exception as failure:  # noqa: BLE001 - one source's failure ends or reconnects it
                 error = describe(failure, self.source)
-            if stop_reading.is_set():
+                fatal = isinstance(failure, FrameTooLarge)
+            if stop_reading.is_set() or self.abort.is_set():
                 error = None  # stopped on request: whatever was read is complete
                 break
-            if not self.source.should_reconnect:
-                if error is not None and self.is_file and index > 0:
+            if fatal or not self.source.should_reconnect:
+                if error is not None and self.is_file and index > 0 and not fatal:
                     log.warning("file is corrupt: kept every decodable frame", source=self.name,
                                 frames=index, reason=error)
                     error = None
@@ -147,13 +175,38 @@ class DecodeStage(SourceStage):
         return av.open(source.uri, options=open_options(source),
                        timeout=(source.open_timeout_s, source.read_timeout_s))
 
-    def make_frame(self, picture: av.VideoFrame, index: int, rate: Fraction | None) -> Frame:
-        """The record of one decoded picture: an I420 host image."""
+    def make_frame(self, picture: av.VideoFrame, index: int, rate: Fraction | None,
+                   stop_reading: threading.Event | None = None) -> Frame | None | Dropped:
+        """The record of one decoded picture: an I420 host image, in a ring slot when there
+        is a ring. None when stopped while waiting for a free slot (files); ``DROPPED`` when
+        a live source found no free slot (the frame is dropped and counted).
+
+        Raises:
+            SourceError: the picture is larger than a ring slot.
+        """
         picture = to_i420(picture)
-        return Frame(source=self.name, index=index,
-                     pts=float(picture.time) if picture.time is not None else None,
-                     capture_time=time.time(), width=picture.width, height=picture.height,
-                     rate=rate, image=picture.to_ndarray())
+        width, height = picture.width, picture.height
+        pts = float(picture.time) if picture.time is not None else None
+        if self.ring is None:
+            return Frame(source=self.name, index=index, pts=pts, capture_time=time.time(),
+                         width=width, height=height, rate=rate, image=picture.to_ndarray())
+        if not self.ring.fits(width, height):
+            raise FrameTooLarge(f"a {width}x{height} frame does not fit the frame slots of "
+                              f"{self.ring.slot_bytes} bytes (sized for the largest file source, "
+                              "at least 1920x1080)")
+        if self.live:
+            slot = self.ring.try_acquire()
+            if slot is None:  # every slot in flight: drop this frame, keep up with the camera
+                self.dropped += 1
+                return DROPPED
+        else:
+            slot = self.ring.acquire(self.abort, *([stop_reading] if stop_reading else []))
+            if slot is None:
+                return None
+        image = self.ring.image(slot, width, height)
+        copy_i420_planes(picture.planes, width, height, image)
+        return Frame(source=self.name, index=index, pts=pts, capture_time=time.time(),
+                     width=width, height=height, rate=rate, image=image, slot=slot)
 
     def _pictures(self, stop_reading: threading.Event
                   ) -> Iterator[tuple[av.VideoFrame, Fraction | None]]:

@@ -5,8 +5,8 @@ contract) but decodes with ``HWAccel(device_type="cuda", is_hw_owned=True)``: FF
 decoder writes each picture as NV12 into a surface of its frame pool, in device memory, and
 PyAV hands that surface over without downloading it. Each ``Frame`` then carries
 ``device_planes`` (Y and interleaved UV CuPy views, imported through DLPack: no copy) and
-``pixel_format="nv12"`` instead of a host image; the upload stage
-(``stages.device_upload``) packs them into a staging slot with one device-to-device copy.
+``pixel_format="nv12"`` instead of a host image; the batcher (``stages.batcher``) packs them
+into the batch's device frame rows with one device-to-device copy.
 
 **Which CUDA context.** FFmpeg's CUDA device context creates its own context unless told
 otherwise. Its ``primary_ctx`` option (PyAV sets it by default with ``is_hw_owned``) retains
@@ -24,7 +24,7 @@ between contexts with ``cuMemcpyPeer``, so that is an error with the reason, not
 **Ordering.** FFmpeg queues its decoder output copies on the context's legacy default
 stream (its ``AVCUDADeviceContext.stream`` is NULL); the pipeline's streams are
 non-blocking, so the consumer must order itself after that stream (an event; see
-``stages.device_upload.stage_device_frame``).
+``stages.batcher.pack_device_frame``).
 
 **Lifetime.** The DLPack export holds its own reference to the FFmpeg frame, so a surface
 returns to the decoder's pool only when the CuPy views are dropped; FFmpeg's CUDA frame pool
@@ -44,7 +44,7 @@ import structlog
 
 from pipeline.config import SourceConfig
 from pipeline.records import Frame
-from stages.decode import DecodeStage, SourceError, open_options
+from stages.decode import DecodeStage, FrameTooLarge, SourceError, open_options
 
 log = structlog.get_logger("gpu_decode")
 
@@ -143,10 +143,12 @@ class GpuDecodeStage(DecodeStage):
     Args:
         source: the source's configuration.
         device_id: the CUDA device the pipeline runs on.
+        ring: the pipeline's slot ring, only to check that frames fit its slots (the
+            batch's device rows have the same size); GPU-decoded frames take no slot.
     """
 
-    def __init__(self, source: SourceConfig, device_id: int = 0) -> None:
-        super().__init__(source)
+    def __init__(self, source: SourceConfig, device_id: int = 0, ring: Any = None) -> None:
+        super().__init__(source, ring)
         self.device_id = device_id
         self.thread_type = "SLICE"  # NVDEC decodes; FFmpeg's frame threads would only add delay
         self._context: int | None = None
@@ -165,7 +167,14 @@ class GpuDecodeStage(DecodeStage):
                        hwaccel=cuda_hwaccel(HWAccel, self.device_id),
                        timeout=(source.open_timeout_s, source.read_timeout_s))
 
-    def make_frame(self, picture: av.VideoFrame, index: int, rate: Fraction | None) -> Frame:
+    def make_frame(self, picture: av.VideoFrame, index: int, rate: Fraction | None,
+                   stop_reading: Any = None) -> Frame:
+        """The record of one decoded picture: views of its NVDEC surface (no host copy, no
+        ring slot; the batcher packs it into the batch's device rows).
+
+        Raises:
+            SourceError: not a CUDA frame, another CUDA context, or larger than a frame slot.
+        """
         if picture.format.name != "cuda":
             raise SourceError(f"{self.display_uri}: the decoder returned {picture.format.name} "
                               "frames, not CUDA frames (no GPU decoder for this stream?)")
@@ -177,6 +186,10 @@ class GpuDecodeStage(DecodeStage):
                                   "(its CUDA device context ignored current_ctx: FFmpeg < 6.1?)")
             self._checked = True
         width, height = picture.width & ~1, picture.height & ~1
+        if self.ring is not None and not self.ring.fits(width, height):
+            raise FrameTooLarge(f"a {width}x{height} frame does not fit the frame slots of "
+                              f"{self.ring.slot_bytes} bytes (sized for the largest file source, "
+                              "at least 1920x1080)")
         return Frame(source=self.name, index=index,
                      pts=float(picture.time) if picture.time is not None else None,
                      capture_time=time.time(), width=width, height=height, rate=rate,

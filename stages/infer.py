@@ -1,4 +1,16 @@
-"""Infer: run the model on each batch with the configured backend."""
+"""Infer: run the model on each batch, with its preprocess before it and, on the GPU, the NMS
+after it.
+
+On the GPU path this stage queues the whole device work of a batch on the compute stream,
+from one thread, in this order: wait for the batch's copies (one event), the fused preprocess
+into the backend's input binding, the model, the NMS reading the output binding in place,
+one D2H of the detections, the batch's ``done`` event. It never waits for the GPU. Doing all
+of it on one thread is what makes the model's single input and output bindings safe to use
+without copies: batch N+1's preprocess is queued only after batch N's model and NMS.
+
+On the CPU path it preprocesses on the host and runs the backend; the postprocess stage
+runs the NMS.
+"""
 
 from __future__ import annotations
 
@@ -6,45 +18,77 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import structlog
 
 from pipeline.config import InferenceConfig
-from pipeline.records import Batch
+from pipeline.records import FrameBatch, ModelOutputs
 from pipeline.stage import Stage
 from stages.backends.base import InferenceBackend, ModelInfo
+from stages.postprocess import DeviceNms
+from stages.preprocess import DevicePreprocess, HostPreprocess
 
 log = structlog.get_logger("infer")
 
 
 class InferStage(Stage):
-    """Runs ``backend.infer`` on a batch's images and stores the raw output in the batch.
+    """``FrameBatch`` in, ``ModelOutputs`` out (see the module docstring).
 
-    On the GPU path the work is queued on the compute stream, and the output lands in the
-    batch's ``BatchBuffers.outputs`` (copied device to device when the backend returns its
-    own static buffer, e.g. a CUDA graph's output), so the next batch cannot overwrite it
-    before the postprocess stage has read it. The backend is warmed up before the graph
-    starts (``pipeline.build``).
+    Args:
+        name: stage name.
+        backend: the warmed-up inference backend.
+        preprocess: ``HostPreprocess`` (CPU path) or ``DevicePreprocess`` (GPU path).
+        gpu: the ``GpuContext`` (GPU path), else None.
+        nms: the ``DeviceNms`` (GPU path), else None.
     """
 
-    def __init__(self, name: str, backend: InferenceBackend, gpu: Any = None) -> None:
+    def __init__(self, name: str, backend: InferenceBackend,
+                 preprocess: HostPreprocess | DevicePreprocess, gpu: Any = None,
+                 nms: DeviceNms | None = None) -> None:
         super().__init__(name)
-        self.backend = backend
-        self.gpu = gpu
+        self.backend, self.preprocess, self.gpu, self.nms = backend, preprocess, gpu, nms
+        self._input: Any = None
 
-    def process(self, item: Batch) -> Iterable[Batch]:
-        count = len(item.frames)
+    def input_binding(self, batch: int) -> Any:
+        """The (batch, 3, H, W) device array the model reads: the backend's own static input
+        when it has one (torch), else one array allocated at ``open`` (TensorRT binds any
+        address)."""
+        if hasattr(self.backend, "input_buffer"):
+            return self.backend.input_buffer(batch)
+        return self._input[:batch]
+
+    def open(self) -> None:
         if self.gpu is None:
-            item.outputs = self.backend.infer(item.images[:count])
-            return (item,)
+            return
+        import cupy
+
         self.gpu.activate()
-        stream = self.gpu.compute_stream
-        outputs = self.backend.infer(item.images[:count], stream)
-        target = item.buffers.outputs[:count]
-        if outputs.data.ptr != target.data.ptr:
-            with stream:
-                target[...] = outputs
-        item.outputs = target
-        return (item,)
+        info, stream = self.backend.info, self.gpu.compute_stream
+        dtype = np.dtype(getattr(self.backend, "input_dtype", info.input_dtype))
+        if not hasattr(self.backend, "input_buffer"):
+            self._input = cupy.zeros((self.backend.max_batch, 3, info.input_height,
+                                      info.input_width), dtype)
+        buffers = self.gpu.batches.sets[0]
+        images = self.input_binding(self.backend.max_batch)
+        self.preprocess.warmup(buffers, images, stream)
+        outputs = self.backend.infer(images, stream)
+        self.nms.warmup(outputs, buffers, stream)
+
+    def process(self, item: FrameBatch) -> Iterable[ModelOutputs]:
+        n = len(item)
+        if self.gpu is None:
+            return (ModelOutputs(item, self.backend.infer(self.preprocess.run(item))),)
+        gpu, stream = self.gpu, self.gpu.compute_stream
+        gpu.activate()
+        buffers = item.buffers
+        stream.wait_event(buffers.copied)  # the batch's frames and tables are on the device
+        token = gpu.timeline.begin("compute", stream)
+        images = self.input_binding(n)
+        self.preprocess.enqueue(buffers, images, stream)
+        outputs = self.backend.infer(images, stream)
+        self.nms.enqueue(outputs, buffers, stream)
+        gpu.timeline.end(token, stream)
+        return (ModelOutputs(item),)
 
     def close(self) -> None:
         self.backend.close()
@@ -73,7 +117,8 @@ def create_backend(config: InferenceConfig, model_path: Path, info: ModelInfo,
     if name == "torch":
         from stages.backends.torch import TorchBackend
 
-        return TorchBackend(model_path, info, config.batch_size, config.precision, gpu)
+        return TorchBackend(model_path, info, config.batch_size, config.precision, gpu,
+                            compile=config.compile, cache_dir=Path(config.engine_cache))
     from stages.backends.precision import CalibrationSettings
     from stages.backends.tensorrt import TensorRtBackend
 

@@ -1,81 +1,148 @@
-"""Postprocess: decode the model output, run NMS, map boxes back to frame pixels."""
+"""Postprocess: from the model's raw output to one ``BatchDetections`` per batch.
+
+- CPU path: ``PostprocessStage`` decodes the host output, runs the reference NMS
+  (``kernels.nms``) and undoes the letterbox for the whole batch at once.
+- GPU path: the device work was queued by the infer stage (``DeviceNms.enqueue``: the NMS
+  kernels read the model's output binding in place, write boxes already mapped back to frame
+  pixels into the batch set, and one D2H copies the batch's detections into pinned memory).
+  ``PostprocessStage`` waits once for the set's ``done`` event, flattens the pinned results
+  into a ``BatchDetections`` and returns the set.
+
+Either way, when no later stage reads the host images (no video is written), the batch's
+ring slots are returned here, in one operation per batch.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
+
+import numpy as np
 
 from kernels.nms import postprocess_reference
 from pipeline.config import NmsConfig
-from pipeline.records import Batch, Detections, Frame
+from pipeline.records import BatchDetections, FrameBatch, ModelOutputs
 from pipeline.stage import Stage
 
 
+def unletterbox(xyxy: np.ndarray, letterbox: np.ndarray) -> np.ndarray:
+    """Map boxes from model-input pixels back to their frames' pixels, clipped to the frame.
+
+    The same float32 arithmetic as ``kernels.preprocess.Letterbox.unmap_boxes`` (and the
+    GPU's), vectorised over a batch.
+
+    Args:
+        xyxy: (m, 4) float32 host boxes in model-input pixels.
+        letterbox: (m, 6) float32 host array: each box's frame's ``LETTERBOX_COLUMNS`` row.
+
+    Returns:
+        (m, 4) float32 host boxes in frame pixels.
+    """
+    out = np.empty_like(xyxy, dtype=np.float32)
+    scale = letterbox[:, [0, 1, 0, 1]]
+    pad = letterbox[:, [2, 3, 2, 3]]
+    size = letterbox[:, [4, 5, 4, 5]]
+    np.divide(xyxy.astype(np.float32, copy=False) - pad, scale, out=out)
+    np.clip(out, 0, size, out=out)
+    return out
+
+
+class DeviceNms:
+    """Queues a batch's NMS, letterbox undo and one D2H of its detections (GPU path).
+
+    Args:
+        nms: thresholds and the per-frame cap.
+        max_batch, num_anchors, num_classes: the model output's size.
+    """
+
+    def __init__(self, nms: NmsConfig, max_batch: int, num_anchors: int, num_classes: int) -> None:
+        from kernels.nms_cuda import CudaNms
+
+        self.cuda_nms = CudaNms(max_batch, num_anchors, num_classes, nms.conf_threshold,
+                                nms.iou_threshold, nms.class_agnostic, nms.max_detections)
+        self._streams: dict[int, Any] = {}  # CuPy stream pointer -> its Numba wrapper
+
+    def _numba_stream(self, stream: Any) -> Any:
+        from kernels.nms_cuda import stream_from_cupy
+
+        if stream.ptr not in self._streams:
+            self._streams[stream.ptr] = stream_from_cupy(stream)
+        return self._streams[stream.ptr]
+
+    @staticmethod
+    def _outputs(buffers: Any, n: int) -> tuple[Any, Any, Any, Any]:
+        views = buffers.detections.device
+        return views["boxes"][:n], views["scores"][:n], views["class_ids"][:n], views["counts"][:n]
+
+    def enqueue(self, outputs: Any, buffers: Any, stream: Any) -> None:
+        """Queue the NMS of a batch, then the D2H of its detections and ``buffers.done``.
+
+        Args:
+            outputs: (n, 4 + classes, anchors) float16/float32 CuPy array, the model's output
+                binding, valid on ``stream``; read in place.
+            buffers: the batch's ``BatchBuffers`` (its device letterbox table is read, its
+                detections written and copied to its pinned mirror).
+            stream: the CuPy compute stream.
+        """
+        n = outputs.shape[0]
+        self.cuda_nms.run(outputs, self._numba_stream(stream), out=self._outputs(buffers, n),
+                          letterbox=buffers.table.device["letterbox"][:n])
+        buffers.detections.to_host(stream)
+        buffers.done.record(stream)
+
+    def warmup(self, outputs: Any, buffers: Any, stream: Any) -> None:
+        """Compile the kernels for the very arrays ``enqueue`` will pass (synchronises)."""
+        n = outputs.shape[0]
+        self.cuda_nms.warmup(outputs, out=self._outputs(buffers, n),
+                             letterbox=buffers.table.device["letterbox"][:n],
+                             stream=self._numba_stream(stream))
+        stream.synchronize()
+
+
 class PostprocessStage(Stage):
-    """Turns a batch's raw output into per-frame ``Detections`` (host arrays) and emits the
-    frames one by one, in batch order (the CPU path: NumPy decode and reference NMS).
-    """
-
-    def __init__(self, name: str, nms: NmsConfig) -> None:
-        super().__init__(name)
-        self.nms = nms
-
-    def process(self, item: Batch) -> Iterable[Frame]:
-        results = postprocess_reference(
-            item.outputs, self.nms.conf_threshold, self.nms.iou_threshold,
-            self.nms.class_agnostic, self.nms.max_detections)
-        return attach_detections(item, results)
-
-
-def attach_detections(batch: Batch, results: list[tuple[Any, Any, Any]]) -> list[Frame]:
-    """Give each frame of ``batch`` its detections, mapped back to frame pixels.
+    """``ModelOutputs`` in, ``BatchDetections`` (host arrays, frame pixels) out.
 
     Args:
-        results: per frame (xyxy (n, 4) float32, scores (n,) float32, class_ids (n,) int32),
-            host arrays in model-input pixels.
-    """
-    for frame, letterbox, (xyxy, scores, class_ids) in zip(batch.frames, batch.letterboxes, results):
-        frame.detections = Detections(letterbox.unmap_boxes(xyxy), scores, class_ids)
-    return batch.frames
-
-
-class GpuPostprocessStage(Stage):
-    """Decode + exact greedy NMS on the GPU (Numba kernels), reading the model output in
-    place through ``__cuda_array_interface__`` on the compute stream; only the kept
-    detections are copied to the host. Then returns the batch's buffers to the ring.
-
-    Args:
-        nms: thresholds.
-        gpu: the ``GpuContext``.
-        batch_capacity, num_anchors, num_classes: the model output's size.
-        output_dtype: the model output's dtype (kernels are compiled for it at ``open()``).
+        name: stage name.
+        nms: thresholds (CPU path).
+        gpu: the ``GpuContext`` (GPU path: the results come from the batch set), or None.
+        release_slots: when set, called once per batch with the batch's ring slots
+            ((n,) int32, -1 = none): this stage is the last reader of the host images.
     """
 
-    def __init__(self, name: str, nms: NmsConfig, gpu: Any, batch_capacity: int,
-                 num_anchors: int, num_classes: int, output_dtype: Any) -> None:
+    def __init__(self, name: str, nms: NmsConfig, gpu: Any = None,
+                 release_slots: Callable[[np.ndarray], None] | None = None) -> None:
         super().__init__(name)
         self.nms, self.gpu = nms, gpu
-        self.shape = (batch_capacity, num_anchors, num_classes)
-        self.output_dtype = output_dtype
-        self.cuda_nms: Any = None
+        self.release_slots = release_slots
 
-    def open(self) -> None:
-        from kernels.nms_cuda import CudaNms, stream_from_cupy
+    def process(self, item: ModelOutputs) -> Iterable[BatchDetections]:
+        frames = item.frames
+        detections = self._from_host(item) if self.gpu is None else self._from_device(frames)
+        if self.release_slots is not None:
+            self.release_slots(frames.slot)
+        return (detections,)
 
-        self.gpu.activate()
-        capacity, anchors, classes = self.shape
-        self.cuda_nms = CudaNms(capacity, anchors, classes, self.nms.conf_threshold,
-                                self.nms.iou_threshold, self.nms.class_agnostic,
-                                self.nms.max_detections)
-        self.cuda_nms.warmup(self.output_dtype)
-        self.stream = stream_from_cupy(self.gpu.compute_stream)
+    def _from_host(self, item: ModelOutputs) -> BatchDetections:
+        frames = item.frames
+        results = postprocess_reference(item.outputs, self.nms.conf_threshold,
+                                        self.nms.iou_threshold, self.nms.class_agnostic,
+                                        self.nms.max_detections)
+        batch = BatchDetections.from_lists(frames, results)
+        rows = np.repeat(np.arange(len(frames)), batch.counts)
+        batch.xyxy = unletterbox(batch.xyxy, frames.letterbox[rows])
+        return batch
 
-    def process(self, item: Batch) -> Iterable[Frame]:
-        from kernels.nms_cuda import to_host
-
-        self.gpu.activate()
-        kept = self.cuda_nms.run(item.outputs, self.stream)
-        self.gpu.timeline.end(item.timeline_token, self.gpu.compute_stream)
-        results = to_host(*kept, stream=self.stream)
-        self.gpu.batches.release(item.buffers)  # every read of the set is done (synchronised)
-        return attach_detections(item, results)
+    def _from_device(self, frames: FrameBatch) -> BatchDetections:
+        buffers = frames.buffers
+        started = time.perf_counter()
+        buffers.done.synchronize()  # the batch's D2H has landed (waiting for the GPU)
+        self.blocked_s += time.perf_counter() - started
+        host = buffers.detections.host
+        # Boolean indexing copies the kept rows out of the pinned buffer before it is reused.
+        detections = BatchDetections.from_padded(frames, host["boxes"], host["scores"],
+                                                 host["class_ids"], host["counts"])
+        frames.buffers = None
+        self.gpu.batches.release(buffers)
+        return detections

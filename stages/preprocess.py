@@ -1,156 +1,97 @@
-"""Preprocess: gather frames from any sources into a batch and fit each into the model input.
+"""Preprocess: fit each frame of a batch into the model input (letterbox, YUV to RGB, 0..1, CHW).
 
-Batching lives here (like DeepStream's stream muxer) because the fused preprocess writes
-each frame straight into its slot of the batch input tensor: a batch closes when it holds
-``batch_size`` frames or when its first frame has waited ``batch_timeout_ms``.
+Two implementations of one step, called by the infer stage on its thread right before the
+model (so the model's single input binding is written and read in order):
+
+- ``HostPreprocess`` (CPU path): the NumPy reference, frame by frame, into a host input array;
+- ``DevicePreprocess`` (GPU path): the fused Numba kernel, one launch per frame geometry in
+  the batch, reading the batch set's device frame rows and writing straight into the
+  backend's input binding -- no copy of the model input.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from kernels.preprocess import Letterbox, letterbox_geometry, preprocess_reference
-from pipeline.records import Batch, EndOfStream, Frame
-from pipeline.stage import Stage
+from pipeline.records import FrameBatch
 
 
-class PreprocessStage(Stage):
-    """Letterbox, colour-convert and normalise frames on the host (the CPU path).
-
-    Emits ``Batch`` records whose ``images`` is a (B, 3, H, W) host array of the model's
-    input dtype, RGB scaled to 0..1, letterboxed with grey 114 padding.
+class HostPreprocess:
+    """The CPU path's preprocess into one reused host input.
 
     Args:
-        name: stage name.
         input_size: model input (height, width) in pixels.
         dtype: model input dtype.
-        batch_size: most frames per batch.
-        batch_timeout_ms: longest time a partial batch waits for more frames.
+        max_batch: most frames per batch.
+        out: the (max_batch, 3, H, W) host array to write (the backend's own input buffer
+            when it has one); None allocates one.
     """
 
-    def __init__(self, name: str, input_size: tuple[int, int], dtype: np.dtype,
-                 batch_size: int, batch_timeout_ms: float) -> None:
-        super().__init__(name)
+    def __init__(self, input_size: tuple[int, int], dtype: Any, max_batch: int,
+                 out: np.ndarray | None = None) -> None:
         self.input_height, self.input_width = input_size
         self.dtype = np.dtype(dtype)
-        self.batch_size = batch_size
-        self.batch_timeout_s = batch_timeout_ms / 1000
-        self._pending: list[Frame] = []
-        self._first_arrival = 0.0
+        self.images = out if out is not None else np.empty(
+            (max_batch, 3, self.input_height, self.input_width), self.dtype)
         self._letterboxes: dict[tuple[int, int], Letterbox] = {}
 
-    @property
-    def poll_interval_s(self) -> float | None:  # type: ignore[override]
-        """Time left before the pending partial batch must run, or None when empty."""
-        if not self._pending:
-            return None
-        return max(0.0, self._first_arrival + self.batch_timeout_s - time.monotonic())
+    def run(self, batch: FrameBatch) -> np.ndarray:
+        """Preprocess every frame of ``batch`` (its host ``images``).
 
-    def letterbox(self, width: int, height: int) -> Letterbox:
-        """The (cached) geometry fitting a width x height frame into the model input."""
-        key = (width, height)
-        if key not in self._letterboxes:
-            self._letterboxes[key] = letterbox_geometry(
-                width, height, self.input_width, self.input_height)
-        return self._letterboxes[key]
-
-    def process(self, item: Frame) -> Iterable[Batch]:
-        if not self._pending:
-            self._first_arrival = time.monotonic()
-        self._pending.append(item)
-        if len(self._pending) >= self.batch_size or self.poll_interval_s == 0.0:
-            return self._flush()
-        return ()
-
-    def end_of_stream(self, eos: EndOfStream) -> Iterable[Any]:
-        # The source's frames must leave before its end marker.
-        return [*self._flush(), eos]
-
-    def on_idle(self) -> Iterable[Batch]:
-        return self._flush()
-
-    def finish(self) -> Iterable[Batch]:
-        return self._flush()
-
-    def _flush(self) -> list[Batch]:
-        if not self._pending:
-            return []
-        frames, self._pending = self._pending, []
-        return [self.make_batch(frames)]
-
-    def make_batch(self, frames: list[Frame]) -> Batch:
-        """Preprocess ``frames`` into one batch."""
-        images = np.empty((len(frames), 3, self.input_height, self.input_width), self.dtype)
-        letterboxes = []
-        for slot, frame in enumerate(frames):
-            letterbox = self.letterbox(frame.width, frame.height)
-            preprocess_reference(frame.image, frame.width, frame.height, letterbox,
-                                 out=images[slot], dtype=self.dtype)
-            letterboxes.append(letterbox)
-        return Batch(frames=frames, letterboxes=letterboxes, images=images)
+        Returns:
+            (n, 3, H, W) view of the reused input array, RGB in 0..1, grey 114 padding.
+        """
+        n = len(batch)
+        for i in range(n):
+            width, height = int(batch.width[i]), int(batch.height[i])
+            letterbox = self._letterboxes.get((width, height))
+            if letterbox is None:
+                letterbox = self._letterboxes[(width, height)] = letterbox_geometry(
+                    width, height, self.input_width, self.input_height)
+            preprocess_reference(batch.images[i], width, height, letterbox,
+                                 out=self.images[i], dtype=self.dtype)
+        return self.images[:n]
 
 
-class GpuPreprocessStage(PreprocessStage):
-    """The fused preprocess on the GPU: one kernel launch per frame geometry in the batch.
-
-    Reads the frames from their staging slots (waiting on each slot's copy event, so no host
-    synchronisation), writes the model input of a ``BatchBuffers`` set in place, and returns
-    the slots once the kernels are queued. Everything runs on the compute stream.
+class DevicePreprocess:
+    """The fused preprocess kernel over a batch set (see ``pipeline.gpu.BatchBuffers``).
 
     Args:
-        gpu: the ``GpuContext`` whose staging and batch ring are allocated.
-        warm_sizes: (width, height) of the frames expected, compiled for at ``open()``.
-        stop: the graph's stop event (ends a wait for free buffers).
-        pixel_formats: the staging slots' layouts expected ("i420" uploads, "nv12" GPU
-            decode), whose sampling tables are uploaded at ``open()``.
+        warm_geometries: (letterbox, pixel_format) pairs expected, compiled and their sampling
+            tables uploaded at ``warmup``.
     """
 
-    def __init__(self, name: str, input_size: tuple[int, int], dtype: np.dtype,
-                 batch_size: int, batch_timeout_ms: float, gpu: Any,
-                 warm_sizes: list[tuple[int, int]], stop: Any = None,
-                 pixel_formats: tuple[str, ...] = ("i420",)) -> None:
-        super().__init__(name, input_size, dtype, batch_size, batch_timeout_ms)
-        self.gpu = gpu
-        self.warm_sizes = warm_sizes
-        self.stop = stop
-        self.pixel_formats = pixel_formats
+    def __init__(self, warm_geometries: list[tuple[Letterbox, str]]) -> None:
+        self.warm_geometries = warm_geometries
 
-    def open(self) -> None:
-        from kernels.preprocess_cuda import warmup_preprocess
+    def enqueue(self, buffers: Any, out: Any, stream: Any) -> None:
+        """Queue one kernel launch per frame geometry of the batch in ``buffers``.
 
-        self.gpu.activate()
-        for width, height in self.warm_sizes:
-            for pixel_format in self.pixel_formats:
-                warmup_preprocess(self.letterbox(width, height), self.dtype, pixel_format)
-
-    def make_batch(self, frames: list[Frame]) -> Batch:
+        Args:
+            buffers: the batch's ``BatchBuffers`` (its ``frames`` rows, ``groups`` and
+                device ``table``), whose copies the caller made ``stream`` wait for.
+            out: (>= n, 3, H, W) float16/float32 device array, the model's input binding.
+            stream: the CuPy compute stream.
+        """
         from kernels.preprocess_cuda import launch_preprocess
 
-        gpu, stream = self.gpu, self.gpu.compute_stream
-        gpu.activate()
-        buffers = gpu.batches.acquire(self.stop)
-        by_size: dict[tuple[int, int, str], list[int]] = {}
-        for index, frame in enumerate(frames):
-            stream.wait_event(gpu.staging.copied[frame.device_slot])
-            by_size.setdefault((frame.width, frame.height, frame.pixel_format), []).append(index)
-        token = gpu.timeline.begin("compute", stream)  # after the waits: copies are not compute
-        row = 0
-        groups = []
-        for (width, height, pixel_format), indices in by_size.items():
-            for index in indices:
-                buffers.pairs_host[row] = (frames[index].device_slot, index)
-                row += 1
-            groups.append((self.letterbox(width, height), pixel_format, row - len(indices), row))
-        buffers.pairs[:row].set(buffers.pairs_host[:row], stream=stream)
-        for letterbox, pixel_format, start, end in groups:
-            launch_preprocess(gpu.staging.device, buffers.pairs[start:end], letterbox,
-                              buffers.images, stream, pixel_format=pixel_format)
-        gpu.staging.release([frame.device_slot for frame in frames], stream)
-        for frame in frames:
-            frame.device_slot = None
-        return Batch(frames=frames, letterboxes=[self.letterbox(f.width, f.height) for f in frames],
-                     images=buffers.images[: len(frames)], buffers=buffers, timeline_token=token)
+        pairs = buffers.table.device["pairs"]
+        for letterbox, pixel_format, start, end in buffers.groups:
+            launch_preprocess(buffers.frames, pairs[start:end], letterbox, out, stream,
+                              pixel_format=pixel_format)
+
+    def warmup(self, buffers: Any, out: Any, stream: Any) -> None:
+        """Compile the kernel for the very arrays the pipeline passes and upload every warm
+        geometry's tables, so no batch pays for either (writes ``out[0]``; synchronises)."""
+        from kernels.preprocess_cuda import launch_preprocess
+
+        pairs = buffers.table.host["pairs"]
+        pairs[0] = (0, 0)
+        buffers.table.to_device(stream)
+        for letterbox, pixel_format in self.warm_geometries:
+            launch_preprocess(buffers.frames, buffers.table.device["pairs"][:1], letterbox, out,
+                              stream, pixel_format=pixel_format)
+        stream.synchronize()

@@ -1,5 +1,9 @@
 """Sinks: per source, an annotated H.264 MP4 and a JSON Lines file of detections.
 
+A sink gets its own source's frames only, in frame order, as ``BatchDetections`` parts (the
+graph splits every batch by source once, with ``BatchDetections.by_source``), and writes
+each part in one go: one ``write`` and one flush of the JSONL file per part.
+
 Each output is written under a temporary ``.partial`` name and renamed to its final name only
 when its source's stream ended (also after a graceful stop): a file with the final name is
 always complete, playable and from the latest run (older ones are removed when the sink
@@ -10,15 +14,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
 import structlog
 
-from pipeline.records import EndOfStream, Frame
+from pipeline.records import BatchDetections, EndOfStream
 from pipeline.stage import Stage
 
 log = structlog.get_logger("sinks")
@@ -31,11 +36,63 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f"{path.stem}.partial{path.suffix}")
 
 
+def detection_records(xyxy: np.ndarray, confidence: np.ndarray, class_id: np.ndarray,
+                      class_names: list[str] | None = None) -> list[dict[str, Any]]:
+    """Plain dicts for JSON output, one per detection, in row order.
+
+    Each is ``{"class_id", "confidence" (rounded to 4 digits), "xyxy" (each rounded to 2
+    digits), "class_name"}``, ``class_name`` only when ``class_names`` is given and the id
+    indexes it. The arrays are converted to Python lists once (``tolist``), not per value.
+
+    Args:
+        xyxy: (m, 4) float32 host array, boxes x1, y1, x2, y2 in frame pixels.
+        confidence: (m,) float32 host array.
+        class_id: (m,) int32 host array.
+        class_names: names indexed by class id, or None.
+    """
+    names = class_names or []
+    out = []
+    for box, score, cls in zip(xyxy.tolist(), confidence.tolist(), class_id.tolist()):
+        record: dict[str, Any] = {
+            "class_id": cls,
+            "confidence": round(score, 4),
+            "xyxy": [round(box[0], 2), round(box[1], 2), round(box[2], 2), round(box[3], 2)],
+        }
+        if 0 <= cls < len(names):
+            record["class_name"] = names[cls]
+        out.append(record)
+    return out
+
+
+def frame_records(item: BatchDetections,
+                  class_names: list[str] | None = None) -> list[dict[str, Any]]:
+    """One JSON-ready dict per frame of ``item``, in batch order: ``{"source", "frame",
+    "pts" (None when unknown), "capture_time" (rounded to 6 digits), "detections"}`` with
+    the detections as ``detection_records`` makes them (``[]`` for a frame without any)."""
+    frames = item.frames
+    detections = detection_records(item.xyxy, item.confidence, item.class_id, class_names)
+    offsets = item.offsets.tolist()
+    names = frames.source_names
+    records = []
+    for row, (source, index, pts, capture_time) in enumerate(zip(
+            frames.source.tolist(), frames.index.tolist(), frames.pts.tolist(),
+            frames.capture_time.tolist())):
+        records.append({
+            "source": names[source],
+            "frame": index,
+            "pts": None if pts != pts else pts,  # NaN: the stream has no pts
+            "capture_time": round(capture_time, 6),
+            "detections": detections[offsets[row]:offsets[row + 1]],
+        })
+    return records
+
+
 class VideoWriter:
     """Encodes I420 frames to an H.264 MP4 (yuv420p, faststart: plays in browsers).
 
-    Frames are numbered in order, at the source's nominal rate, so the output has exactly
-    as many frames as were written. A frame of another size than the first is scaled to it.
+    Frames are numbered in order, at the first frame's source's nominal rate, so the output
+    has exactly as many frames as were written. A frame of another size than the first is
+    scaled to it.
     """
 
     def __init__(self, path: Path, crf: int) -> None:
@@ -44,26 +101,48 @@ class VideoWriter:
         self._container: av.container.OutputContainer | None = None
         self._stream: av.video.stream.VideoStream | None = None
         self.frames = 0
+        self.skipped = 0  # frames without a host image (nothing to encode)
 
-    def write(self, frame: Frame) -> None:
-        """Args: frame with ``image`` an (h*3/2, w) uint8 I420 host array."""
+    def write(self, item: BatchDetections) -> None:
+        """Encode every frame of ``item`` that has an image (``item.frames.images[row]``), in
+        batch order; frames whose image is None are counted in ``skipped``."""
+        frames = item.frames
+        for image, width, height, rate in zip(frames.images, frames.width.tolist(),
+                                              frames.height.tolist(), frames.rates):
+            if image is None:
+                if not self.skipped:
+                    log.warning("frame without a host image: not in the video",
+                                path=str(self.path))
+                self.skipped += 1
+                continue
+            self.encode(image, width, height, rate)
+
+    def encode(self, image: np.ndarray, width: int, height: int, rate: Fraction | None) -> None:
+        """Encode one frame.
+
+        Args:
+            image: (height * 3 // 2, width) uint8 I420 host array.
+            width, height: the frame's size in pixels.
+            rate: its source's nominal frame rate (used when this is the first frame), or
+                None for ``DEFAULT_RATE``.
+        """
         if self._container is None:
-            self._open(frame)
+            self._open(width, height, rate)
         assert self._stream is not None and self._container is not None
-        picture = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame.image), format="yuv420p")
-        if (picture.width, picture.height) != (self._stream.width, self._stream.height):
+        picture = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="yuv420p")
+        if (width, height) != (self._stream.width, self._stream.height):
             picture = picture.reformat(width=self._stream.width, height=self._stream.height)
         picture.pts = self.frames
         self._container.mux(self._stream.encode(picture))
         self.frames += 1
 
-    def _open(self, frame: Frame) -> None:
+    def _open(self, width: int, height: int, rate: Fraction | None) -> None:
         partial_path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._container = av.open(str(partial_path(self.path)), "w", format="mp4",
                                   options={"movflags": "+faststart"})
-        rate = frame.rate or DEFAULT_RATE
+        rate = rate or DEFAULT_RATE
         stream = self._container.add_stream("libx264", rate=rate)
-        stream.width, stream.height = frame.width, frame.height
+        stream.width, stream.height = width, height
         stream.pix_fmt = "yuv420p"
         stream.time_base = 1 / rate
         stream.options = {"crf": str(self.crf), "preset": "veryfast"}
@@ -82,21 +161,28 @@ class VideoWriter:
 
 
 class JsonlWriter:
-    """One JSON object per frame: source, frame index, pts, capture time and detections."""
+    """One JSON object per frame: source, frame index, pts, capture time and detections.
+
+    A batch part's lines go out in one ``write`` and one flush: a crash loses at most the
+    last batch part (the one being written), never a line of an earlier one.
+    """
 
     def __init__(self, path: Path, class_names: list[str] | None) -> None:
         self.path = path
         self.class_names = class_names
         partial_path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(partial_path(path), "w", buffering=1)  # line-buffered: no loss on crash
+        self._file = open(partial_path(path), "w")
         self.frames = 0
 
-    def write(self, frame: Frame) -> None:
-        detections = frame.detections.to_records(self.class_names) if frame.detections else []
-        record = {"source": frame.source, "frame": frame.index, "pts": frame.pts,
-                  "capture_time": round(frame.capture_time, 6), "detections": detections}
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self.frames += 1
+    def write(self, item: BatchDetections) -> None:
+        """Append one line per frame of ``item``, in batch order, and flush."""
+        records = frame_records(item, self.class_names)
+        if not records:
+            return
+        self._file.write("".join(json.dumps(record, separators=(",", ":")) + "\n"
+                                 for record in records))
+        self._file.flush()
+        self.frames += len(records)
 
     def close(self, complete: bool) -> None:
         self._file.close()
@@ -107,7 +193,7 @@ class JsonlWriter:
 
 
 class SinkStage(Stage):
-    """Writes one source's frames to its outputs.
+    """Writes one source's frames to its outputs, one batch part at a time.
 
     Args:
         name: stage name.
@@ -115,13 +201,21 @@ class SinkStage(Stage):
         jsonl_path: detections JSONL path, or None.
         class_names: names indexed by class id, or None.
         crf: x264 quality.
+        release_slots: called once per batch part, after all its frames were written, with
+            ``item.frames.slot`` ((k,) int32 host array: the slot-ring slots of the part's k
+            frames; -1 for a frame that holds none, which the callable must ignore), so the
+            pipeline can reuse those host slots: the sink is the last reader of the images.
+            Also called when writing failed (the frames are finished with either way).
+            None: the sink releases nothing.
     """
 
     def __init__(self, name: str, video_path: Path | None, jsonl_path: Path | None,
-                 class_names: list[str] | None, crf: int = 23) -> None:
+                 class_names: list[str] | None, crf: int = 23,
+                 release_slots: Callable[[np.ndarray], None] | None = None) -> None:
         super().__init__(name)
         self.video_path, self.jsonl_path = video_path, jsonl_path
         self.class_names, self.crf = class_names, crf
+        self.release_slots = release_slots
         self.writers: list[VideoWriter | JsonlWriter] = []
         self.complete = False
 
@@ -135,9 +229,15 @@ class SinkStage(Stage):
         if self.jsonl_path is not None:
             self.writers.append(JsonlWriter(self.jsonl_path, self.class_names))
 
-    def process(self, item: Frame) -> Iterable[Frame]:
-        for writer in self.writers:
-            writer.write(item)
+    def process(self, item: BatchDetections) -> Iterable[BatchDetections]:
+        """Write a batch part (this source's frames only, in frame order) to every output,
+        then release its slots."""
+        try:
+            for writer in self.writers:
+                writer.write(item)
+        finally:
+            if self.release_slots is not None:
+                self.release_slots(item.frames.slot)
         return ()
 
     def end_of_stream(self, eos: EndOfStream) -> Iterable[EndOfStream]:

@@ -11,22 +11,29 @@ import pytest
 from structlog.testing import capture_logs
 
 from pipeline.graph import Graph, PipelineError
-from pipeline.records import EndOfStream, Frame
+from pipeline.records import BatchDetections, EndOfStream, Frame, FrameBatch
+from pipeline.slots import SlotRing
 from pipeline.stage import SourceStage, Stage
+from stages.batcher import BatcherStage
+
+NAMES = ("a", "b", "cam", "clip", "file")
 
 
-def make_frame(source: str, index: int) -> Frame:
+def make_frame(source: str, index: int, slot: int = -1, ring: SlotRing | None = None) -> Frame:
+    image = ring.image(slot, 4, 2) if ring is not None else np.zeros((3, 4), np.uint8)
     return Frame(source=source, index=index, pts=index / 25, capture_time=time.time(),
-                 width=4, height=2, image=np.zeros((3, 4), np.uint8))
+                 width=4, height=2, image=image, slot=slot)
 
 
 class ListSource(SourceStage):
-    """Yields ``count`` tiny frames, optionally slowly, then its end marker."""
+    """Yields ``count`` tiny frames, optionally slowly, then its end marker. With a ring, each
+    frame takes a slot first (waiting for one, as the decoder does)."""
 
     def __init__(self, name: str, count: int, delay_s: float = 0.0, live: bool = False,
-                 fail_at: int | None = None) -> None:
+                 fail_at: int | None = None, ring: SlotRing | None = None) -> None:
         super().__init__(name)
         self.count, self.delay_s, self.live, self.fail_at = count, delay_s, live, fail_at
+        self.ring = ring
         self.closed = False
 
     def frames(self, stop_reading: threading.Event) -> Iterator[Frame | EndOfStream]:
@@ -37,7 +44,12 @@ class ListSource(SourceStage):
             if i == self.fail_at:
                 raise RuntimeError(f"source {self.name} broke")
             time.sleep(self.delay_s)
-            yield make_frame(self.name, i)
+            slot = -1
+            if self.ring is not None:
+                slot = self.ring.acquire(stop_reading)
+                if slot is None:
+                    break
+            yield make_frame(self.name, i, slot, self.ring)
             produced += 1
         yield EndOfStream(self.name, produced)
 
@@ -45,12 +57,20 @@ class ListSource(SourceStage):
         self.closed = True
 
 
-class Tag(Stage):
-    """Appends its name to a per-frame trail; can raise in any hook."""
+def batcher(batch_size: int = 1) -> BatcherStage:
+    return BatcherStage("batch", (8, 8), batch_size, 5.0, NAMES)
 
-    def __init__(self, name: str, fail_in: str | None = None) -> None:
+
+class Tag(Stage):
+    """Notes the frames of each batch it handles; can raise in any hook. The first stage after
+    the batcher (``detect=True``) turns each ``FrameBatch`` into ``BatchDetections`` with one
+    box per frame whose x1 is the frame's index, and can return the batch's slots."""
+
+    def __init__(self, name: str, fail_in: str | None = None, detect: bool = False,
+                 release: SlotRing | None = None) -> None:
         super().__init__(name)
-        self.fail_in = fail_in
+        self.fail_in, self.detect, self.release = fail_in, detect, release
+        self.seen: list[tuple[str, int]] = []
         self.closed = False
 
     def _maybe_fail(self, hook: str) -> None:
@@ -60,12 +80,19 @@ class Tag(Stage):
     def open(self) -> None:
         self._maybe_fail("open")
 
-    def process(self, item: Frame) -> Iterable[Frame]:
+    def process(self, item: FrameBatch | BatchDetections) -> Iterable[BatchDetections]:
         self._maybe_fail("process")
-        item.trail = [*getattr(item, "trail", []), self.name]  # type: ignore[attr-defined]
-        return (item,)
+        frames = item if self.detect else item.frames
+        self.seen += [(frames.source_name(i), int(frames.index[i])) for i in range(len(frames))]
+        if not self.detect:
+            return (item,)
+        if self.release is not None:
+            self.release.release(frames.slot)
+        boxes = [(np.array([[i, 0, i + 1, 1]], np.float32), np.float32([0.5]), np.int32([7]))
+                 for i in frames.index.tolist()]
+        return (BatchDetections.from_lists(frames, boxes),)
 
-    def finish(self) -> Iterable[Frame]:
+    def finish(self) -> Iterable[BatchDetections]:
         self._maybe_fail("finish")
         return ()
 
@@ -74,19 +101,32 @@ class Tag(Stage):
         self._maybe_fail("close")
 
 
-class ListSink(Stage):
-    """Keeps what it receives."""
+def chain_of(*tags: Tag, batch_size: int = 1) -> list[Stage]:
+    """The batcher, then ``tags`` (the first of which makes the detections)."""
+    tags[0].detect = True
+    return [batcher(batch_size), *tags]
 
-    def __init__(self, name: str, delay_s: float = 0.0) -> None:
+
+class ListSink(Stage):
+    """Keeps what it receives: each part, and its frames' indices. With a ring, returns the
+    part's slots (the last reader of the images)."""
+
+    def __init__(self, name: str, delay_s: float = 0.0, ring: SlotRing | None = None) -> None:
         super().__init__(name)
-        self.frames: list[Frame] = []
+        self.parts: list[BatchDetections] = []
+        self.frames: list[int] = []
+        self.sources: set[str] = set()
         self.ends: list[EndOfStream] = []
-        self.delay_s = delay_s
+        self.delay_s, self.ring = delay_s, ring
         self.closed = False
 
-    def process(self, item: Frame) -> Iterable[Frame]:
+    def process(self, item: BatchDetections) -> Iterable[BatchDetections]:
         time.sleep(self.delay_s)
-        self.frames.append(item)
+        self.parts.append(item)
+        self.frames += item.frames.index.tolist()
+        self.sources |= {item.frames.source_name(i) for i in range(len(item))}
+        if self.ring is not None:
+            self.ring.release(item.frames.slot)
         return ()
 
     def end_of_stream(self, eos: EndOfStream) -> Iterable[EndOfStream]:
@@ -105,24 +145,30 @@ def build(sources: list[ListSource], chain: list[Stage], queue_size: int = 2,
 
 def test_every_frame_reaches_its_own_sink_in_order() -> None:
     sources = [ListSource("a", 30), ListSource("b", 17, delay_s=0.001)]
-    graph, sinks = build(sources, [Tag("one"), Tag("two")])
+    one, two = Tag("one"), Tag("two")
+    graph, sinks = build(sources, chain_of(one, two, batch_size=4))
     graph.run()
     for source in sources:
         sink = sinks[source.name]
-        assert [f.index for f in sink.frames] == list(range(source.count))
-        assert {f.source for f in sink.frames} == {source.name}
-        assert all(f.trail == ["one", "two"] for f in sink.frames)  # type: ignore[attr-defined]
+        assert sink.frames == list(range(source.count)) and sink.sources == {source.name}
+        # Detections follow their frames through the split by source.
+        assert [x1 for part in sink.parts for x1 in part.xyxy[:, 0].tolist()] == sink.frames
+        assert all(part.frames.buffers is None and len(part) <= 4 for part in sink.parts)
         assert [e.frames for e in sink.ends] == [source.count]
         assert sink.closed and source.closed
-    assert graph.stage_metrics["one"].frames == 47
+        everything = {(source.name, i) for i in range(source.count)}
+        assert everything <= set(one.seen) and everything <= set(two.seen)
+    assert len(one.seen) == len(two.seen) == 47
+    assert graph.stage_metrics["batch"].frames == 47  # frames, one by one
+    assert graph.stage_metrics["one"].frames == 47  # frames, in batches
     assert graph.source_metrics["b"].frames_out == 17
 
 
 def test_live_source_drops_oldest_when_downstream_is_slow() -> None:
     sources = [ListSource("cam", 60, live=True)]
-    graph, sinks = build(sources, [Tag("one")], queue_size=2, sink_delay_s=0.01)
+    graph, sinks = build(sources, chain_of(Tag("one")), queue_size=2, sink_delay_s=0.01)
     graph.run()
-    received = [f.index for f in sinks["cam"].frames]
+    received = sinks["cam"].frames
     assert graph.source_metrics["cam"].dropped > 0
     assert len(received) + graph.source_metrics["cam"].dropped == 60
     assert received == sorted(received) and received[-1] == 59  # newest kept, order kept
@@ -130,68 +176,94 @@ def test_live_source_drops_oldest_when_downstream_is_slow() -> None:
 
 def test_file_source_never_drops() -> None:
     sources = [ListSource("file", 40)]
-    graph, sinks = build(sources, [Tag("one")], queue_size=1, sink_delay_s=0.002)
+    graph, sinks = build(sources, chain_of(Tag("one")), queue_size=1, sink_delay_s=0.002)
     graph.run()
-    assert [f.index for f in sinks["file"].frames] == list(range(40))
+    assert sinks["file"].frames == list(range(40))
     assert graph.source_metrics["file"].dropped == 0
 
 
 @pytest.mark.parametrize("hook", ["process", "finish", "close"])
 @pytest.mark.parametrize("position", [0, 1])
 def test_exception_in_any_stage_stops_the_graph(hook: str, position: int) -> None:
-    chain = [Tag("one"), Tag("two")]
-    chain[position].fail_in = hook
+    tags = [Tag("one"), Tag("two")]
+    tags[position].fail_in = hook
+    chain = chain_of(*tags, batch_size=2)
     sources = [ListSource("a", 500, delay_s=0.0), ListSource("b", 500)]
     graph, sinks = build(sources, chain)
     started = time.monotonic()
-    with pytest.raises(PipelineError, match=f"{chain[position].name}: ValueError: .* in {hook}"):
+    with pytest.raises(PipelineError, match=f"{tags[position].name}: ValueError: .* in {hook}"):
         graph.run()
     assert time.monotonic() - started < 5
     assert all(sink.closed for sink in sinks.values())
-    assert all(stage.closed for stage in chain)
+    assert all(tag.closed for tag in tags)
+
+
+@pytest.mark.parametrize("at_sink", [False, True], ids=["postprocess-releases", "sink-releases"])
+def test_dropped_live_frames_and_parts_give_their_slots_back(at_sink: bool) -> None:
+    ring = SlotRing(6, 12)
+    cam = ListSource("cam", 200, live=True, ring=ring)
+    chain = chain_of(Tag("one", release=None if at_sink else ring), batch_size=2)
+    sinks = {"cam": ListSink("sink:cam", delay_s=0.005, ring=ring if at_sink else None)}
+    graph = Graph([cam], chain, sinks, 2, ring=ring, release_at_sink=at_sink)  # type: ignore[list-item]
+    graph.run()
+    metrics = graph.source_metrics["cam"]
+    assert metrics.dropped > 0 and metrics.frames_out + metrics.dropped == 200
+    assert sinks["cam"].frames == sorted(sinks["cam"].frames)
+    assert ring.free_slots() == 6  # every slot came back: dropped, processed or written
+
+
+def test_a_stage_waiting_for_room_downstream_reports_it_as_blocked_not_work() -> None:
+    graph, _ = build([ListSource("file", 30)], chain_of(Tag("one")), queue_size=1,
+                     sink_delay_s=0.01)
+    graph.run()
+    one = graph.stage_metrics["one"]
+    assert one.frames == 30 and one.calls == 30
+    assert one.blocked_s > 0.1 and one.work_s < one.blocked_s / 2  # waits for the sink
+    sink = graph.stage_metrics["sink:file"]
+    assert sink.work_s > 0.25 and sink.blocked_s < 0.05
 
 
 def test_exception_when_opening_a_stage() -> None:
-    chain = [Tag("one"), Tag("two", fail_in="open")]
-    graph, _ = build([ListSource("a", 3)], chain)
+    tags = [Tag("one"), Tag("two", fail_in="open")]
+    graph, _ = build([ListSource("a", 3)], chain_of(*tags))
     with pytest.raises(PipelineError, match="stage two failed to start"):
         graph.run()
-    assert chain[0].closed
+    assert tags[0].closed
 
 
 def test_exception_in_a_source_stops_the_graph() -> None:
     graph, _ = build([ListSource("a", 1000, fail_at=5), ListSource("b", 1000, delay_s=0.001)],
-                     [Tag("one")])
+                     chain_of(Tag("one")))
     with pytest.raises(PipelineError, match="a: RuntimeError: source a broke"):
         graph.run()
 
 
 def test_exception_in_a_sink_stops_the_graph() -> None:
     class FailingSink(ListSink):
-        def process(self, item: Frame) -> Iterable[Frame]:
+        def process(self, item: BatchDetections) -> Iterable[BatchDetections]:
             raise OSError("disk full")
 
     sources = [ListSource("a", 200)]
-    graph = Graph(sources, [Tag("one")], {"a": FailingSink("sink:a")}, 2)
+    graph = Graph(sources, chain_of(Tag("one")), {"a": FailingSink("sink:a")}, 2)
     with pytest.raises(PipelineError, match="sink:a: OSError: disk full"):
         graph.run()
 
 
 def test_request_stop_drains_and_ends_every_stream() -> None:
     sources = [ListSource("a", 10_000, delay_s=0.001), ListSource("b", 10_000, delay_s=0.001)]
-    graph, sinks = build(sources, [Tag("one")])
+    graph, sinks = build(sources, chain_of(Tag("one"), batch_size=3))
     threading.Timer(0.2, graph.request_stop).start()
     graph.run()
     for name, sink in sinks.items():
         count = len(sink.frames)
         assert 0 < count < 10_000
-        assert [f.index for f in sink.frames] == list(range(count))
+        assert sink.frames == list(range(count))
         assert [e.frames for e in sink.ends] == [count], name
 
 
 def test_abort_stops_quickly_even_with_full_queues() -> None:
     sources = [ListSource("a", 100_000)]
-    graph, sinks = build(sources, [Tag("one")], queue_size=1, sink_delay_s=0.05)
+    graph, sinks = build(sources, chain_of(Tag("one")), queue_size=1, sink_delay_s=0.05)
     threading.Timer(0.2, graph.abort).start()
     started = time.monotonic()
     graph.run()
@@ -202,11 +274,11 @@ def test_abort_stops_quickly_even_with_full_queues() -> None:
 def test_slow_sink_of_a_live_source_never_slows_a_file_source() -> None:
     cam, clip = ListSource("cam", 10_000, delay_s=0.001, live=True), ListSource("clip", 100)
     sinks = {"cam": ListSink("sink:cam", delay_s=0.02), "clip": ListSink("sink:clip")}
-    graph = Graph([cam, clip], [Tag("one")], sinks, 2)  # type: ignore[arg-type]
+    graph = Graph([cam, clip], chain_of(Tag("one")), sinks, 2)  # type: ignore[arg-type]
     started = time.monotonic()
     graph.run()  # ends when the file is done: the live source is stopped then
     assert time.monotonic() - started < 2.0  # 100 frames, not paced by the 20 ms/frame sink
-    assert [f.index for f in sinks["clip"].frames] == list(range(100))
+    assert sinks["clip"].frames == list(range(100))
     assert graph.source_metrics["cam"].dropped > 0
     assert [e.error for e in sinks["cam"].ends] == [None]  # stopped cleanly, outputs final
 
@@ -215,7 +287,8 @@ def test_live_latency_is_bounded_by_queue_size_times_sink_time() -> None:
     queue_size, sink_s = 3, 0.02
     cam = ListSource("cam", 300, delay_s=0.002, live=True)  # 500 fps into a 50 fps sink
     cam.reconnects = 2  # type: ignore[attr-defined]
-    graph, sinks = build([cam], [Tag("one")], queue_size=queue_size, sink_delay_s=sink_s)
+    graph, sinks = build([cam], chain_of(Tag("one")), queue_size=queue_size,
+                         sink_delay_s=sink_s)
     graph.run()
     metrics = graph.source_metrics["cam"]
     # A frame waits for at most queue_size frames ahead of it in the sink's lane plus the one
@@ -232,7 +305,7 @@ def test_abort_does_not_wait_for_a_source_blocked_in_io() -> None:
             time.sleep(5)  # a read that ignores every stop request until it times out
             yield EndOfStream(self.name, 1)
 
-    graph, _ = build([StuckSource("cam", 1, live=True)], [Tag("one")])
+    graph, _ = build([StuckSource("cam", 1, live=True)], chain_of(Tag("one")))
     threading.Timer(0.2, graph.abort).start()
     started = time.monotonic()
     graph.run()
@@ -241,7 +314,7 @@ def test_abort_does_not_wait_for_a_source_blocked_in_io() -> None:
 
 def test_long_runs_report_source_stats_periodically(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("pipeline.graph.REPORT_INTERVAL_S", 0.1)
-    graph, _ = build([ListSource("cam", 40, delay_s=0.01, live=True)], [Tag("one")])
+    graph, _ = build([ListSource("cam", 40, delay_s=0.01, live=True)], chain_of(Tag("one")))
     with capture_logs() as logs:
         graph.run()
     stats = [e for e in logs if e["event"] == "source stats"]

@@ -1,113 +1,197 @@
-"""The Prometheus exporter on a real graph, scraped over HTTP on loopback while it runs."""
+"""The Prometheus exporter on a stand-in graph, scraped over HTTP on loopback."""
 
 from __future__ import annotations
 
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
 
+import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.graph import Graph
-from pipeline.prometheus import PrometheusExporter
-from pipeline.records import Frame
-from pipeline.stage import Stage
-from tests.pipeline.test_graph import ListSink, ListSource
+from pipeline.metrics import SourceMetrics, StageMetrics
+from pipeline.prometheus import LATENCY_BUCKETS_S, PrometheusExporter
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-class Gate(Stage):
-    """Holds the first frame until ``opened`` is set, so the queues behind it fill up."""
+class FakeGraph:
+    """What the collector reads from a graph, and nothing else."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.opened = threading.Event()
+    def __init__(self, stages: list[str], sources: list[str]) -> None:
+        self.stage_metrics = {name: StageMetrics(name) for name in stages}
+        self.source_metrics = {name: SourceMetrics(name) for name in sources}
+        self.depths = {name: 0 for name in stages}
+        self.refreshes = 0
 
-    def process(self, item: Frame) -> Iterable[Frame]:
-        self.opened.wait(10)
-        return (item,)
+    def refresh_source_metrics(self) -> None:
+        self.refreshes += 1
+
+    def queue_depths(self) -> dict[str, int]:
+        return dict(self.depths)
 
 
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of /metrics as {(sample name, sorted labels): value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
+def parse(text: str) -> Samples:
+    """Every sample as {(sample name, sorted labels): value}."""
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def value(samples: dict, name: str, **labels: str) -> float | None:
+def scrape(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return parse(response.read().decode())
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
     return samples.get((name, tuple(sorted(labels.items()))))
 
 
-def wait_for(condition, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
+def latency_samples(samples: Samples, source: str) -> dict[str, float]:
+    """The latency histogram of one source: {"le" bound or "sum"/"count": value}."""
+    out = {}
+    for (name, labels), v in samples.items():
+        label = dict(labels)
+        if label.get("source") != source:
+            continue
+        if name == "pipeline_frame_latency_seconds_bucket":
+            out[label["le"]] = v
+        elif name in ("pipeline_frame_latency_seconds_sum", "pipeline_frame_latency_seconds_count"):
+            out[name.rsplit("_", 1)[1]] = v
+    return out
 
 
-def test_metrics_while_running_and_after_the_end():
-    sources = [ListSource("cam", 20, live=True), ListSource("file", 10)]
-    gate = Gate("gate")
-    sinks = {s.name: ListSink(f"sink:{s.name}") for s in sources}
+def reference_histogram(batches: list[np.ndarray]) -> dict[str, float]:
+    """The same latencies fed one by one to prometheus_client's own Histogram."""
+    registry = CollectorRegistry()
+    histogram = Histogram("pipeline_frame_latency_seconds", "reference", ["source"],
+                          buckets=LATENCY_BUCKETS_S, registry=registry)
+    for batch in batches:
+        for latency in batch:
+            histogram.labels("cam").observe(float(latency))
+    return latency_samples(parse(generate_latest(registry).decode()), "cam")
+
+
+@pytest.fixture
+def served() -> tuple[PrometheusExporter, FakeGraph, int]:
+    graph = FakeGraph(["preprocess", "infer", "sink:cam"], ["cam", "file"])
     exporter = PrometheusExporter(0, "127.0.0.1")
-    graph = Graph(sources, [gate], sinks, queue_size=2, on_frame_done=exporter.observe_frame)
     port = exporter.start(graph)
-    runner = threading.Thread(target=graph.run)
-    runner.start()
-    try:
-        # Held at the gate: the live camera drops its oldest frames, the file source waits.
-        wait_for(lambda: (value(scrape(port), "pipeline_source_dropped_frames_total",
-                                source="cam") or 0) >= 15)
-        held = scrape(port)
-        assert value(held, "pipeline_queue_depth", queue="gate") == 4  # both lanes full
-        assert value(held, "pipeline_source_dropped_frames_total", source="file") == 0
-        assert value(held, "pipeline_source_frames_total", source="file") == 0
-        time.sleep(0.1)  # the frames held here are at least 0.1 s late
-        gate.opened.set()
-        runner.join(10)
-        assert not runner.is_alive()
-        done = scrape(port)
-    finally:
-        gate.opened.set()
-        exporter.stop()
-    cam_frames = len(sinks["cam"].frames)
-    dropped = graph.source_metrics["cam"].dropped
-    assert cam_frames + dropped == 20 and dropped >= 15
+    yield exporter, graph, port
+    exporter.stop()
+
+
+def test_stage_source_and_queue_metrics(served: tuple[PrometheusExporter, FakeGraph, int]) -> None:
+    exporter, graph, port = served
+    graph.stage_metrics["infer"].record(8, 0.04, 0.01)
+    graph.stage_metrics["infer"].record(8, 0.06, 0.0)
+    graph.stage_metrics["sink:cam"].record(3, 0.002, 0.5)
+    cam = graph.source_metrics["cam"]
+    cam.frames_done(np.full(5, 0.02))
+    cam.dropped, cam.reconnects = 7, 2
+    graph.depths["infer"] = 3
+    samples = scrape(port)
+    assert graph.refreshes == 1
     expected = {
-        ("pipeline_stage_frames_total", "stage", "sink:file"): 10,
-        ("pipeline_stage_frames_total", "stage", "sink:cam"): cam_frames,
-        ("pipeline_stage_frames_total", "stage", "gate"): graph.stage_metrics["gate"].frames,
-        ("pipeline_source_frames_total", "source", "file"): 10,
-        ("pipeline_source_frames_total", "source", "cam"): cam_frames,
-        ("pipeline_source_dropped_frames_total", "source", "cam"): dropped,
-        ("pipeline_source_reconnects_total", "source", "cam"): 0,
-        ("pipeline_frame_latency_seconds_count", "source", "file"): 10,
-        ("pipeline_frame_latency_seconds_count", "source", "cam"): cam_frames,
-        ("pipeline_queue_depth", "queue", "gate"): 0,
+        ("pipeline_stage_frames_total", "stage", "infer"): 16,
+        ("pipeline_stage_calls_total", "stage", "infer"): 2,
+        ("pipeline_stage_work_seconds_total", "stage", "infer"): 0.1,
+        ("pipeline_stage_blocked_seconds_total", "stage", "infer"): 0.01,
+        ("pipeline_stage_frames_total", "stage", "sink:cam"): 3,
+        ("pipeline_stage_work_seconds_total", "stage", "sink:cam"): 0.002,
+        ("pipeline_stage_blocked_seconds_total", "stage", "sink:cam"): 0.5,
+        ("pipeline_stage_frames_total", "stage", "preprocess"): 0,
+        ("pipeline_stage_blocked_seconds_total", "stage", "preprocess"): 0.0,
+        ("pipeline_source_frames_total", "source", "cam"): 5,
+        ("pipeline_source_frames_total", "source", "file"): 0,
+        ("pipeline_source_dropped_frames_total", "source", "cam"): 7,
+        ("pipeline_source_reconnects_total", "source", "cam"): 2,
+        ("pipeline_queue_depth", "queue", "infer"): 3,
+        ("pipeline_queue_depth", "queue", "preprocess"): 0,
     }
     for (name, label, label_value), want in expected.items():
-        assert value(done, name, **{label: label_value}) == want, name
-    assert value(done, "pipeline_stage_busy_seconds_total", stage="gate") > 0.0
-    assert value(done, "pipeline_source_fps", source="file") > 0.0
-    # The file frames held in and before the gate (at least 3) took longer than 0.05 s.
-    assert value(done, "pipeline_frame_latency_seconds_bucket", source="file", le="0.05") <= 7
-    assert value(done, "pipeline_frame_latency_seconds_bucket", source="file", le="+Inf") == 10
+        assert value(samples, name, **{label: label_value}) == pytest.approx(want), name
+    assert value(samples, "pipeline_source_fps", source="cam") > 0.0
+    assert value(samples, "pipeline_source_fps", source="file") == 0.0
+    assert not any("busy" in name for name, _ in samples)
+    # Sources the histogram has not seen yet appear with zeros.
+    keys = {*(str(b) for b in LATENCY_BUCKETS_S), "+Inf", "sum", "count"}
+    assert latency_samples(samples, "file") == dict.fromkeys(keys, 0.0)
+    assert latency_samples(samples, "cam") == dict.fromkeys(keys, 0.0)  # fed by observe_batch only
+    exporter.stop()
     with pytest.raises(urllib.error.URLError):
         scrape(port)  # stopped: nothing listens any more
 
 
-def test_a_taken_port_is_a_clear_error():
+@pytest.mark.parametrize("batches", [
+    pytest.param([np.array([0.001, 0.007, 0.05, 0.3, 45.0])], id="one-batch"),
+    pytest.param([np.asarray(LATENCY_BUCKETS_S)], id="exactly-on-the-bounds"),
+    pytest.param([np.array([0.0]), np.array([], dtype=np.float64), np.array([1e9])],
+                 id="zero-empty-huge"),
+    pytest.param([np.random.default_rng(seed).exponential(0.2, size) for seed, size in
+                  enumerate([1, 8, 64, 3, 500])], id="random-batches"),
+    pytest.param([np.array([0.004, 0.02, 0.6], dtype=np.float32)], id="float32"),
+])
+def test_latency_histogram_matches_prometheus_clients(
+        served: tuple[PrometheusExporter, FakeGraph, int], batches: list[np.ndarray]) -> None:
+    exporter, _, port = served
+    for batch in batches:
+        exporter.observe_batch("cam", batch)
+    got = latency_samples(scrape(port), "cam")
+    want = reference_histogram(batches)
+    assert set(got) == set(want)
+    assert set(want) == {*(str(b) for b in LATENCY_BUCKETS_S), "+Inf", "sum", "count"}
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-9), key
+    assert got["+Inf"] == got["count"] == sum(len(b) for b in batches)
+    bounds = [got[str(b)] for b in LATENCY_BUCKETS_S] + [got["+Inf"]]
+    assert bounds == sorted(bounds)  # cumulative
+
+
+def test_latency_histogram_per_source_and_from_threads(
+        served: tuple[PrometheusExporter, FakeGraph, int]) -> None:
+    exporter, _, port = served
+    batch = np.array([0.003, 0.015, 0.15, 3.0])
+
+    def feed(source: str) -> None:
+        for _ in range(250):
+            exporter.observe_batch(source, batch)
+
+    threads = [threading.Thread(target=feed, args=(source,))
+               for source in ("cam", "cam", "file", "other")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    samples = scrape(port)
+    for source, times in (("cam", 2), ("file", 1), ("other", 1)):
+        histogram = latency_samples(samples, source)
+        n = 250 * times
+        assert histogram["count"] == 4 * n
+        assert histogram["sum"] == pytest.approx(float(batch.sum()) * n)
+        assert (histogram["0.005"], histogram["0.02"], histogram["0.2"], histogram["5.0"]) == \
+            (n, 2 * n, 3 * n, 4 * n)
+
+
+def test_observe_before_start_is_kept() -> None:
+    exporter = PrometheusExporter(0, "127.0.0.1")
+    exporter.observe_batch("cam", np.array([0.01, 0.02]))
+    port = exporter.start(FakeGraph(["s"], ["cam"]))
+    try:
+        assert latency_samples(scrape(port), "cam")["count"] == 2
+    finally:
+        exporter.stop()
+    exporter.stop()  # idempotent
+
+
+def test_a_taken_port_is_a_clear_error() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         exporter = PrometheusExporter(port, "127.0.0.1")
-        graph = Graph([ListSource("a", 1)], [Gate("gate")], {"a": ListSink("sink:a")}, 2)
         with pytest.raises(OSError, match=f"runtime.metrics_port: cannot serve metrics on "
                                           f"127.0.0.1:{port}"):
-            exporter.start(graph)
+            exporter.start(FakeGraph(["gate"], ["a"]))

@@ -1,30 +1,79 @@
-"""AnnotateStage: boxes drawn on the I420 planes in the class colour."""
+"""AnnotateStage: boxes drawn on the I420 planes of a batch's images, in the class colour."""
 
 from __future__ import annotations
 
-import time
-
 import cv2
 import numpy as np
+import pytest
 
-from pipeline.records import Detections, Frame
 from stages.annotate import AnnotateStage, class_colour_yuv, i420_planes
+from tests.support.batches import Box, batch_detections, grey_image, make_frame
+
+WIDTH, HEIGHT = 320, 240
+NAMES = ["person", "bicycle", "car", "dog"]
 
 
 def test_box_is_drawn_in_the_class_colour_and_the_rest_is_untouched() -> None:
-    width, height = 320, 240
-    image = np.full((height * 3 // 2, width), 128, np.uint8)
-    detections = Detections(np.array([[100, 80, 220, 200]], np.float32),
-                            np.array([0.9], np.float32), np.array([2], np.int32))
-    frame = Frame("a", 0, None, time.time(), width, height, image=image, detections=detections)
-    (out,) = AnnotateStage("ann", ["person", "bicycle", "car"]).process(frame)
-    y, u, v = i420_planes(out.image, width, height)
+    image = grey_image(WIDTH, HEIGHT)
+    batch = batch_detections([(make_frame("a", 0, image), [(100, 80, 220, 200, 0.9, 2)])])
+    (out,) = AnnotateStage("ann", NAMES[:3]).process(batch)
+    assert out is batch and out.frames.images[0] is image  # drawn in place
+    y, u, v = i420_planes(image, WIDTH, HEIGHT)
     colour = class_colour_yuv(2)
     assert y[140, 100] == colour[0] and y[140, 220] == colour[0]   # left and right edges
     assert u[70, 50] == colour[1] and v[70, 50] == colour[2]
     assert y[140, 160] == 128 and y[10, 10] == 128                  # inside and outside
-    bgr = cv2.cvtColor(out.image, cv2.COLOR_YUV2BGR_I420)
+    bgr = cv2.cvtColor(image, cv2.COLOR_YUV2BGR_I420)
     assert abs(int(bgr[140, 100].astype(int).sum()) - 3 * 128) > 60  # visibly coloured
+
+
+# Frames of one batch, each: (has an image, its boxes). Every box lies in rows 40..100, and
+# labels are drawn above their box, so rows from 110 down must stay untouched.
+FRAMES: list[tuple[bool, list[Box]]] = [
+    (True, [(20, 40, 100, 100, 0.9, 2)]),                                   # one box
+    (True, []),                                                             # no detections
+    (False, [(20, 40, 100, 100, 0.8, 1)]),                                  # no host image
+    (True, [(10, 60, 60, 100, 0.8, 0), (200, 50, 300, 90, 0.7, 3)]),        # two boxes
+    (True, []),                                                             # none again
+]
+FAR_ROW = 110
+
+
+@pytest.mark.parametrize("row", range(len(FRAMES)))
+def test_a_batch_draws_only_where_its_frames_have_boxes(row: int) -> None:
+    frames = [make_frame("a" if i % 2 else "b", i, grey_image(WIDTH, HEIGHT) if has else None,
+                         width=WIDTH, height=HEIGHT)
+              for i, (has, _) in enumerate(FRAMES)]
+    batch = batch_detections([(frame, boxes) for frame, (_, boxes) in zip(frames, FRAMES)])
+    (out,) = AnnotateStage("ann", NAMES).process(batch)
+    assert out is batch
+    has_image, boxes = FRAMES[row]
+    image = batch.frames.images[row]
+    if not has_image:
+        assert image is None
+        return
+    untouched = grey_image(WIDTH, HEIGHT)
+    if not boxes:
+        np.testing.assert_array_equal(image, untouched)
+        return
+    y, u, v = i420_planes(image, WIDTH, HEIGHT)
+    for x1, y1, x2, y2, _, cls in boxes:
+        colour = class_colour_yuv(int(cls))
+        middle = int((y1 + y2) // 2)
+        assert y[middle, int(x1)] == colour[0] and y[middle, int(x2)] == colour[0]  # its edges
+        assert u[middle // 2, int(x1) // 2] == colour[1]
+        assert y[middle, int((x1 + x2) // 2)] == 128                               # its inside
+    assert (y[FAR_ROW:] == 128).all()                                               # far away
+    assert (u[FAR_ROW // 2:] == 128).all() and (v[FAR_ROW // 2:] == 128).all()
+
+
+def test_a_batch_without_detections_is_passed_on_untouched() -> None:
+    frames = [make_frame("a", i, grey_image(WIDTH, HEIGHT)) for i in range(3)]
+    batch = batch_detections([(frame, []) for frame in frames])
+    (out,) = AnnotateStage("ann", NAMES).process(batch)
+    assert out is batch
+    for image in batch.frames.images:
+        np.testing.assert_array_equal(image, grey_image(WIDTH, HEIGHT))
 
 
 def test_class_colours_differ() -> None:

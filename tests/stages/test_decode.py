@@ -6,14 +6,19 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
 from pipeline.config import SourceConfig
-from pipeline.records import EndOfStream, Frame
+from pipeline.graph import Graph
+from pipeline.records import BatchDetections, EndOfStream, Frame, FrameBatch
+from pipeline.slots import SlotRing, i420_bytes
+from pipeline.stage import Stage
+from stages.batcher import BatcherStage
 from stages.decode import DecodeStage, backoff_delay, open_options, redact_url
 from tests.support import (
     RtspServer,
@@ -41,6 +46,7 @@ def clips(samples, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (out / "empty.mp4").write_bytes(b"")
     return {
         "clean": clean,
+        "small": write_clip(out / "small.mp4", car, SMALL),
         "truncated": truncate(clean, out / "truncated.mp4", keep=0.5),
         "damaged": damage_packets(clean, out / "damaged.mp4", {10, 25}),
         "multitrack": write_multitrack(out / "multi.mp4", car, bikes[:20], (SMALL, WIDE)),
@@ -90,6 +96,131 @@ def test_damaged_and_unusual_files_yield_every_decodable_frame(
     assert all(f.image.shape == (f.height * 3 // 2, f.width) for f in got)
     warnings = " | ".join(events(logs, "warning"))
     assert (warning in warnings) if warning else not warnings
+
+
+def test_with_a_ring_frames_are_views_of_its_slots_with_the_same_pixels(
+        clips: dict[str, Path]) -> None:
+    source = SourceConfig(name="clip", uri=str(clips["size_change"]))
+    plain, _, _ = read_all(source)
+    ring = SlotRing(3, i420_bytes(*WIDE) + 100)
+    items = DecodeStage(source, ring).frames(threading.Event())
+    slots = set()
+    for expected, frame in zip(plain, items):  # lazily: each slot is returned once compared
+        assert isinstance(frame, Frame) and frame.slot >= 0
+        assert np.shares_memory(frame.image, ring.memory[frame.slot])
+        assert frame.image.ctypes.data == ring.pointer(frame.slot)  # at the slot's start
+        assert (frame.index, frame.pts, frame.width, frame.height) == (
+            expected.index, expected.pts, expected.width, expected.height)
+        np.testing.assert_array_equal(frame.image, expected.image)
+        assert ring.free_slots() == 2  # this frame's slot only
+        slots.add(frame.slot)
+        ring.release([frame.slot])
+    assert next(items) == EndOfStream("clip", 40) and len(slots) > 1
+    assert ring.free_slots() == 3
+
+
+def test_a_frame_larger_than_the_slots_ends_the_source_with_its_size(
+        clips: dict[str, Path]) -> None:
+    ring = SlotRing(2, i420_bytes(*SMALL))
+    source = SourceConfig(name="wide", uri=str(clips["clean"]))
+    with capture_logs() as logs:
+        items = list(DecodeStage(source, ring).frames(threading.Event()))
+    assert len(items) == 1 and items[0].frames == 0
+    assert items[0].error == (f"a 320x136 frame does not fit the frame slots of "
+                              f"{i420_bytes(*SMALL)} bytes (sized for the largest file source, "
+                              "at least 1920x1080)")
+    assert "source failed" in events(logs, "error")
+    assert not [e for e in logs if e["event"] == "source lost, reconnecting"]
+    assert ring.free_slots() == 2  # no slot was taken for it
+
+
+def test_a_too_large_frame_mid_stream_keeps_the_frames_before_it(
+        clips: dict[str, Path]) -> None:
+    ring = SlotRing(2, i420_bytes(*SMALL))  # the first segment fits, the second does not
+    frames = []
+    for item in DecodeStage(SourceConfig(name="s", uri=str(clips["size_change"])),
+                            ring).frames(threading.Event()):
+        if isinstance(item, Frame):
+            frames.append((item.index, item.width, item.height))
+            ring.release([item.slot])
+        else:
+            end = item
+    assert frames == [(i, *SMALL) for i in range(20)]
+    assert end.frames == 20 and "a 320x136 frame does not fit" in end.error
+
+
+def test_a_stop_while_waiting_for_a_slot_ends_the_source_cleanly(clips: dict[str, Path]) -> None:
+    ring = SlotRing(2, i420_bytes(*WIDE))
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    items = list(DecodeStage(SourceConfig(name="clip", uri=str(clips["clean"])), ring)
+                 .frames(stop))  # nobody releases: the third frame waits for a slot
+    assert [f.slot for f in items[:-1]] == [0, 1]
+    assert items[-1] == EndOfStream("clip", 2)
+
+
+def test_a_live_source_drops_frames_rather_than_wait_for_a_slot(clips: dict[str, Path]) -> None:
+    """Nobody returns the 2 slots: a live source keeps decoding, drops (and counts) every
+    frame it has no slot for, and its frame numbers keep counting the dropped ones."""
+    ring = SlotRing(2, i420_bytes(*WIDE))
+    source = SourceConfig(name="cam", uri=str(clips["clean"]), live=True, reconnect=False)
+    decoder = DecodeStage(source, ring)
+    items = list(decoder.frames(threading.Event()))
+    frames, end = items[:-1], items[-1]
+    assert [(f.index, f.slot) for f in frames] == [(0, 0), (1, 1)]
+    assert end == EndOfStream("cam", 40)
+    assert decoder.dropped == 38
+
+
+class NoDetections(Stage):
+    """Stands in for infer + postprocess: every frame of a batch with no detections, its
+    slots returned to the ring (as the postprocess stage does when no video is written)."""
+
+    def __init__(self, ring: SlotRing) -> None:
+        super().__init__("detect")
+        self.ring = ring
+
+    def process(self, item: FrameBatch) -> Iterable[BatchDetections]:
+        self.ring.release(item.slot)
+        empty = (np.empty((0, 4), np.float32), np.empty(0, np.float32), np.empty(0, np.int32))
+        return (BatchDetections.from_lists(item, [empty] * len(item)),)
+
+
+class Collect(Stage):
+    """A sink keeping its frames' (index, width, height) and its end marker."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.frames: list[tuple[int, int, int]] = []
+        self.ends: list[EndOfStream] = []
+
+    def process(self, item: BatchDetections) -> Iterable[None]:
+        frames = item.frames
+        self.frames += zip(frames.index.tolist(), frames.width.tolist(), frames.height.tolist())
+        return ()
+
+    def end_of_stream(self, eos: EndOfStream) -> Iterable[None]:
+        self.ends.append(eos)
+        return ()
+
+
+def test_a_source_too_large_for_the_shared_ring_fails_alone(clips: dict[str, Path]) -> None:
+    ring = SlotRing(4, i420_bytes(*SMALL))  # the small clip's frames fit, the wide ones do not
+    stop = threading.Event()
+    sources = [DecodeStage(SourceConfig(name="wide", uri=str(clips["clean"])), ring, stop),
+               DecodeStage(SourceConfig(name="small", uri=str(clips["small"])), ring, stop)]
+    chain = [BatcherStage("batch", (64, 64), 3, 20.0, ("wide", "small")), NoDetections(ring)]
+    sinks = {name: Collect(f"sink:{name}") for name in ("wide", "small")}
+    graph = Graph(sources, chain, sinks, 2, stop=stop, ring=ring)  # type: ignore[arg-type]
+    graph.run()  # a failing source is reported, not raised
+    assert sinks["small"].frames == [(i, *SMALL) for i in range(30)]
+    assert sinks["small"].ends == [EndOfStream("small", 30)]
+    assert not sinks["wide"].frames and len(sinks["wide"].ends) == 1
+    assert sinks["wide"].ends[0].frames == 0
+    assert "a 320x136 frame does not fit the frame slots" in sinks["wide"].ends[0].error
+    assert graph.source_metrics["wide"].error == sinks["wide"].ends[0].error
+    assert graph.source_metrics["small"].error is None
+    assert ring.free_slots() == 4
 
 
 def test_size_change_happens_at_the_segment_boundary(clips: dict[str, Path]) -> None:

@@ -57,3 +57,83 @@ def test_the_source_kind_follows_the_config(samples, decode, video, gpu, expecte
             create_source(config, 0, gpu)
     else:
         assert type(create_source(config, 0, gpu)).__name__ == expected
+
+
+def gpu_reason() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy is not installed"
+    return gpu_decode_unavailable_reason()
+
+
+def cpu_pictures(path, count: int) -> list:
+    import av
+
+    with av.open(str(path)) as container:
+        return [p for p, _ in zip(container.decode(video=0), range(count))]
+
+
+@pytest.mark.gpu
+def test_gpu_decoded_frames_pack_to_the_cpu_decoded_pictures(samples):
+    """The batcher's copies onto the device: a GPU-decoded frame (two pitched D2D copies) and
+    a host frame from a pinned ring slot (one H2D) in the same batch, byte for byte."""
+    if reason := gpu_reason():
+        pytest.skip(f"GPU decode unavailable: {reason}")
+    import numpy as np
+
+    from pipeline.gpu import GpuContext
+    from pipeline.records import Frame
+    from pipeline.slots import SlotRing, i420_bytes
+    from stages.batcher import BatcherStage
+    from stages.decode import DecodeStage
+    from stages.gpu_decode import GpuDecodeStage
+
+    source = SourceConfig(name="bikes", uri=str(samples.bikes))
+    slot_bytes = i420_bytes(640, 272)
+    gpu = GpuContext(0)
+    gpu.allocate(2, 2, slot_bytes, 10)
+    ring = SlotRing(4, slot_bytes, pinned=True)
+    batcher = BatcherStage("batch", (32, 32), 2, 1000.0, ("bikes",), gpu, ring, threading.Event())
+    batcher.open()
+    cpu = cpu_pictures(samples.bikes, 12)
+    stop = threading.Event()
+    host = DecodeStage(source, ring).frames(stop)
+    for index, item in enumerate(GpuDecodeStage(source, 0, ring).frames(stop)):
+        if index == len(cpu):
+            break
+        assert isinstance(item, Frame), item
+        assert (item.index, item.pixel_format, item.image, item.slot) == (index, "nv12", None, -1)
+        assert item.device_planes[0].strides[0] >= item.width  # the surface's pitch
+        host_frame = next(host)
+        assert item.pts == host_frame.pts and host_frame.slot >= 0
+        batch = batcher.make_batch([item, host_frame])
+        buffers = batch.buffers
+        assert [(fmt, start, end) for _, fmt, start, end in buffers.groups] == [
+            ("nv12", 0, 1), ("i420", 1, 2)]
+        buffers.copied.synchronize()
+        size = item.width * item.height * 3 // 2
+        want = cpu[index].to_ndarray(format="nv12").reshape(-1)
+        np.testing.assert_array_equal(buffers.frames[0, :size].get(), want)  # bit-exact H.264
+        want = cpu[index].to_ndarray(format="yuv420p").reshape(-1)
+        np.testing.assert_array_equal(buffers.frames[1, :size].get(), want)
+        np.testing.assert_array_equal(buffers.table.device["letterbox"][:2].get(),
+                                      batch.letterbox)
+        ring.release(batch.slot)
+        gpu.batches.release(buffers)
+    stop.set()
+
+
+@pytest.mark.gpu
+def test_gpu_decode_reads_a_whole_file_and_reports_a_missing_one(samples, tmp_path):
+    if reason := gpu_reason():
+        pytest.skip(f"GPU decode unavailable: {reason}")
+    from stages.gpu_decode import GpuDecodeStage
+
+    items = list(GpuDecodeStage(SourceConfig(name="bikes", uri=str(samples.bikes)))
+                 .frames(threading.Event()))
+    assert [f.index for f in items[:-1]] == list(range(250))
+    assert items[-1] == EndOfStream("bikes", 250)
+    missing = str(tmp_path / "missing.mp4")
+    [end] = GpuDecodeStage(SourceConfig(name="gone", uri=missing)).frames(threading.Event())
+    assert end.frames == 0 and "missing.mp4" in end.error

@@ -1,0 +1,206 @@
+"""Batcher: gather frames from any sources into one ``FrameBatch`` per inference call.
+
+Like DeepStream's stream muxer, it closes a batch when it holds ``batch_size`` frames or when
+its first frame has waited ``batch_timeout_ms``. From here on the unit is the batch: the frames
+become columns (``FrameBatch``), and on the GPU path the batch's whole way onto the device is
+queued here, once per batch:
+
+- a free ``BatchBuffers`` set is taken (waiting while all are in use: backpressure);
+- each host frame is copied from its pinned ring slot into the set's device row ``i`` with one
+  asynchronous H2D (``cudaMemcpyAsync``), each GPU-decoded frame is packed from its NVDEC
+  surface into row ``i`` with two pitched D2D copies (Y, then UV) -- all on the copy stream;
+- the per-frame tables (preprocess pairs grouped by geometry, letterbox parameters) are
+  written into the set's pinned table and copied with one more H2D;
+- one event (``set.copied``) is recorded; the infer stage waits on it once per batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from kernels.preprocess import Letterbox, letterbox_geometry
+from pipeline.records import EndOfStream, Frame, FrameBatch
+from pipeline.stage import Stage
+
+CUDA_STREAM_LEGACY = 1  # cudaStreamLegacy: the stream FFmpeg's NULL stream is, in any thread
+MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
+MEMCPY_DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice
+
+
+def letterbox_row(letterbox: Letterbox) -> tuple[float, ...]:
+    """A letterbox as a row of ``FrameBatch.letterbox`` (``LETTERBOX_COLUMNS``)."""
+    return (letterbox.scale_x, letterbox.scale_y, letterbox.pad_left, letterbox.pad_top,
+            letterbox.src_width, letterbox.src_height)
+
+
+def pack_nv12(y: np.ndarray, uv: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """The packed NV12 frame :func:`pack_device_frame` writes, in NumPy (the reference).
+
+    Args:
+        y: (height, width) uint8 host array, any row pitch.
+        uv: (height // 2, width // 2, 2) uint8 host array of interleaved U, V; any row pitch.
+        out: (>= height * 3 // 2 * width,) uint8 host array; its head receives the frame.
+
+    Returns:
+        (height * 3 // 2, width) uint8 view of ``out``: Y rows, then UV rows, no padding --
+        the "nv12" layout of ``kernels.preprocess``.
+    """
+    height, width = y.shape
+    frame = out[: height * 3 // 2 * width].reshape(height * 3 // 2, width)
+    frame[:height] = y
+    frame[height:] = uv.reshape(height // 2, width)
+    return frame
+
+
+def pack_device_frame(row_ptr: int, frame: Frame, copy_stream: Any) -> None:
+    """Queue two pitched D2D copies (Y, then UV) of a GPU-decoded frame into a device row.
+
+    Args:
+        row_ptr: device address of the row (``height * 3 // 2 * width`` bytes are written,
+            in the layout of :func:`pack_nv12`).
+        frame: with ``device_planes`` (Y (H, W), UV (H/2, W/2, 2) uint8 CuPy arrays).
+        copy_stream: the CuPy stream the copies are queued on; the caller orders it after the
+            legacy default stream (where FFmpeg queued the decoder's output copies) and keeps
+            the planes alive until the copies have run.
+    """
+    import cupy
+
+    y, uv = frame.device_planes
+    width, height = frame.width, frame.height
+    for offset, plane, rows in ((0, y, height), (width * height, uv, height // 2)):
+        cupy.cuda.runtime.memcpy2DAsync(row_ptr + offset, width, plane.data.ptr, plane.strides[0],
+                                        width, rows, MEMCPY_DEVICE_TO_DEVICE, copy_stream.ptr)
+
+
+class BatcherStage(Stage):
+    """Frames in, ``FrameBatch`` records out (see the module docstring).
+
+    Args:
+        name: stage name.
+        input_size: model input (height, width) in pixels.
+        batch_size: most frames per batch.
+        batch_timeout_ms: longest time a partial batch waits for more frames.
+        source_names: every source's name, in config order (``FrameBatch.source_names``).
+        gpu: the ``GpuContext`` whose batch sets are allocated (GPU path), or None.
+        ring: the ``SlotRing`` holding the host frames (its pinned memory is copied from).
+        stop: the graph's abort event (ends a wait for a free batch set).
+    """
+
+    def __init__(self, name: str, input_size: tuple[int, int], batch_size: int,
+                 batch_timeout_ms: float, source_names: tuple[str, ...], gpu: Any = None,
+                 ring: Any = None, stop: Any = None) -> None:
+        super().__init__(name)
+        self.input_height, self.input_width = input_size
+        self.batch_size = batch_size
+        self.batch_timeout_s = batch_timeout_ms / 1000
+        self.source_names = tuple(source_names)
+        self.source_ids = {name: index for index, name in enumerate(self.source_names)}
+        self.gpu, self.ring, self.stop = gpu, ring, stop
+        self._pending: list[Frame] = []
+        self._first_arrival = 0.0
+        self._letterboxes: dict[tuple[int, int], Letterbox] = {}
+        self._legacy_done: Any = None
+
+    @property
+    def poll_interval_s(self) -> float | None:  # type: ignore[override]
+        """Time left before the pending partial batch must run, or None when empty."""
+        if not self._pending:
+            return None
+        return max(0.0, self._first_arrival + self.batch_timeout_s - time.monotonic())
+
+    def letterbox(self, width: int, height: int) -> Letterbox:
+        """The (cached) geometry fitting a width x height frame into the model input."""
+        key = (width, height)
+        if key not in self._letterboxes:
+            self._letterboxes[key] = letterbox_geometry(
+                width, height, self.input_width, self.input_height)
+        return self._letterboxes[key]
+
+    def open(self) -> None:
+        if self.gpu is not None:
+            import cupy
+
+            self.gpu.activate()
+            self._legacy_done = cupy.cuda.Event(disable_timing=True)
+
+    def process(self, item: Frame) -> Iterable[FrameBatch]:
+        if not self._pending:
+            self._first_arrival = time.monotonic()
+        self._pending.append(item)
+        if len(self._pending) >= self.batch_size or self.poll_interval_s == 0.0:
+            return self._flush()
+        return ()
+
+    def end_of_stream(self, eos: EndOfStream) -> Iterable[Any]:
+        # The source's frames must leave before its end marker.
+        return [*self._flush(), eos]
+
+    def on_idle(self) -> Iterable[FrameBatch]:
+        return self._flush()
+
+    def finish(self) -> Iterable[FrameBatch]:
+        return self._flush()
+
+    def _flush(self) -> list[FrameBatch]:
+        if not self._pending:
+            return []
+        frames, self._pending = self._pending, []
+        return [self.make_batch(frames)]
+
+    def make_batch(self, frames: list[Frame]) -> FrameBatch:
+        """The batch of ``frames``; on the GPU path, with its copies onto the device queued."""
+        boxes = [self.letterbox(f.width, f.height) for f in frames]
+        letterbox = np.array([letterbox_row(b) for b in boxes], np.float32).reshape(-1, 6)
+        if self.gpu is None:
+            return FrameBatch.from_frames(frames, self.source_ids, self.source_names, letterbox)
+        buffers = self._take_buffers()
+        self._queue_copies(frames, boxes, letterbox, buffers)
+        return FrameBatch.from_frames(frames, self.source_ids, self.source_names, letterbox,
+                                      buffers)
+
+    def _take_buffers(self) -> Any:
+        started = time.perf_counter()
+        buffers = self.gpu.batches.acquire(self.stop)
+        self.blocked_s += time.perf_counter() - started
+        return buffers
+
+    def _queue_copies(self, frames: list[Frame], boxes: list[Letterbox], letterbox: np.ndarray,
+                      buffers: Any) -> None:
+        import cupy
+
+        gpu = self.gpu
+        gpu.activate()
+        stream = gpu.copy_stream
+        token = gpu.timeline.begin("h2d", stream)
+        row_bytes = buffers.frames.shape[1]
+        base = buffers.frames.data.ptr
+        groups: dict[tuple[Letterbox, str], list[int]] = {}
+        waited_for_decoder = False
+        for i, frame in enumerate(frames):
+            groups.setdefault((boxes[i], frame.pixel_format), []).append(i)
+            if frame.device_planes is not None:
+                if not waited_for_decoder:  # once per batch: after FFmpeg's queued copies
+                    self._legacy_done.record(cupy.cuda.ExternalStream(CUDA_STREAM_LEGACY))
+                    stream.wait_event(self._legacy_done)
+                    waited_for_decoder = True
+                pack_device_frame(base + i * row_bytes, frame, stream)
+                buffers.surfaces.append(frame.device_planes)
+            else:
+                nbytes = frame.width * frame.height * 3 // 2
+                cupy.cuda.runtime.memcpyAsync(base + i * row_bytes, self.ring.pointer(frame.slot),
+                                              nbytes, MEMCPY_HOST_TO_DEVICE, stream.ptr)
+        pairs = buffers.table.host["pairs"]
+        row = 0
+        for (box, pixel_format), indices in groups.items():
+            pairs[row:row + len(indices), 0] = indices
+            pairs[row:row + len(indices), 1] = indices
+            buffers.groups.append((box, pixel_format, row, row + len(indices)))
+            row += len(indices)
+        buffers.table.host["letterbox"][: len(frames)] = letterbox
+        buffers.table.to_device(stream)
+        gpu.timeline.end(token, stream)
+        buffers.copied.record(stream)

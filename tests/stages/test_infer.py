@@ -1,0 +1,59 @@
+"""Backend selection and the infer stage on the CPU (host preprocess + onnxruntime)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import numpy as np
+import onnxruntime
+import pytest
+
+from pipeline.config import InferenceConfig
+from pipeline.records import ModelOutputs
+from stages.backends.base import read_model_info
+from stages.batcher import BatcherStage
+from stages.infer import BackendUnavailable, InferStage, create_backend
+from stages.preprocess import HostPreprocess
+from tests.support.batches import make_frame
+
+
+def test_auto_without_gpu_picks_onnxruntime(samples) -> None:
+    info = read_model_info(samples.model)
+    backend = create_backend(InferenceConfig(backend="auto"), Path(samples.model), info, gpu=None)
+    assert backend.name == "onnxruntime" and backend.device == "cpu"
+
+
+@pytest.mark.parametrize("name", ["torch", "tensorrt"])
+def test_gpu_backends_need_a_gpu(samples, name: str) -> None:
+    info = read_model_info(samples.model)
+    with pytest.raises(BackendUnavailable, match=f"'{name}' needs a GPU"):
+        create_backend(InferenceConfig(backend=name), Path(samples.model), info, gpu=None)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_cpu_infer_stage_is_onnxruntime_on_the_host_preprocess(samples, count: int) -> None:
+    info = read_model_info(samples.model)
+    size = (info.input_height, info.input_width)
+    with av.open(str(samples.carphone)) as container:
+        pictures = [p.to_ndarray(format="yuv420p")
+                    for p, _ in zip(container.decode(video=0), range(count))]
+    with av.open(str(samples.bikes)) as container:
+        pictures.insert(0, next(container.decode(video=0)).to_ndarray(format="yuv420p"))
+    frames = [make_frame(f"s{i % 2}", i, image) for i, image in enumerate(pictures[:count])]
+    batch = BatcherStage("batch", size, 4, 1000.0, ("s0", "s1")).make_batch(frames)
+    backend = create_backend(InferenceConfig(backend="onnxruntime", batch_size=4),
+                             Path(samples.model), info)
+    stage = InferStage("infer", backend, HostPreprocess(size, info.input_dtype, 4))
+    stage.open()  # nothing to allocate on the CPU path
+    (out,) = stage.process(batch)
+    assert isinstance(out, ModelOutputs) and out.frames is batch and len(out) == count
+
+    images = HostPreprocess(size, info.input_dtype, 4).run(batch)
+    session = onnxruntime.InferenceSession(str(samples.model),
+                                           providers=["CPUExecutionProvider"])
+    expected = np.concatenate([session.run(None, {info.input_name: images[i:i + 1]})[0]
+                               for i in range(count)])
+    assert out.outputs.shape == (count, 4 + info.num_classes, expected.shape[2])
+    np.testing.assert_allclose(out.outputs, expected, rtol=1e-4, atol=1e-4)
+    stage.close()
