@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_check.sh                      # all steps
 #   bash benchmarks/gpu_check.sh nms preprocess       # some steps
 #   CAMERAS=1,8 THROUGHPUT_ARGS="--decode cpu" bash benchmarks/gpu_check.sh throughput
+#   # throughput alone in about 5 minutes (compile cache in assets/engines already warm):
+#   BUDGET_S=285 THROUGHPUT_RESERVE_S=0 SECONDS_PER_RUN=3 bash benchmarks/gpu_check.sh throughput
 #
 # Steps: tests (pytest -m gpu), nms, preprocess, overlap, throughput. Needs CuPy, Numba,
 # torch, torchvision, onnx2torch, PyAV and the assets (python -m samples.fetch, and
@@ -14,8 +16,15 @@
 # per command). Every step runs under `timeout` with the time left; while throughput is still
 # to come, the steps before it leave it THROUGHPUT_RESERVE_S (default 300) of that. The
 # throughput benchmark itself gets its time left as --budget-s: it starts no measurement that
-# would not end in time and always prints its table (rows it skipped say so); each row is
-# also printed to its log as soon as it is measured.
+# would not end in time and always prints its tables (rows it skipped say so); each row is
+# also printed to its log as soon as it is measured. Its order: inference alone, the paced
+# runs, the naive pipeline, then the unpaced rows count by count, so a short budget loses the
+# largest unpaced camera counts first.
+#
+# Throughput settings: CAMERAS (unpaced camera counts, default 1,8,32,64,100), PACED (paced
+# camera counts, each camera live at 30 frames/s; default 32,64,100; "none" for none),
+# SECONDS_PER_RUN (each measurement's window, default 4), THROUGHPUT_ARGS (more flags, e.g.
+# "--decode cpu,gpu,cpu-threads --decode-workers 8 --no-naive").
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 BUDGET_S=${BUDGET_S:-570}
@@ -71,7 +80,8 @@ for step in "${steps[@]}"; do
             # The benchmark plans with 20 s less than its hard limit, to print its table.
             # shellcheck disable=SC2086
             run_step throughput "$limit" python3 -m benchmarks.throughput \
-                --cameras "${CAMERAS:-1,8,32,64}" --seconds "${SECONDS_PER_RUN:-4}" \
+                --cameras "${CAMERAS:-1,8,32,64,100}" --paced "${PACED:-32,64,100}" \
+                --seconds "${SECONDS_PER_RUN:-4}" \
                 --budget-s "$((limit - 20))" --out "$OUT/throughput.md" ${THROUGHPUT_ARGS:-} ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac

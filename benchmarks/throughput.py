@@ -1,9 +1,17 @@
-"""Throughput at scale: N synthetic cameras through the real pipeline, each stage alone, and a
-naive sequential pipeline, in one run and one table.
+"""Throughput at scale: N synthetic cameras through the real pipeline, unpaced (each camera as
+fast as the pipeline takes it) and paced (every camera delivering 30 frames/s in real time,
+like a real camera), each stage alone, and a naive sequential pipeline, in one run.
 
-    python -m benchmarks.throughput [--small] [--cameras 1,8,32,64] [--seconds 10]
-        [--decode cpu,gpu] [--compile | --no-compile] [--engine-cache DIR | --fresh-cache]
-        [--budget-s S] [--out t.md]
+    python -m benchmarks.throughput [--small] [--cameras 1,8,32,64,100] [--seconds 10]
+        [--decode cpu,gpu[,cpu-threads]] [--decode-workers auto|N] [--paced 32,64,100,128]
+        [--pace-fps 30] [--paced-warmup-s 2] [--paced-decode cpu] [--no-naive]
+        [--compile | --no-compile] [--engine-cache DIR | --fresh-cache] [--budget-s S]
+        [--out t.md]
+
+Decode modes: ``cpu`` decodes on the CPU in worker processes into the shared-memory slot ring
+(``runtime.decode_workers``: ``--decode-workers``, default auto = one per source, at most the
+core count less 2), ``cpu-threads`` on the CPU in threads of the pipeline process
+(``decode_workers: 0``), ``gpu`` on NVDEC in the pipeline process.
 
 Full mode (a GPU): every camera reads a long 1080p H.264 file: bikes.mp4 (natural footage)
 upscaled to 1080p at 4 Mbps, like a camera, then repeated end to end by a stream copy (no
@@ -20,7 +28,18 @@ JSONL sink only. The measurements:
   >= 5,000 images/s for YOLOv8s 640 FP16, compiled), with the backend built exactly as the
   pipeline builds it (``stages.infer.create_backend`` with the run's config) and the seconds
   its ``warmup()`` took (compilation, CUDA graph captures);
-- for each N and each decode mode (cpu; gpu where a GPU decoder is usable):
+- paced (``--paced``), for each camera count: every source ``live: true``, ``pace_fps: 30``
+  (``--pace-fps``), ``reconnect: false``, reading the long looped clip, so each camera hands
+  over a frame every 1/30 s whether or not the pipeline is ready for it and drops (counted)
+  when it is behind. After ``--paced-warmup-s`` from the first result, a window of
+  ``--seconds``: frames completed per second in it (delivered), the frames dropped in it
+  (the difference of ``graph.source_metrics[name].dropped`` between its start and end), the
+  capture-to-sink latency p50/p99 of the frames completed in it, GPU utilisation, and the
+  stages' work and blocked time (whole run). A run keeps up when it drops nothing, its p99 is
+  <= 100 ms and it delivers >= 95% of the offered rate (a decoder slower than real time does
+  not drop, it falls behind: the third condition catches that). The line below the table
+  names the largest camera count that kept up;
+- unpaced, for each N and each decode mode:
   - the pipeline: frames/s at steady state (completions, counted per batch part through
     ``on_batch_done``, after the first 10% and before the window's end: the queues
     draining after it are left out), capture-to-sink latency p50/p99
@@ -30,19 +49,24 @@ JSONL sink only. The measurements:
     work time over its active time): a thread near 100% work is the bottleneck; a stage
     mostly blocked waits on the next one (postprocess on the GPU path: blocked = waiting for
     the GPU's results or for room at the sinks). "Slot wait" is the share of the sources'
-    time spent waiting for a free frame slot (``graph.ring.waited_s``; their waits for room
+    time spent waiting for a free frame slot (``graph.ring.waited_s``: ``cpu-threads`` only, a
+    worker process waits on its own view of the ring; their waits for room
     in the first queue are not in it); with every stage far from 100% work and the pipeline
     near decode alone, decode is the bottleneck;
-  - decode alone: N sources of the same kind decoded in N threads into a slot ring, each
-    slot given back at once;
+  - decode alone: N sources decoded as the pipeline decodes them, each slot given back as
+    soon as its frame arrives, nothing else: ``cpu``: the same ``DecodeWorkerPool`` the
+    pipeline starts (N sources in its worker processes, into a shared-memory ring, frames
+    received through its pipes); ``cpu-threads`` and ``gpu``: N threads into a slot ring;
   - pipeline / slowest stage alone: 1.0 means the pipeline is as fast as its bottleneck allows;
-- a naive pipeline, last: one thread decodes a frame, uploads it, preprocesses, infers at
-  batch 1, runs NMS and copies the detections back before it touches the next frame (no
-  overlap, no batching); each row's "x naive" is its speed-up over that.
+- a naive pipeline (measured after the paced runs, shown last): one thread decodes a frame,
+  uploads it, preprocesses, infers at batch 1, runs NMS and copies the detections back before
+  it touches the next frame (no overlap, no batching); each row's "x naive" is its speed-up
+  over that.
 
 ``--small`` runs the same on a machine without a GPU (what CI runs): bikes.mp4 (640x272)
-repeated, the YOLOv3-tiny sample on onnxruntime, a couple of cameras, a few seconds, inference
-alone only at the pipeline's batch. A measurement that fails writes its error into its row
+repeated, the YOLOv3-tiny sample on onnxruntime, a couple of cameras, a few seconds, a paced
+run of 2 cameras at 5 frames/s (1 s warm-up), inference alone only at the pipeline's batch.
+A measurement that fails writes its error into its row
 instead of ending the run; with ``--budget-s`` a measurement that would not fit in the time
 left is skipped (and says so), so the table is always printed.
 """
@@ -52,6 +76,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -83,7 +108,12 @@ TARGET_IMAGES_S = 5_000
 CAMERA_FPS_CAP = {"full": 2_500, "small": 1_500}
 # Seconds a measurement needs beyond its window (opening, compiling from the cache,
 # draining), to decide under --budget-s whether it still fits.
-OVERHEAD_S = {"pipeline": 45.0, "decode": 10.0, "inference": 60.0, "naive": 45.0}
+# Once a measurement of a kind has run, its own overhead (x1.5, + 5 s) is used instead.
+OVERHEAD_S = {"pipeline": 45.0, "decode": 10.0, "inference": 60.0, "naive": 45.0,
+              "paced": 45.0}
+P99_LIMIT_MS = 100.0  # paced: a camera count keeps up with zero drops and p99 <= this
+DELIVERED_SHARE = 0.95  # ... and delivering at least this share of the offered frames/s
+DECODE_MODES = ("cpu", "cpu-threads", "gpu")
 
 
 @dataclass
@@ -101,11 +131,30 @@ class Setup:
     engine_cache: Path = Path("assets/engines")
     target_batch: int | None = None  # inference alone also at this batch (full mode: 64)
     deadline: float | None = None  # time.monotonic() after which nothing new starts
+    decode_workers: int | None = None  # runtime.decode_workers of the cpu mode (None: auto)
+    pace_fps: float = 30.0  # paced runs: each camera's frames/s
+    paced_warmup_s: float = 2.0  # paced runs: seconds after the first result before the window
+    overheads: dict[str, float] = field(default_factory=dict)  # measured, per kind: the largest
+
+    def window_s(self, what: str) -> float:
+        return self.seconds + (self.paced_warmup_s if what == "paced" else 0.0)
 
     def fits(self, what: str) -> bool:
         """True when a measurement of kind ``what`` can still finish before the deadline."""
+        seen = self.overheads.get(what)
+        overhead = OVERHEAD_S[what] if seen is None else min(OVERHEAD_S[what], 1.5 * seen + 5)
         return self.deadline is None or (
-            time.monotonic() + self.seconds + OVERHEAD_S[what] <= self.deadline)
+            time.monotonic() + self.window_s(what) + overhead <= self.deadline)
+
+    def workers(self, mode: str, cameras: int) -> int:
+        """Decode worker processes a ``mode`` run of ``cameras`` sources uses (0: threads)."""
+        if mode != "cpu":
+            return 0
+        from pipeline.workers import default_worker_count
+
+        wanted = (default_worker_count(cameras) if self.decode_workers is None
+                  else self.decode_workers)
+        return min(cameras, wanted)
 
 
 @dataclass
@@ -130,6 +179,7 @@ class Row:
     decode: str
     cameras: int
     batch: int
+    workers: int = 0  # decode worker processes (0: decoded in the pipeline process)
     fps: float | None = None
     p50_ms: float | None = None
     p99_ms: float | None = None
@@ -146,6 +196,43 @@ class Row:
     def slowest(self) -> tuple[str, float] | None:
         stages = [(n, v) for n, v in (("decode", self.decode_fps), ("infer", self.infer_fps)) if v]
         return min(stages, key=lambda s: s[1]) if stages else None
+
+    @property
+    def busiest(self) -> StageLine | None:
+        return max(self.stages, key=lambda s: s.work_share) if self.stages else None
+
+
+@dataclass
+class PacedRow:
+    """One paced run: every camera at ``pace_fps`` in real time; None where not measured."""
+
+    decode: str
+    cameras: int
+    batch: int
+    pace_fps: float
+    workers: int = 0
+    delivered_fps: float | None = None  # frames completed per second in the window
+    dropped: int | None = None  # frames dropped in the window (sources and live lanes)
+    frames: int | None = None  # frames completed in the window
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    gpu_util: float | None = None
+    decode_fps: float | None = None  # decode alone, same mode and camera count (unpaced table)
+    infer_fps: float | None = None
+    naive_fps: float | None = None
+    build_s: float | None = None
+    stages: list[StageLine] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def offered_fps(self) -> float:
+        return self.cameras * self.pace_fps
+
+    @property
+    def kept_up(self) -> bool:
+        return (self.dropped == 0 and self.p99_ms is not None and self.p99_ms <= P99_LIMIT_MS
+                and self.delivered_fps is not None
+                and self.delivered_fps >= DELIVERED_SHARE * self.offered_fps)
 
     @property
     def busiest(self) -> StageLine | None:
@@ -275,10 +362,13 @@ def looped_clip(clip: Path, seconds: float, fps_cap: int, cache: Path) -> Path:
     return make_looped_clip(clip, cache / f"{clip.stem}_x{repeats}.mp4", repeats)
 
 
-def pipeline_config(setup: Setup, cameras: int, decode: str, batch: int, out: Path
-                    ) -> PipelineConfig:
-    sources = [{"name": f"cam{i:02d}", "uri": str(setup.clip), "decode": decode}
-               for i in range(cameras)]
+def pipeline_config(setup: Setup, cameras: int, decode: str, batch: int, out: Path,
+                    paced: bool = False) -> PipelineConfig:
+    """The run's configuration: ``cameras`` sources of ``decode`` mode (``DECODE_MODES``);
+    ``paced``: each one live, at ``setup.pace_fps`` in real time, never reconnecting."""
+    live = {"live": True, "pace_fps": setup.pace_fps, "reconnect": False} if paced else {}
+    sources = [{"name": f"cam{i:03d}", "uri": str(setup.clip),
+                "decode": "gpu" if decode == "gpu" else "cpu", **live} for i in range(cameras)]
     return parse_config({
         "sources": sources,
         "model": {"path": str(setup.model),
@@ -287,7 +377,8 @@ def pipeline_config(setup: Setup, cameras: int, decode: str, batch: int, out: Pa
                       "batch_size": batch, "batch_timeout_ms": 5.0, "compile": setup.compile,
                       "engine_cache": str(setup.engine_cache)},
         "output": {"dir": str(out), "video": None, "jsonl": "{source}.jsonl"},
-        "runtime": {"progress": False, "log_level": "warning"},
+        "runtime": {"progress": False, "log_level": "warning",
+                    "decode_workers": setup.workers(decode, cameras)},
     })
 
 
@@ -316,6 +407,7 @@ def measure_pipeline(setup: Setup, row: Row, out: Path) -> None:
     from pipeline.build import build_graph
 
     config = pipeline_config(setup, row.cameras, row.decode, row.batch, out)
+    row.workers = config.runtime.decode_workers or 0
     times: list[float] = []
     counts: list[int] = []
     lock = threading.Lock()
@@ -361,15 +453,87 @@ def measure_pipeline(setup: Setup, row: Row, out: Path) -> None:
     row.p50_ms, row.p99_ms = (1000 * float(np.percentile(latencies, q)) for q in (50, 99))
     row.gpu_util = sampler.mean(start, end)
     row.stages = stage_lines(graph)
-    if graph.ring is not None and row.stages and row.decode == "cpu":  # GPU frames take none
+    # GPU frames take no slot; a worker process waits for one on its own view of the ring.
+    if graph.ring is not None and row.stages and row.decode == "cpu" and not row.workers:
         active = max(line.active_s for line in row.stages)
         if active > 0:
             row.slot_wait_share = graph.ring.waited_s / (row.cameras * active)
 
 
+def measure_paced(setup: Setup, row: PacedRow, out: Path) -> None:
+    """One paced run (module docstring): warm-up, then a window of ``setup.seconds``."""
+    from pipeline.build import build_graph
+
+    config = pipeline_config(setup, row.cameras, row.decode, row.batch, out, paced=True)
+    row.workers = config.runtime.decode_workers or 0
+    lock = threading.Lock()
+    window: dict[str, float] = {}  # start, end: perf_counter; dropped0, dropped1: counters
+    done: list[tuple[float, int]] = []  # (time, frames) of each part completed in the window
+    latencies: list[np.ndarray] = []
+    timers: list[threading.Timer] = []
+    graph: Any = None
+
+    def dropped() -> int:
+        graph.refresh_source_metrics()
+        return sum(m.dropped for m in graph.source_metrics.values())
+
+    def start_window() -> None:
+        with lock:
+            window["dropped0"] = dropped()
+            window["start"] = time.perf_counter()
+        later(setup.seconds, end_window)
+
+    def end_window() -> None:
+        with lock:
+            window["end"] = time.perf_counter()
+            window["dropped1"] = dropped()
+        graph.request_stop()
+
+    def later(seconds: float, call: Callable[[], None]) -> None:
+        timer = threading.Timer(seconds, call)
+        timer.daemon = True
+        timers.append(timer)
+        timer.start()
+
+    def batch_done(source: str, part: BatchDetections) -> None:
+        now = time.perf_counter()
+        latency = time.time() - np.asarray(part.frames.capture_time, np.float64)
+        with lock:  # sinks call this from their own threads
+            if not timers:  # the warm-up starts with the first result
+                later(setup.paced_warmup_s, start_window)
+            elif "start" in window and "end" not in window:
+                done.append((now, len(part)))
+                latencies.append(latency)
+
+    started = time.perf_counter()
+    graph = build_graph(config, on_batch_done=batch_done)
+    row.build_s = time.perf_counter() - started
+    try:
+        with UtilisationSampler(setup.device == "cuda") as sampler:
+            graph.run()
+    finally:
+        for timer in timers:
+            timer.cancel()
+    errors = {m.error for m in graph.source_metrics.values() if m.error}
+    if errors:
+        raise RuntimeError("; ".join(sorted(errors)))
+    row.stages = stage_lines(graph)
+    if "end" not in window:
+        raise RuntimeError("the sources ended before the window did")
+    span = window["end"] - window["start"]
+    row.frames = sum(n for _, n in done)
+    row.delivered_fps = row.frames / span
+    row.dropped = int(window["dropped1"] - window["dropped0"])
+    if not latencies:
+        raise RuntimeError("no frame completed within the window")
+    inside = np.concatenate(latencies)
+    row.p50_ms, row.p99_ms = (1000 * float(np.percentile(inside, q)) for q in (50, 99))
+    row.gpu_util = sampler.mean(window["start"], window["end"])
+
+
 def make_source(setup: Setup, decode: str, index: int, ring: SlotRing | None = None,
                 abort: threading.Event | None = None) -> SourceStage:
-    source = SourceConfig(name=f"cam{index:02d}", uri=str(setup.clip))
+    source = SourceConfig(name=f"cam{index:03d}", uri=str(setup.clip))
     if decode == "gpu":
         from stages.gpu_decode import GpuDecodeStage
 
@@ -380,11 +544,26 @@ def make_source(setup: Setup, decode: str, index: int, ring: SlotRing | None = N
 
 
 def measure_decode(setup: Setup, decode: str, cameras: int) -> float:
-    """Frames/s of ``cameras`` sources decoded in as many threads into a slot ring (as in the
-    pipeline), each slot given back as soon as its frame arrives; nothing else."""
+    """Frames/s of ``cameras`` sources decoded as the pipeline decodes them, each slot given
+    back as soon as its frame arrives; nothing else. ``cpu`` with decode workers: the
+    pipeline's own ``DecodeWorkerPool`` (worker processes, a shared-memory ring, the frames
+    received through its pipes, one reading thread per source as in the graph); otherwise
+    one thread per source (``DecodeStage`` / ``GpuDecodeStage``) into a slot ring."""
+    from pipeline.build import frame_slots
+    from pipeline.workers import DecodeWorkerPool
+
     stop = threading.Event()
     width, height = probe_size(setup.clip)
-    ring = SlotRing(4 * cameras, i420_bytes(width, height))
+    workers = setup.workers(decode, cameras)
+    pool: DecodeWorkerPool | None = None
+    if workers:
+        config = pipeline_config(setup, cameras, decode, setup.batch_cap, Path("."))
+        ring = SlotRing(frame_slots(config), i420_bytes(width, height), shared=True)
+        pool = DecodeWorkerPool(config, list(enumerate(config.sources)), ring, workers)
+        sources: list[SourceStage] = pool.sources
+    else:
+        ring = SlotRing(4 * cameras, i420_bytes(width, height))
+        sources = [make_source(setup, decode, i, ring, stop) for i in range(cameras)]
     done: list[float] = []
     failures: list[str] = []
 
@@ -396,21 +575,30 @@ def measure_decode(setup: Setup, decode: str, cameras: int) -> float:
             elif item.error:
                 failures.append(item.error)
 
-    threads = [threading.Thread(target=read, args=(make_source(setup, decode, i, ring, stop),),
-                                daemon=True) for i in range(cameras)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + setup.seconds + 30  # + start-up (opening, first frames)
-    while time.monotonic() < deadline and not failures and any(t.is_alive() for t in threads):
-        if done and time.perf_counter() - done[0] >= setup.seconds:
-            break
-        time.sleep(0.05)
-    stop.set()
-    for thread in threads:
-        thread.join(30)
+    threads = [threading.Thread(target=read, args=(source,), daemon=True) for source in sources]
+    try:
+        if pool is not None:
+            pool.start()
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + setup.seconds + 30  # + start-up (opening, first frames)
+        while time.monotonic() < deadline and not failures and any(t.is_alive() for t in threads):
+            if done and time.perf_counter() - done[0] >= setup.seconds:
+                break
+            time.sleep(0.05)
+        measured = list(done)
+    finally:
+        stop.set()
+        if pool is not None:
+            pool.request_stop()
+        for thread in threads:
+            thread.join(30)
+        if pool is not None:
+            pool.close()
+        ring.close()
     if failures:
         raise RuntimeError(failures[0])
-    return steady_rate(done)[0]
+    return steady_rate(measured)[0]
 
 
 def probe_size(clip: Path) -> tuple[int, int]:
@@ -549,14 +737,19 @@ def naive_gpu_step(backend: Any, nms: Any, gpu: Any) -> Callable[[Frame, Any], A
     return step
 
 
-def attempt(setup: Setup, row: Row | InferenceRow, what: str, measure: Callable[[], Any]) -> Any:
+def attempt(setup: Setup, row: Row | PacedRow | InferenceRow, what: str,
+            measure: Callable[[], Any]) -> Any:
     """Run one measurement unless the time budget is spent; a failure is noted in the row
-    (traceback on stderr), not raised."""
+    (traceback on stderr), not raised. Records how long it took beyond its window."""
     if not setup.fits(what):
         row.notes.append(f"{what} skipped: time budget spent")
         return None
+    started = time.monotonic()
     try:
-        return measure()
+        result = measure()
+        overhead = time.monotonic() - started - setup.window_s(what)
+        setup.overheads[what] = max(setup.overheads.get(what, 0.0), overhead)
+        return result
     except Exception as error:  # noqa: BLE001 - the table shows it; the run goes on
         traceback.print_exc(file=sys.stderr)
         row.notes.append(f"{what} failed: {type(error).__name__}: {' '.join(str(error).split())}")
@@ -569,8 +762,8 @@ def decode_modes(setup: Setup, wanted: list[str]) -> list[tuple[str, str | None]
     """(mode, why it cannot run or None) for the wanted modes; gpu only on the GPU path."""
     modes = []
     for mode in wanted:
-        if mode == "cpu":
-            modes.append(("cpu", None))
+        if mode != "gpu":
+            modes.append((mode, None))
         elif setup.device == "cuda":
             from stages.gpu_decode import gpu_decode_unavailable_reason
 
@@ -584,10 +777,22 @@ def row_batch(setup: Setup, cameras: int) -> int:
     return setup.batch_cap
 
 
-def run_benchmark(setup: Setup, cameras: list[int], decode: list[str], naive: bool = True
-                  ) -> tuple[list[Row], list[InferenceRow]]:
-    """Every row of the tables (see the module docstring), each printed to stderr when done."""
-    batches = sorted({row_batch(setup, n) for n in cameras}
+@dataclass
+class Results:
+    rows: list[Row]
+    paced: list[PacedRow]
+    inference: list[InferenceRow]
+
+
+def run_benchmark(setup: Setup, cameras: list[int], decode: list[str], naive: bool = True,
+                  paced: list[int] | None = None, paced_decode: list[str] | None = None
+                  ) -> Results:
+    """Every row of the tables (see the module docstring), each printed to stderr when done.
+    Order: inference alone (it fills the compile cache), the paced runs, the naive pipeline,
+    then the unpaced rows, camera count by camera count (every decode mode of a count before
+    the next count); with a budget, what does not fit at the end is skipped."""
+    paced, paced_decode = paced or [], paced_decode or ["cpu"]
+    batches = sorted({row_batch(setup, n) for n in [*cameras, *paced]}
                      | ({setup.target_batch} if setup.target_batch else set()))
     inference = [InferenceRow(batch) for batch in batches]
     for irow in inference:  # first: they also fill the compile cache the pipelines start from
@@ -596,10 +801,30 @@ def run_benchmark(setup: Setup, cameras: list[int], decode: list[str], naive: bo
               file=sys.stderr, flush=True)
     infer_fps = {r.batch: r.images_s for r in inference}
     rows: list[Row] = []
+    paced_rows: list[PacedRow] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for mode, unavailable in decode_modes(setup, decode):
-            for count in cameras:
-                row = Row(mode, count, row_batch(setup, count))
+        for mode, unavailable in decode_modes(setup, paced_decode):
+            for count in paced:
+                prow = PacedRow(mode, count, row_batch(setup, count), setup.pace_fps,
+                                setup.workers(mode, count))
+                paced_rows.append(prow)
+                prow.infer_fps = infer_fps.get(prow.batch)
+                if unavailable:
+                    prow.notes.append(f"gpu decode unavailable: {unavailable}")
+                    continue
+                attempt(setup, prow, "paced",
+                        lambda r=prow: measure_paced(setup, r, Path(tmp) / "paced"))
+                print(paced_markdown([prow], f"measured paced, {mode} decode, {count} cameras:"),
+                      file=sys.stderr, flush=True)
+        sequential = Row("naive sequential", 1, 1)
+        if naive:
+            attempt(setup, sequential, "naive", lambda: measure_naive(setup, sequential))
+            print(markdown([sequential], "measured naive sequential:"), file=sys.stderr,
+                  flush=True)
+        modes = decode_modes(setup, decode)
+        for count in cameras:
+            for mode, unavailable in modes:
+                row = Row(mode, count, row_batch(setup, count), setup.workers(mode, count))
                 rows.append(row)
                 if unavailable:
                     row.notes.append(f"gpu decode unavailable: {unavailable}")
@@ -612,13 +837,16 @@ def run_benchmark(setup: Setup, cameras: list[int], decode: list[str], naive: bo
                 # Each row as it is done, so a run cut short still shows what it measured.
                 print(markdown([row], f"measured {mode} decode, {count} cameras:"),
                       file=sys.stderr, flush=True)
+    order = {mode: i for i, (mode, _) in enumerate(modes)}
+    rows.sort(key=lambda r: (order[r.decode], cameras.index(r.cameras)))  # table: mode by mode
+    decode_alone = {(r.decode, r.cameras): r.decode_fps for r in rows}
+    for prow in paced_rows:
+        prow.decode_fps = decode_alone.get((prow.decode, prow.cameras))
     if naive:
-        sequential = Row("naive sequential", 1, 1)
-        attempt(setup, sequential, "naive", lambda: measure_naive(setup, sequential))
-        for row in rows:
-            row.naive_fps = sequential.fps
+        for line in [*rows, *paced_rows]:
+            line.naive_fps = sequential.fps
         rows.append(sequential)
-    return rows, inference
+    return Results(rows, paced_rows, inference)
 
 
 def num(value: float | None, digits: int = 0) -> str:
@@ -628,26 +856,85 @@ def num(value: float | None, digits: int = 0) -> str:
 def markdown(rows: list[Row], header: str) -> str:
     """The pipeline table, with a line of context above it."""
     lines = [header, "",
-             "| decode | cameras | batch | pipeline fps | p50 ms | p99 ms | GPU util % | decode "
-             "alone fps | infer alone fps | slowest alone | pipeline / slowest | x naive | "
-             "busiest thread (work % of its time) | sources' slot wait % | stages: work ms per "
-             "frame, blocked s | build s | notes |",
-             "|" + "---|" * 17]
+             "| decode | cameras | decode procs | batch | pipeline fps | p50 ms | p99 ms | GPU "
+             "util % | decode alone fps | infer alone fps | slowest alone | pipeline / slowest | "
+             "x naive | busiest thread (work % of its time) | sources' slot wait % | stages: "
+             "work ms per frame, blocked s | build s | notes |",
+             "|" + "---|" * 18]
     for row in rows:
         slowest = row.slowest
         ratio = row.fps / slowest[1] if row.fps and slowest else None
         speedup = row.fps / row.naive_fps if row.fps and row.naive_fps else None
         busiest = row.busiest
         lines.append("| " + " | ".join([
-            row.decode, str(row.cameras), str(row.batch), num(row.fps), num(row.p50_ms, 1),
+            row.decode, str(row.cameras), procs(row.decode, row.workers), str(row.batch),
+            num(row.fps), num(row.p50_ms, 1),
             num(row.p99_ms, 1), num(row.gpu_util), num(row.decode_fps), num(row.infer_fps),
             slowest[0] if slowest else "", num(ratio, 2), num(speedup, 1),
             f"{busiest.name} {100 * busiest.work_share:.0f}%" if busiest else "",
             num(None if row.slot_wait_share is None else 100 * row.slot_wait_share),
-            "; ".join(f"{s.name} {s.work_ms_per_frame:.2f} ms/f, {s.blocked_s:.1f} s blocked"
-                      for s in row.stages),
-            num(row.build_s, 1), "; ".join(row.notes)]) + " |")
+            stage_text(row.stages), num(row.build_s, 1), "; ".join(row.notes)]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def procs(decode: str, workers: int) -> str:
+    """The decode procs cell: worker processes, or where the decoding ran instead."""
+    if decode == "gpu":
+        return "NVDEC, in-process"
+    if decode.startswith("naive"):
+        return ""
+    return str(workers) if workers else "threads"
+
+
+def stage_text(stages: list[StageLine]) -> str:
+    return "; ".join(f"{s.name} {s.work_ms_per_frame:.2f} ms/f, {s.blocked_s:.1f} s blocked"
+                     for s in stages)
+
+
+def paced_markdown(rows: list[PacedRow], header: str, verdict: bool = False) -> str:
+    """The paced table (and, with ``verdict``, the line naming the largest camera count that
+    kept up)."""
+    lines = [header, "",
+             "| decode | cameras | decode procs | offered fps | delivered fps | delivered / "
+             "offered | dropped | p50 ms | p99 ms | GPU util % | offered / decode alone | "
+             "offered / infer alone | x naive | kept up | busiest thread (work % of its time) "
+             "| stages: work ms per frame, blocked s | build s | notes |",
+             "|" + "---|" * 18]
+    for row in rows:
+        measured = row.delivered_fps is not None
+        busiest = row.busiest
+        lines.append("| " + " | ".join([
+            row.decode, str(row.cameras), procs(row.decode, row.workers), num(row.offered_fps),
+            num(row.delivered_fps), num(row.delivered_fps / row.offered_fps if measured else None,
+                                        2),
+            "" if row.dropped is None else f"{row.dropped:,}", num(row.p50_ms, 1),
+            num(row.p99_ms, 1), num(row.gpu_util),
+            num(row.offered_fps / row.decode_fps if row.decode_fps else None, 2),
+            num(row.offered_fps / row.infer_fps if row.infer_fps else None, 2),
+            num(row.delivered_fps / row.naive_fps if measured and row.naive_fps else None, 1),
+            ("yes" if row.kept_up else "no") if measured else "",
+            f"{busiest.name} {100 * busiest.work_share:.0f}%" if busiest else "",
+            stage_text(row.stages), num(row.build_s, 1), "; ".join(row.notes)]) + " |")
+    text = "\n".join(lines) + "\n"
+    if verdict:
+        text += "\n" + paced_verdict(rows) + "\n"
+    return text
+
+
+def paced_verdict(rows: list[PacedRow]) -> str:
+    """The line the paced runs are for (one per decode mode)."""
+    lines = []
+    for mode in dict.fromkeys(row.decode for row in rows) or [""]:
+        ours = [row for row in rows if row.decode == mode]
+        kept = [row.cameras for row in ours if row.kept_up]
+        best = f"{max(kept)}" if kept else "none of those tried"
+        tried = ",".join(f"{row.cameras}" + ("" if row.delivered_fps is not None else
+                                             " (not measured)") for row in ours)
+        pace = f"{ours[0].pace_fps:g} fps, {mode} decode, " if ours else ""
+        lines.append(f"largest camera count with zero drops and p99 <= {P99_LIMIT_MS:g} ms: "
+                     f"{best} ({pace}tried {tried or 'none'}; each also delivering >= "
+                     f"{100 * DELIVERED_SHARE:g}% of the offered frames/s)")
+    return "\n".join(lines)
 
 
 def inference_markdown(rows: list[InferenceRow], header: str) -> str:
@@ -671,7 +958,8 @@ def make_setup(args: argparse.Namespace, tmp: Path) -> tuple[Setup, str]:
         seconds = args.seconds or 2.0
         clip = looped_clip(samples.bikes, seconds, CAMERA_FPS_CAP[mode], tmp)
         setup = Setup(clip, samples.model, samples.names, "cpu", "onnxruntime", seconds,
-                      args.batch or 4, args.compile, cache)
+                      args.batch or 4, args.compile, cache,
+                      pace_fps=args.pace_fps or 5.0, paced_warmup_s=args.paced_warmup_s or 1.0)
         what = "yolov3-tiny 416, onnxruntime on the CPU, bikes.mp4 640x272"
     else:
         from samples.yolov8 import ensure_yolov8
@@ -682,14 +970,45 @@ def make_setup(args: argparse.Namespace, tmp: Path) -> tuple[Setup, str]:
                               bitrate=CLIP_BITRATE)
         clip = looped_clip(big, seconds, CAMERA_FPS_CAP[mode], assets / "cache")
         setup = Setup(clip, model, names, "cuda", "torch", seconds, args.batch or 64,
-                      args.compile, cache, TARGET_BATCH)
+                      args.compile, cache, TARGET_BATCH, pace_fps=args.pace_fps or 30.0,
+                      paced_warmup_s=args.paced_warmup_s or 2.0)
         what = (f"YOLOv8s 640, torch FP16 {'compiled' if args.compile else 'eager'} on the GPU, "
                 "bikes.mp4 upscaled to 1080p H.264 4 Mbps")
-    if args.budget_s:
-        setup.deadline = time.monotonic() + args.budget_s
+    setup.decode_workers = args.decode_workers
+    if args.budget_s:  # counted from the start: making the clip is inside the budget
+        setup.deadline = args.started + args.budget_s
     cache_note = "a fresh compile cache" if args.fresh_cache else f"compile cache {cache}"
+    cores = os.cpu_count() or 1
+    workers = (f"auto (one per source, at most {max(1, cores - 2)} on these {cores} cores)"
+               if args.decode_workers is None else
+               "0 (threads of the pipeline process)" if args.decode_workers == 0 else
+               f"{args.decode_workers} (at most one per source)")
     return setup, (f"Throughput, {what}; {setup.seconds:g} s per measurement; each camera reads "
-                   f"{clip.name} ({clip_frames(clip):,} frames, the clip repeated), {cache_note}.")
+                   f"{clip.name} ({clip_frames(clip):,} frames, the clip repeated), {cache_note}; "
+                   f"decode workers of the cpu mode: {workers}.")
+
+
+def workers_arg(text: str) -> int | None:
+    """--decode-workers: 'auto' (None) or a count >= 0."""
+    if text == "auto":
+        return None
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected auto or a number >= 0, got {text}")
+    return value
+
+
+def counts_arg(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """A comma-separated list of camera counts ('none' or '' for none)."""
+    if text.strip().lower() in ("", "none"):
+        return []
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag}: expected comma-separated camera counts, got {text}")
+    if min(counts) < 1:
+        parser.error(f"{flag}: camera counts must be >= 1, got {text}")
+    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -698,14 +1017,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true",
                         help="CPU-only mode for CI: YOLOv3-tiny on onnxruntime, small clip")
     parser.add_argument("--cameras", default=None,
-                        help="comma-separated camera counts (default 1,8,32,64; small: 1,2)")
+                        help="comma-separated camera counts of the unpaced table (default "
+                             "1,8,32,64,100; small: 1,2); 'none' for no unpaced rows")
     parser.add_argument("--seconds", type=float, default=None,
                         help="length of each measurement (default 10; small: 2)")
     parser.add_argument("--batch", type=int, default=None,
                         help="largest batch of every row (default 64; small: 4)")
     parser.add_argument("--decode", default=None,
-                        help="comma-separated decode modes, cpu and/or gpu (default cpu,gpu; "
-                             "small: cpu)")
+                        help="comma-separated decode modes of the unpaced table: cpu (worker "
+                             "processes), cpu-threads (decode_workers 0), gpu (NVDEC) (default "
+                             "cpu,gpu; small: cpu)")
+    parser.add_argument("--decode-workers", type=workers_arg, default=None,
+                        help="runtime.decode_workers of the cpu mode: auto (default: one per "
+                             "source, at most cores - 2) or a number (0: threads)")
+    parser.add_argument("--paced", default=None,
+                        help="comma-separated camera counts of the paced runs, each camera "
+                             "live at --pace-fps (default 32,64,100,128; small: 2); 'none' "
+                             "for no paced runs")
+    parser.add_argument("--pace-fps", type=float, default=None,
+                        help="frames/s of each paced camera (default 30; small: 5)")
+    parser.add_argument("--paced-warmup-s", type=float, default=None,
+                        help="paced runs: seconds from the first result to the window "
+                             "(default 2; small: 1)")
+    parser.add_argument("--paced-decode", default="cpu",
+                        help="comma-separated decode modes of the paced runs (default cpu)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch backend: compiled (default) or eager (--no-compile)")
     parser.add_argument("--engine-cache", default="assets/engines",
@@ -718,11 +1053,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="start no measurement that would not end within this many seconds")
     parser.add_argument("--assets", default="assets", help="assets folder (models, clips)")
     parser.add_argument("--out", type=Path, default=None, help="also write the tables here (md)")
+    started = time.monotonic()
     args = parser.parse_args(argv)
-    cameras = [int(n) for n in (args.cameras or ("1,2" if args.small else "1,8,32,64")).split(",")]
+    args.started = started
+    cameras = counts_arg(parser, "--cameras", args.cameras or ("1,2" if args.small
+                                                               else "1,8,32,64,100"))
+    paced = counts_arg(parser, "--paced", args.paced or ("2" if args.small else "32,64,100,128"))
     decode = (args.decode or ("cpu" if args.small else "cpu,gpu")).split(",")
-    if not set(decode) <= {"cpu", "gpu"}:
-        parser.error(f"--decode: expected cpu and/or gpu, got {args.decode}")
+    paced_decode = args.paced_decode.split(",")
+    for flag, modes in (("--decode", decode), ("--paced-decode", paced_decode)):
+        if not set(modes) <= set(DECODE_MODES):
+            parser.error(f"{flag}: expected some of {', '.join(DECODE_MODES)}, got "
+                         f"{','.join(modes)}")
     from pipeline.logging import configure_logging
 
     configure_logging(level="warning")
@@ -736,13 +1078,20 @@ def main(argv: list[str] | None = None) -> int:
                 header += f" GPU: {name}."
             except Exception as error:  # noqa: BLE001 - the rows will say what fails
                 header += f" GPU: not usable ({type(error).__name__})."
-        rows, inference = run_benchmark(setup, cameras, decode, args.naive)
+        results = run_benchmark(setup, cameras, decode, args.naive, paced, paced_decode)
     target = (f" Target: >= {TARGET_IMAGES_S:,} images/s at batch {setup.target_batch}."
               if setup.target_batch else "")
-    table = (markdown(rows, header) + "\n"
-             + inference_markdown(inference, "Inference alone (backend.infer on one "
-                                  "preallocated batch, built as the pipeline builds it; warm-up "
-                                  f"= its warmup(), compilation included).{target}"))
+    table = markdown(results.rows, header + " Unpaced: each camera as fast as it is taken.")
+    if paced:
+        table += "\n" + paced_markdown(
+            results.paced, f"Paced: every camera live at {setup.pace_fps:g} frames/s in real "
+            f"time (live: true, reconnect: false), {setup.paced_warmup_s:g} s warm-up from the "
+            f"first result, then a {setup.seconds:g} s window: delivered fps, drops, latency "
+            "and GPU utilisation inside it; stages over the whole run. Decode alone and infer "
+            "alone: the unpaced measurements at the same camera count and batch.", verdict=True)
+    table += "\n" + inference_markdown(
+        results.inference, "Inference alone (backend.infer on one preallocated batch, built as "
+        f"the pipeline builds it; warm-up = its warmup(), compilation included).{target}")
     print(table)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

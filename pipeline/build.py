@@ -15,10 +15,11 @@ from pipeline.graph import Graph
 from pipeline.records import BatchDetections
 from pipeline.slots import SlotRing, i420_bytes
 from pipeline.stage import SourceStage, Stage
+from pipeline.workers import DecodeWorkerPool, default_worker_count
 from stages.annotate import AnnotateStage
 from stages.backends.base import read_model_info
 from stages.batcher import BatcherStage
-from stages.decode import DecodeStage
+from stages.decode import DecodeStage, decoder_threads
 from stages.gpu_decode import GpuDecodeStage, gpu_decode_unavailable_reason
 from stages.infer import InferStage, create_backend
 from stages.postprocess import DeviceNms, PostprocessStage
@@ -112,10 +113,20 @@ def build_graph(config: PipelineConfig,
                                 if not src.is_live) if s is not None})
     largest = max([DEFAULT_FRAME_SIZE, *sizes], key=lambda wh: wh[0] * wh[1])
     slot_bytes = i420_bytes(*largest)
-    ring = SlotRing(frame_slots(config), slot_bytes, pinned=gpu is not None)
+    kinds = [decoder_kind(config, index, gpu) for index in range(len(config.sources))]
+    on_cpu = [(index, config.sources[index]) for index, kind in enumerate(kinds) if kind == "cpu"]
+    workers = config.runtime.decode_workers
+    workers = min(len(on_cpu), default_worker_count(len(on_cpu)) if workers is None else workers)
+    ring = SlotRing(frame_slots(config), slot_bytes, pinned=gpu is not None, shared=workers > 0)
     log.info("frame slots allocated", slots=ring.slots, pinned=ring.pinned,
-             mb=round(ring.slots * slot_bytes / 2**20, 1))
-    sources = [create_source(config, index, gpu, ring, stop) for index in range(len(config.sources))]
+             shared=ring.shm_name is not None, mb=round(ring.slots * slot_bytes / 2**20, 1))
+    pool = DecodeWorkerPool(config, on_cpu, ring, workers) if workers else None
+    sources: list[SourceStage] = [
+        pool.stages[index] if pool is not None and kind == "cpu" else
+        DecodeStage(config.sources[index], ring, stop,
+                    decoder_threads=decoder_threads(len(on_cpu))) if kind == "cpu" else
+        GpuDecodeStage(config.sources[index], gpu.device_id, ring)
+        for index, kind in enumerate(kinds)]
     video = config.output.video is not None
     release = None if video else ring.release  # the sinks release when they read the images
     size = (info.input_height, info.input_width)
@@ -148,26 +159,29 @@ def build_graph(config: PipelineConfig,
     }
     graph = Graph(sources, chain, sinks, config.runtime.queue_size, on_batch_done, stop=stop,
                   ring=ring, release_at_sink=video)
+    graph.add_service(lambda: None, ring.close)
+    if pool is not None:
+        log.info("decoding in worker processes", workers=len(pool.workers), sources=len(on_cpu),
+                 setting="auto" if config.runtime.decode_workers is None else "runtime.decode_workers")
+        graph.add_service(pool.start, pool.close)
     graph.gpu = gpu
     return graph
 
 
-def create_source(config: PipelineConfig, index: int, gpu: GpuContext | None,
-                  ring: SlotRing | None = None, abort: threading.Event | None = None
-                  ) -> SourceStage:
-    """The source stage of ``config.sources[index]``: GPU decode or CPU decode (its ``decode``).
+def decoder_kind(config: PipelineConfig, index: int, gpu: GpuContext | None) -> str:
+    """Where ``config.sources[index]`` is decoded: "gpu" (NVDEC) or "cpu" (its ``decode``).
 
     Raises:
         DeviceUnavailable: ``decode: gpu`` was asked for and cannot run (the message says why).
     """
     source = config.sources[index]
     if source.decode == "cpu":
-        return DecodeStage(source, ring, abort)
+        return "cpu"
     reason = ("inference does not run on the GPU" if gpu is None else
               "output.video needs the frames on the host" if config.output.video else
               gpu_decode_unavailable_reason())
     if reason is None:
-        return GpuDecodeStage(source, gpu.device_id, ring)
+        return "gpu"
     if source.decode == "gpu":
         raise DeviceUnavailable(f"sources[{index}].decode: 'gpu' cannot be used: {reason}")
-    return DecodeStage(source, ring, abort)
+    return "cpu"

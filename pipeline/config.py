@@ -44,6 +44,12 @@ class SourceConfig:
     rtsp_transport: Literal["tcp", "udp"] = field(
         default="tcp", metadata=_doc("RTSP transport protocol.")
     )
+    pace_fps: float | None = field(
+        default=None,
+        metadata=_doc("Deliver the frames at this rate in real time, like a camera (a file "
+                      "played as a simulated camera, with live: true), or null for as fast as "
+                      "the pipeline takes them.", min=0.1),
+    )
     decode: Literal["auto", "cpu", "gpu"] = field(
         default="auto",
         metadata=_doc("Where to decode: gpu keeps frames on the GPU (NVDEC through PyAV), cpu "
@@ -238,6 +244,13 @@ class RuntimeConfig:
         metadata=_doc("Serve Prometheus metrics at http://HOST:PORT/metrics (frames, time and "
                       "fps per stage and source, drops, queue depths, reconnections, latency "
                       "histogram), or null for none.", min=1, max=65535),
+    )
+    decode_workers: int | None = field(
+        default=None,
+        metadata=_doc("Processes that decode the CPU-decoded sources, each owning a share of "
+                      "them; frames reach the pipeline through shared memory. null: one per "
+                      "source, at most the core count less 2, at least 1 (logged). 0: decode "
+                      "in threads of the pipeline process.", min=0),
     )
     staging_slots: int = field(
         default=0,

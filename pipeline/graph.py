@@ -114,6 +114,24 @@ class Graph:
                 inbox.add_lane(chain[-1].name, queue_size, "block")
             self._sink_inboxes[name] = inbox
         self._threads: list[threading.Thread] = []
+        self._services: list[tuple[Callable[[], None], Callable[[], None]]] = []
+
+    @property
+    def services(self) -> list[tuple[Callable[[], None], Callable[[], None]]]:
+        """The (start, close) pairs added with ``add_service``, in order."""
+        return list(self._services)
+
+    @property
+    def abort_event(self) -> threading.Event:
+        """The event that aborts the run (stages and sources built before the graph wait
+        on it)."""
+        return self._stop
+
+    def add_service(self, start: Callable[[], None], close: Callable[[], None]) -> None:
+        """Something the run needs besides the threads (decode worker processes, the shared
+        frame ring): ``start()`` is called right before the threads start, ``close()`` once
+        they have ended (also after a failure), in reverse order of adding."""
+        self._services.append((start, close))
 
     # -- control -------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -239,6 +257,20 @@ class Graph:
         Raises:
             PipelineError: a stage or source failed; the first failure is the cause.
         """
+        started: list[Callable[[], None]] = []
+        try:
+            for start, close in self._services:
+                start()
+                started.append(close)
+            self._run()
+        finally:
+            for close in reversed(started):
+                try:
+                    close()
+                except Exception as error:  # noqa: BLE001 - the run's own error matters more
+                    log.error("closing a service failed", error=f"{type(error).__name__}: {error}")
+
+    def _run(self) -> None:
         self._sink_of = {sink.name: name for name, sink in self.sinks.items()}
         opened: list[Stage] = []
         try:

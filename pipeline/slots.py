@@ -13,7 +13,11 @@ batch by the last stage that reads the host images: the postprocess stage when n
 written (by then the batch's H2D copy has completed), else the source's sink. A live frame
 dropped in a queue returns its slot at once.
 
-On the GPU path the ring is page-locked (pinned), so the H2D copy of a slot is a true
+With decode worker processes (``pipeline.workers``) the ring lives in shared memory
+(``multiprocessing.shared_memory``): each worker owns a fixed share of the slots, keeps its
+own free list of them, and gets them back through its pipe when the pipeline releases them
+(``release`` routes every slot to its owner). On the GPU path the ring is page-locked
+(pinned: ``cudaHostRegister`` on the shared memory), so the H2D copy of a slot is a true
 asynchronous DMA; on the CPU path it is plain memory. Backpressure lives here: when every slot
 is in flight, a file source waits in ``acquire`` (it loses no frame) and a live source drops
 the frame it just decoded (``try_acquire``), so it never falls behind its camera.
@@ -24,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -44,19 +48,38 @@ class SlotRing:
         slots: number of slots (frames that can be in flight at once).
         slot_bytes: bytes per slot: the largest I420 frame it can hold.
         pinned: page-lock the memory (GPU path; needs CuPy and a CUDA device).
+        shared: allocate it in shared memory, for decode worker processes (``shm_name``).
 
     Attributes:
         memory: (slots, slot_bytes) uint8 host array; pinned when ``pinned``.
+        shm_name: the shared memory block's name (``shared``), else None.
+        owner: (slots,) int32 host array: the worker that owns each slot, -1 for this
+            process's own free list.
         waited_s: total seconds callers of ``acquire`` spent waiting for a free slot.
     """
 
-    def __init__(self, slots: int, slot_bytes: int, pinned: bool = False) -> None:
+    def __init__(self, slots: int, slot_bytes: int, pinned: bool = False,
+                 shared: bool = False) -> None:
         if slots < 1 or slot_bytes < 1:
             raise ValueError(f"a slot ring needs slots >= 1 and slot_bytes >= 1, got {slots}, "
                              f"{slot_bytes}")
         self.slot_bytes = slot_bytes
         self.pinned = pinned
-        if pinned:
+        self._shm: Any = None
+        self._registered = False
+        self.shm_name: str | None = None
+        if shared:
+            from multiprocessing import shared_memory
+
+            self._shm = shared_memory.SharedMemory(create=True, size=slots * slot_bytes)
+            self.shm_name = self._shm.name
+            self.memory = np.ndarray((slots, slot_bytes), np.uint8, buffer=self._shm.buf)
+            if pinned:
+                import cupy
+
+                cupy.cuda.runtime.hostRegister(self.memory.ctypes.data, self.memory.nbytes, 0)
+                self._registered = True
+        elif pinned:
             import cupy
 
             self._pinned = cupy.cuda.alloc_pinned_memory(slots * slot_bytes)
@@ -64,9 +87,65 @@ class SlotRing:
                 slots, slot_bytes)
         else:
             self.memory = np.empty((slots, slot_bytes), np.uint8)
+        self.owner = np.full(slots, -1, np.int32)
         self._free: deque[int] = deque(range(slots))
         self._cond = threading.Condition()
+        self._to_worker: Callable[[int, list[int]], None] | None = None
         self.waited_s = 0.0
+
+    def give_to_workers(self, shares: list[int],
+                        to_worker: Callable[[int, list[int]], None]) -> list[list[int]]:
+        """Hand fixed shares of the slots to worker processes (before any is taken here).
+
+        Args:
+            shares: how many slots each worker gets, in worker order.
+            to_worker: called as ``to_worker(worker, slots)`` by ``release`` with the
+                released slots that worker owns (it sends them back to the worker).
+
+        Returns:
+            Each worker's slots; the rest stay on this process's free list.
+        """
+        with self._cond:
+            if sum(shares) > len(self._free):
+                raise ValueError(f"{sum(shares)} slots asked for workers, {len(self._free)} free")
+            given = []
+            for worker, count in enumerate(shares):
+                slots = [self._free.pop() for _ in range(count)]
+                self.owner[slots] = worker
+                given.append(sorted(slots))
+            self._to_worker = to_worker
+            return given
+
+    @classmethod
+    def attach(cls, shm_name: str, slots: int, slot_bytes: int, free: list[int]) -> SlotRing:
+        """The view a decode worker process has of the pipeline's shared ring: the same
+        memory, and a free list of only the slots it owns (``free``), which ``release`` (fed
+        by the pipeline's messages) refills. Detaching is ``close_view``."""
+        from multiprocessing import shared_memory
+
+        ring = cls.__new__(cls)
+        ring.slot_bytes, ring.pinned, ring.shm_name = slot_bytes, False, shm_name
+        # A spawned worker shares the pipeline's resource tracker: attaching registers the
+        # name again (a no-op there), and the pipeline's unlink unregisters it once.
+        ring._shm = shared_memory.SharedMemory(name=shm_name)
+        ring._registered = False
+        ring.memory = np.ndarray((slots, slot_bytes), np.uint8, buffer=ring._shm.buf)
+        ring.owner = np.full(slots, -1, np.int32)
+        ring._free = deque(free)
+        ring._cond = threading.Condition()
+        ring._to_worker = None
+        ring.waited_s = 0.0
+        return ring
+
+    def close_view(self) -> None:
+        """Detach from the shared block without unlinking it (a worker's ``attach``)."""
+        if self._shm is not None:
+            shm, self._shm = self._shm, None
+            self.memory = np.empty((0, self.slot_bytes), np.uint8)
+            try:
+                shm.close()
+            except BufferError:
+                pass
 
     @property
     def slots(self) -> int:
@@ -103,15 +182,37 @@ class SlotRing:
             return self._free.popleft() if self._free else None
 
     def release(self, slots: Iterable[int] | np.ndarray) -> None:
-        """Return slots (one lock operation); entries of -1 (no slot) are ignored."""
-        if isinstance(slots, np.ndarray):
-            slots = slots.tolist()
-        returned = [slot for slot in slots if slot >= 0]
-        if not returned:
+        """Return slots (one lock operation, and one message per owning worker); entries of
+        -1 (no slot) are ignored."""
+        slots = np.asarray(slots if isinstance(slots, np.ndarray) else list(slots), np.int64)
+        slots = slots[slots >= 0]
+        if not len(slots):
             return
-        with self._cond:
-            self._free.extend(returned)
-            self._cond.notify(len(returned))
+        owners = self.owner[slots]
+        local = slots[owners < 0].tolist()
+        if local:
+            with self._cond:
+                self._free.extend(local)
+                self._cond.notify(len(local))
+        if len(local) < len(slots) and self._to_worker is not None:
+            for worker in np.unique(owners[owners >= 0]).tolist():
+                self._to_worker(worker, slots[owners == worker].tolist())
+
+    def close(self) -> None:
+        """Unregister and free the shared memory block (when ``shared``); idempotent."""
+        if self._registered:
+            import cupy
+
+            cupy.cuda.runtime.hostUnregister(self.memory.ctypes.data)
+            self._registered = False
+        if self._shm is not None:
+            shm, self._shm = self._shm, None
+            self.memory = np.empty((0, self.slot_bytes), np.uint8)  # drop the buffer's view
+            try:
+                shm.close()
+            except BufferError:  # a view is still alive somewhere: unlink all the same
+                pass
+            shm.unlink()
 
     def image(self, slot: int, width: int, height: int) -> np.ndarray:
         """The (height * 3 // 2, width) uint8 I420 view of ``slot``'s first bytes."""

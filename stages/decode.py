@@ -10,6 +10,7 @@ skipped, and a file that ends early (truncated) yields every decodable frame and
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -71,6 +72,49 @@ def backoff_delay(attempt: int, initial_s: float, max_s: float,
     return nominal / 2 + nominal / 2 * rng()
 
 
+class Pacer:
+    """Holds a source to ``fps`` frames per second of wall-clock time (``pace_fps``): frame
+    k is due at start + k / fps, so a slow consumer does not shift the schedule (a late frame
+    is released at once, as a camera would have sent it). No-op when ``fps`` is None."""
+
+    def __init__(self, fps: float | None, stop: threading.Event) -> None:
+        self.period = 1.0 / fps if fps else 0.0
+        self.stop = stop
+        self.next: float | None = None
+
+    def wait(self) -> float | None:
+        """Wait until the next frame is due; returns when it was due as a wall-clock
+        ``time.time()`` (its capture time: a decoder running late shows as latency), or
+        None when not pacing."""
+        if not self.period:
+            return None
+        now = time.monotonic()
+        self.next = now if self.next is None else self.next + self.period
+        if self.next > now:
+            self.stop.wait(self.next - now)
+        return time.time() - (time.monotonic() - self.next)
+
+
+def decoder_threads(sources: int, cores: int | None = None) -> int:
+    """FFmpeg threads per CPU-decoded source: the cores less two (the pipeline's own threads),
+    shared among the sources, at least one each."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, round((cores - 2) / max(sources, 1)))
+
+
+def probe_frame_count(source: SourceConfig) -> int | None:
+    """Frames a file's container announces, or None (a stream, unknown, or unreadable: the
+    reason is reported when the source is read)."""
+    if is_stream_url(source.uri):
+        return None
+    try:
+        with av.open(source.uri) as container:
+            frames = container.streams.video[0].frames if container.streams.video else 0
+        return frames or None
+    except (av.FFmpegError, OSError):
+        return None
+
+
 def to_i420(frame: av.VideoFrame) -> av.VideoFrame:
     """The frame as yuv420p with even width and height (converted only when it is not)."""
     width, height = frame.width & ~1, frame.height & ~1
@@ -93,14 +137,28 @@ class DecodeStage(SourceStage):
     size). A source that cannot be read ends its stream with an error instead of raising,
     unless it reconnects (see the module docstring).
 
+    Args:
+        source: the source's configuration.
+        ring: the slot ring frames are decoded into, or None (frames own their images).
+        abort: the graph's abort event (stops a wait for a free slot).
+        first_index: resume here (a decode worker restarted after a crash): a file skips
+            the frames before it (decoded, not sent); a live stream numbers its frames on
+            from it.
+        decoder_threads: FFmpeg decoding threads for this source, or 0 for FFmpeg's default
+            (one per core): with many sources, the default would start cores x sources
+            threads and starve the pipeline's own threads of CPU.
+
     Attributes:
         reconnects: reconnection attempts so far (successful or not).
     """
 
     def __init__(self, source: SourceConfig, ring: SlotRing | None = None,
-                 abort: threading.Event | None = None) -> None:
+                 abort: threading.Event | None = None, first_index: int = 0,
+                 decoder_threads: int = 0) -> None:
         super().__init__(source.name)
         self.source = source
+        self.first_index = first_index
+        self.decoder_threads = decoder_threads
         self.ring = ring
         self.abort = abort or threading.Event()  # the graph's abort: stop waiting for a slot
         self.live = source.is_live
@@ -110,18 +168,12 @@ class DecodeStage(SourceStage):
         self.thread_type = "SLICE" if self.live else "AUTO"
         self._container: av.container.InputContainer | None = None
         if self.is_file:
-            self.expected_frames = self._probe_frame_count()
-
-    def _probe_frame_count(self) -> int | None:
-        try:
-            with av.open(self.source.uri) as container:
-                frames = container.streams.video[0].frames if container.streams.video else 0
-            return frames or None
-        except (av.FFmpegError, OSError):
-            return None  # reported with its reason when the stream is read
+            self.expected_frames = probe_frame_count(source)
 
     def frames(self, stop_reading: threading.Event) -> Iterator[Frame | EndOfStream]:
-        index, attempt, lost_at = 0, 0, None
+        index = 0 if self.is_file else self.first_index
+        attempt, lost_at = 0, None
+        pace = Pacer(self.source.pace_fps, stop_reading)
         while True:
             first = index
             error, fatal = None, False
@@ -132,7 +184,11 @@ class DecodeStage(SourceStage):
                                  down_s=round(time.monotonic() - lost_at, 2),
                                  reconnects=self.reconnects)
                         lost_at = None
-                    frame = self.make_frame(picture, index, rate, stop_reading)
+                    if index < self.first_index:  # resuming a file: already delivered
+                        index += 1
+                        continue
+                    due = pace.wait()
+                    frame = self.make_frame(picture, index, rate, stop_reading, due)
                     index += 1
                     if frame is DROPPED:
                         continue
@@ -176,10 +232,12 @@ class DecodeStage(SourceStage):
                        timeout=(source.open_timeout_s, source.read_timeout_s))
 
     def make_frame(self, picture: av.VideoFrame, index: int, rate: Fraction | None,
-                   stop_reading: threading.Event | None = None) -> Frame | None | Dropped:
+                   stop_reading: threading.Event | None = None,
+                   capture_time: float | None = None) -> Frame | None | Dropped:
         """The record of one decoded picture: an I420 host image, in a ring slot when there
         is a ring. None when stopped while waiting for a free slot (files); ``DROPPED`` when
         a live source found no free slot (the frame is dropped and counted).
+        ``capture_time`` overrides "now" (a paced source: when the frame was due).
 
         Raises:
             SourceError: the picture is larger than a ring slot.
@@ -187,8 +245,9 @@ class DecodeStage(SourceStage):
         picture = to_i420(picture)
         width, height = picture.width, picture.height
         pts = float(picture.time) if picture.time is not None else None
+        captured = time.time() if capture_time is None else capture_time
         if self.ring is None:
-            return Frame(source=self.name, index=index, pts=pts, capture_time=time.time(),
+            return Frame(source=self.name, index=index, pts=pts, capture_time=captured,
                          width=width, height=height, rate=rate, image=picture.to_ndarray())
         if not self.ring.fits(width, height):
             raise FrameTooLarge(f"a {width}x{height} frame does not fit the frame slots of "
@@ -205,7 +264,7 @@ class DecodeStage(SourceStage):
                 return None
         image = self.ring.image(slot, width, height)
         copy_i420_planes(picture.planes, width, height, image)
-        return Frame(source=self.name, index=index, pts=pts, capture_time=time.time(),
+        return Frame(source=self.name, index=index, pts=pts, capture_time=captured,
                      width=width, height=height, rate=rate, image=image, slot=slot)
 
     def _pictures(self, stop_reading: threading.Event
@@ -229,6 +288,8 @@ class DecodeStage(SourceStage):
             stream = container.streams.video[0]
             # Frame threading delays output by a frame per thread: files only.
             stream.thread_type = self.thread_type
+            if self.decoder_threads:
+                stream.codec_context.thread_count = self.decoder_threads
             rate = stream.average_rate or stream.guessed_rate
             rate = Fraction(rate) if rate else None
             log.info("source opened", source=self.name, uri=self.display_uri, live=self.live,

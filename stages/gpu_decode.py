@@ -168,7 +168,7 @@ class GpuDecodeStage(DecodeStage):
                        timeout=(source.open_timeout_s, source.read_timeout_s))
 
     def make_frame(self, picture: av.VideoFrame, index: int, rate: Fraction | None,
-                   stop_reading: Any = None) -> Frame:
+                   stop_reading: Any = None, capture_time: float | None = None) -> Frame:
         """The record of one decoded picture: views of its NVDEC surface (no host copy, no
         ring slot; the batcher packs it into the batch's device rows).
 
@@ -192,7 +192,7 @@ class GpuDecodeStage(DecodeStage):
                               "at least 1920x1080)")
         return Frame(source=self.name, index=index,
                      pts=float(picture.time) if picture.time is not None else None,
-                     capture_time=time.time(), width=width, height=height, rate=rate,
-                     pixel_format="nv12",
+                     capture_time=time.time() if capture_time is None else capture_time,
+                     width=width, height=height, rate=rate, pixel_format="nv12",
                      device_planes=(y[:height, :width], uv[:height // 2, :width // 2]))
 

@@ -53,9 +53,10 @@ def pipeline_config(samples, out: Path, sources: list[dict[str, Any]], **section
 
 
 class Run:
-    """``python run.py --config ...`` as a subprocess, its stderr (JSON log) in a file."""
+    """``python run.py --config ...`` as a subprocess, its stderr (JSON log) in a file;
+    ``new_session``: in a process group of its own (to signal the whole group)."""
 
-    def __init__(self, repo_root: Path, config: dict, out: Path) -> None:
+    def __init__(self, repo_root: Path, config: dict, out: Path, new_session: bool = False) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.config_path = out / "config.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
@@ -63,7 +64,8 @@ class Run:
         self._log = self.log_path.open("w")
         self.process = subprocess.Popen(
             [sys.executable, "run.py", "--config", str(self.config_path), "--no-progress"],
-            cwd=repo_root, stdout=subprocess.DEVNULL, stderr=self._log, text=True)
+            cwd=repo_root, stdout=subprocess.DEVNULL, stderr=self._log, text=True,
+            start_new_session=new_session)
 
     def signal(self, signum: int = signal.SIGINT) -> None:
         self.process.send_signal(signum)
@@ -93,8 +95,8 @@ def run_pipeline(repo_root: Path) -> Iterator[Callable[[dict, Path], Run]]:
     """Start the pipeline on a config; any run still going at teardown is killed."""
     runs: list[Run] = []
 
-    def start(config: dict, out: Path) -> Run:
-        runs.append(Run(repo_root, config, out))
+    def start(config: dict, out: Path, new_session: bool = False) -> Run:
+        runs.append(Run(repo_root, config, out, new_session))
         return runs[-1]
 
     yield start

@@ -93,7 +93,9 @@ def test_live_latency_stays_bounded_with_a_slow_sink(samples, tmp_path: Path,
     # The built graph's sources and batcher wait on its abort event; frames dropped in a live
     # lane return their slots to its ring.
     graph = Graph(built.sources, built.chain, {"cam": sink}, queue_size,
-                  stop=built._stop, ring=built.ring)
+                  stop=built.abort_event, ring=built.ring)
+    for start, close in built.services:  # the decode worker and the shared frame ring
+        graph.add_service(start, close)
     threading.Timer(12.0, graph.request_stop).start()
     graph.run()
 

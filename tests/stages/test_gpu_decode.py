@@ -36,27 +36,27 @@ def test_without_a_gpu_decoder_the_source_ends_with_the_reason(samples):
     assert str(samples.bikes) in items[0].error
 
 
-ON_GPU = SimpleNamespace(device_id=0)  # create_source reads only whether there is a GPU context
+ON_GPU = SimpleNamespace(device_id=0)  # decoder_kind reads only whether there is a GPU context
 
 
 @pytest.mark.parametrize("decode, video, gpu, expected", [
-    ("auto", None, None, "DecodeStage"),
-    ("cpu", None, ON_GPU, "DecodeStage"),
-    ("auto", "{source}.mp4", ON_GPU, "DecodeStage"),
+    ("auto", None, None, "cpu"),
+    ("cpu", None, ON_GPU, "cpu"),
+    ("auto", "{source}.mp4", ON_GPU, "cpu"),
     ("gpu", None, None, "cannot be used: inference does not run on the GPU"),
     ("gpu", "{source}.mp4", ON_GPU, "cannot be used: output.video needs the frames on the host"),
 ])
 def test_the_source_kind_follows_the_config(samples, decode, video, gpu, expected):
-    from pipeline.build import DeviceUnavailable, create_source
+    from pipeline.build import DeviceUnavailable, decoder_kind
     from pipeline.config import parse_config
 
     config = parse_config({"sources": [{"name": "b", "uri": str(samples.bikes), "decode": decode}],
                            "model": {"path": str(samples.model)}, "output": {"video": video}})
     if expected.startswith("cannot"):
         with pytest.raises(DeviceUnavailable, match=r"sources\[0\]\.decode: 'gpu' " + expected):
-            create_source(config, 0, gpu)
+            decoder_kind(config, 0, gpu)
     else:
-        assert type(create_source(config, 0, gpu)).__name__ == expected
+        assert decoder_kind(config, 0, gpu) == expected
 
 
 def gpu_reason() -> str | None:

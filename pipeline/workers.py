@@ -1,0 +1,446 @@
+"""Decode worker processes: sources decoded outside the pipeline's interpreter, into shared memory.
+
+```
+worker process k (owns some sources, one thread each: DecodeStage as in-process)
+   decode -> copy the planes once into one of ITS slots of the shared SlotRing
+   -> pipe: ("frame", source, slot, index, pts, capture time, size, rate)   (a few numbers)
+pipeline process: one receiver thread -> per-source inbox -> WorkerSource (the graph's source)
+   ... batch, infer, ... the last reader of the images: ring.release(slots)
+   -> pipe: ("free", slots) back to the worker that owns them
+```
+
+Only small fixed-size tuples cross the pipes, never pixels. Each worker owns a fixed share
+of the ring's slots (in proportion to its sources) and keeps its own free list of them: a
+file source waits for one of its worker's slots (no frame lost), a live source drops the
+frame it just decoded when none is free (counted), and a live lane in front of the batcher
+drops its oldest frame and hands its slot back, so a live camera's frames stay fresh.
+
+**Isolation.** A worker that dies (a decoder crash, an OOM kill, ``kill -9``) is seen at once
+(its process sentinel is in the receiver's wait list); its sources are logged and restarted
+in a new worker process with the same slots, after a backoff with jitter. A file source
+resumes at the first frame not yet delivered (no frame twice, none lost); a live one numbers
+its frames on. The other workers' sources never wait for it.
+
+**Shutdown.** A graceful stop sends every worker ``("stop",)``: each ends its sources (an
+``EndOfStream`` each) and exits. ``close()`` joins them, killing any that hang. Workers
+ignore SIGINT and SIGTERM (a Ctrl-C, or a stop sent to the whole process group as systemd and
+``kill -TERM -PGID`` do, reaches the pipeline, which stops them) and exit when the pipeline's
+end of their pipe closes, so a killed pipeline leaves no worker behind; the shared block is
+unlinked by the pipeline at the end, or by Python's resource tracker when the pipeline was
+killed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+import structlog
+
+from pipeline.config import PipelineConfig, SourceConfig
+from pipeline.records import EndOfStream, Frame
+from pipeline.slots import SlotRing
+from pipeline.stage import SourceStage
+
+log = structlog.get_logger("workers")
+
+FRAME, END, STATS = "frame", "end", "stats"
+RESTART_INITIAL_S, RESTART_MAX_S = 0.5, 10.0
+MAX_FAILED_STARTS = 5  # a worker that dies this often before its first frame is given up
+JOIN_TIMEOUT_S = 5.0
+POLL_S = 0.2
+
+
+def default_worker_count(sources: int, cores: int | None = None) -> int:
+    """Decode workers when ``runtime.decode_workers`` is null: one per source, at most the
+    core count less two (the pipeline's own threads need cores too), at least one."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, min(sources, cores - 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker process
+
+
+def worker_main(worker: int, sources: list[tuple[int, SourceConfig, int]], shm_name: str,
+                slots: int, slot_bytes: int, free: list[int], conn: Connection,
+                log_format: str, log_level: str, threads_per_source: int) -> None:
+    """A decode worker's process: decode its sources into its slots until they end or it is
+    told to stop (or the pipeline's end of the pipe closes).
+
+    Args:
+        worker: its number (logs).
+        sources: (source id, config, first frame index) of each source it decodes.
+        shm_name, slots, slot_bytes: the shared ring.
+        free: its slots that are free now.
+        conn: its end of the pipe to the pipeline.
+        threads_per_source: FFmpeg decoding threads per source (``decoder_threads``).
+    """
+    from pipeline.logging import configure_logging
+    from stages.decode import DecodeStage
+
+    # Ctrl-C, or a SIGTERM sent to the whole group, reaches the pipeline, which stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    configure_logging(log_format, log_level)
+    ring = SlotRing.attach(shm_name, slots, slot_bytes, free)
+    stop = threading.Event()
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    def decode(source_id: int, config: SourceConfig, first_index: int) -> None:
+        decoder = DecodeStage(config, ring, stop, first_index, threads_per_source)
+        reported = (0, 0)
+        try:
+            for item in decoder.frames(stop):
+                if isinstance(item, EndOfStream):
+                    send((STATS, source_id, decoder.reconnects, decoder.dropped))
+                    send((END, source_id, item.frames, item.error))
+                    break
+                rate = item.rate
+                send((FRAME, source_id, item.slot, item.index,
+                      np.nan if item.pts is None else item.pts, item.capture_time,
+                      item.width, item.height,
+                      rate.numerator if rate else 0, rate.denominator if rate else 1))
+                if (decoder.reconnects, decoder.dropped) != reported:
+                    reported = (decoder.reconnects, decoder.dropped)
+                    send((STATS, source_id, *reported))
+        except (BrokenPipeError, EOFError, OSError):
+            stop.set()  # the pipeline is gone
+        finally:
+            decoder.close()
+
+    threads = [threading.Thread(target=decode, args=source, name=f"decode:{source[1].name}",
+                                daemon=True) for source in sources]
+    for thread in threads:
+        thread.start()
+    try:
+        while any(t.is_alive() for t in threads):
+            if not conn.poll(POLL_S):
+                continue
+            message = conn.recv()
+            if message[0] == "free":
+                ring.release(message[1])
+            elif message[0] == "stop":
+                stop.set()
+    except (EOFError, OSError):
+        stop.set()  # the pipeline died: stop decoding and exit
+    for thread in threads:
+        thread.join(JOIN_TIMEOUT_S)
+    ring.close_view()
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline's side
+
+
+class WorkerSource(SourceStage):
+    """The graph's source for a source decoded in a worker: yields what the receiver thread
+    put in its inbox (frames whose images are views of the shared ring), then its end marker.
+
+    Attributes:
+        reconnects: the worker's reconnection attempts, plus restarts after a worker died.
+        dropped: frames the worker dropped for want of a free slot (live).
+    """
+
+    def __init__(self, source_id: int, config: SourceConfig, pool: DecodeWorkerPool,
+                 expected_frames: int | None) -> None:
+        super().__init__(config.name)
+        self.source_id = source_id
+        self.config = config
+        self.live = config.is_live
+        self.expected_frames = expected_frames
+        self.pool = pool
+        self.inbox: queue.SimpleQueue[Frame | EndOfStream] = queue.SimpleQueue()
+        self.restarts = 0
+        self.worker_reconnects = 0
+
+    @property
+    def reconnects(self) -> int:  # type: ignore[override]
+        return self.worker_reconnects + self.restarts
+
+    def frames(self, stop_reading: threading.Event):  # type: ignore[override]
+        while True:
+            if stop_reading.is_set():  # checked before every item: a busy inbox is never empty
+                self.pool.request_stop()
+            try:
+                item = self.inbox.get(timeout=POLL_S)
+            except queue.Empty:
+                if stop_reading.is_set():
+                    self.pool.request_stop()
+                    if not self.pool.running:  # never started, or gone: nothing will come
+                        yield EndOfStream(self.name, self.pool.next_index[self.source_id])
+                        return
+                if self.pool.aborted.is_set():
+                    return
+                continue
+            yield item
+            if isinstance(item, EndOfStream):
+                return
+
+
+@dataclass
+class _Worker:
+    """The pipeline's record of one worker process."""
+
+    number: int
+    sources: list[int]  # source ids
+    slots: list[int]
+    process: Any = None
+    conn: Connection | None = None
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    in_pipeline: set[int] = field(default_factory=set)  # its slots holding frames we received
+    restarts: int = 0
+    frames_since_start: int = 0  # frames received from the current process
+    failed_starts: int = 0  # processes in a row that died before delivering a frame
+    restart_at: float | None = None
+
+
+class DecodeWorkerPool:
+    """Starts, feeds, watches and stops the decode worker processes (module docstring).
+
+    Args:
+        config: the pipeline configuration (log settings).
+        sources: (source id, config) of the sources to decode in workers.
+        ring: the shared ``SlotRing`` (``shared=True``); all its free slots are shared out
+            among the workers in proportion to their sources.
+        workers: how many worker processes (at most one per source); source ``i`` of
+            ``sources`` goes to worker ``i % workers``.
+    """
+
+    def __init__(self, config: PipelineConfig, sources: list[tuple[int, SourceConfig]],
+                 ring: SlotRing, workers: int) -> None:
+        from stages.decode import decoder_threads, probe_frame_count
+
+        workers = min(workers, len(sources))
+        self.threads_per_source = decoder_threads(len(sources))
+        self.config, self.ring = config, ring
+        self.names = {source_id: cfg.name for source_id, cfg in sources}
+        self.configs = dict(sources)
+        self.stages = {source_id: WorkerSource(source_id, cfg, self, probe_frame_count(cfg))
+                       for source_id, cfg in sources}
+        self.next_index = {source_id: 0 for source_id, _ in sources}
+        self.ended: set[int] = set()
+        self.aborted = threading.Event()
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._context = multiprocessing.get_context("spawn")
+        owned = [[sid for i, (sid, _) in enumerate(sources) if i % workers == k]
+                 for k in range(workers)]
+        free = ring.free_slots()
+        counts = [free * len(ids) // len(sources) for ids in owned]
+        shares = ring.give_to_workers(counts, self._free_slots)
+        self.workers = [_Worker(k, owned[k], shares[k]) for k in range(workers)]
+        self._receiver = threading.Thread(target=self._receive, name="decode-workers",
+                                          daemon=True)
+
+    @property
+    def running(self) -> bool:
+        """True while the receiver thread runs (between ``start`` and the workers' end)."""
+        return self._receiver.is_alive()
+
+    @property
+    def sources(self) -> list[WorkerSource]:
+        """The graph's source stages, in source id order."""
+        return [self.stages[source_id] for source_id in sorted(self.stages)]
+
+    def start(self) -> None:
+        """Start every worker process and the receiver thread."""
+        for worker in self.workers:
+            self._spawn(worker)
+        log.info("decode workers started", workers=len(self.workers),
+                 sources=len(self.stages), slots=[len(w.slots) for w in self.workers])
+        self._receiver.start()
+
+    def request_stop(self) -> None:
+        """Ask every worker to end its sources (graceful; idempotent)."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        for worker in self.workers:
+            self._send(worker, ("stop",))
+
+    def close(self) -> None:
+        """Stop the workers (graceful, then kill: they ignore SIGTERM) and the receiver thread."""
+        self.request_stop()
+        self.aborted.set()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for worker in self.workers:
+            if worker.process is not None:
+                worker.process.join(max(0.0, deadline - time.monotonic()))
+        for worker in self.workers:
+            process = worker.process
+            if process is not None and process.is_alive():
+                log.warning("decode worker did not stop: killing it", worker=worker.number)
+                process.kill()
+                process.join(1.0)
+        if self._receiver.is_alive():
+            self._receiver.join(JOIN_TIMEOUT_S)
+        for worker in self.workers:
+            if worker.conn is not None:
+                worker.conn.close()
+
+    def kill_worker(self, number: int) -> int:
+        """SIGKILL one worker (tests: a crash). Returns its pid."""
+        pid = self.workers[number].process.pid
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    # -- internals ---------------------------------------------------------------------------
+    def _spawn(self, worker: _Worker) -> None:
+        # Under the worker's send lock: a slot released meanwhile is either counted free
+        # here or sent to the new process, never lost between the two.
+        with worker.send_lock:
+            with self._lock:
+                free = [slot for slot in worker.slots if slot not in worker.in_pipeline]
+                sources = [(sid, self.configs[sid], self.next_index[sid])
+                           for sid in worker.sources if sid not in self.ended]
+            ours, theirs = self._context.Pipe()
+            runtime = self.config.runtime
+            process = self._context.Process(
+                target=worker_main, name=f"streamdet-decode-{worker.number}", daemon=True,
+                args=(worker.number, sources, self.ring.shm_name, self.ring.slots,
+                      self.ring.slot_bytes, free, theirs, runtime.log_format,
+                      runtime.log_level, self.threads_per_source))
+            process.start()
+            theirs.close()
+            worker.process, worker.conn, worker.restart_at = process, ours, None
+
+    def _send(self, worker: _Worker, message: tuple) -> None:
+        with worker.send_lock:
+            self._send_locked(worker, message)
+
+    @staticmethod
+    def _send_locked(worker: _Worker, message: tuple) -> None:
+        if worker.conn is None or worker.process is None or not worker.process.is_alive():
+            return  # a dead worker's slots are recounted when it is restarted
+        try:
+            worker.conn.send(message)
+        except (BrokenPipeError, OSError):
+            pass  # it died: the receiver restarts it
+
+    def _free_slots(self, number: int, slots: list[int]) -> None:
+        """``ring.release`` of slots owned by worker ``number``: send them back to it."""
+        worker = self.workers[number]
+        with worker.send_lock:
+            with self._lock:
+                worker.in_pipeline.difference_update(slots)
+            self._send_locked(worker, ("free", slots))
+
+    def _receive(self) -> None:
+        """The receiver thread: messages of every worker, deaths and restarts."""
+        while not self.aborted.is_set():
+            live = {w.conn: w for w in self.workers if w.conn is not None and w.restart_at is None}
+            sentinels = {w.process.sentinel: w for w in self.workers
+                         if w.process is not None and w.restart_at is None}
+            if not live and not any(w.restart_at for w in self.workers):
+                return  # every worker ended
+            if not live and not sentinels:  # only restarts pending
+                time.sleep(POLL_S)
+            for ready in wait([*live, *sentinels], timeout=POLL_S) if live or sentinels else ():
+                worker = live.get(ready)
+                if worker is not None:
+                    self._drain(worker)
+                elif ready in sentinels:
+                    self._drain(sentinels[ready])  # what it sent before it exited
+                    self._exited(sentinels[ready])
+            now = time.monotonic()
+            for worker in self.workers:
+                if worker.restart_at is not None and now >= worker.restart_at:
+                    if self._stopping.is_set():
+                        self._end_sources(worker, "stopped while its decode worker restarted")
+                        worker.restart_at, worker.conn = None, None
+                    else:
+                        self._spawn(worker)
+
+    def _drain(self, worker: _Worker) -> None:
+        conn = worker.conn
+        try:
+            while conn is not None and conn.poll():
+                self._handle(worker, conn.recv())
+        except (EOFError, OSError):
+            pass
+
+    def _handle(self, worker: _Worker, message: tuple) -> None:
+        kind, source_id = message[0], message[1]
+        stage = self.stages[source_id]
+        if kind == FRAME:
+            _, _, slot, index, pts, capture_time, width, height, num, den = message
+            worker.frames_since_start += 1
+            if worker.failed_starts:
+                worker.failed_starts = 0
+            with self._lock:
+                worker.in_pipeline.add(slot)
+                self.next_index[source_id] = index + 1
+            stage.inbox.put(Frame(
+                source=stage.name, index=index, pts=None if pts != pts else pts,
+                capture_time=capture_time, width=width, height=height,
+                rate=Fraction(num, den) if num else None,
+                image=self.ring.image(slot, width, height), slot=slot))
+        elif kind == STATS:
+            stage.worker_reconnects, stage.dropped = message[2], message[3]
+        elif kind == END:
+            with self._lock:
+                self.ended.add(source_id)
+            stage.inbox.put(EndOfStream(stage.name, message[2], message[3]))
+
+    def _exited(self, worker: _Worker) -> None:
+        # Its sentinel is ready once its fds are closed, which can be a moment before it can
+        # be reaped: join (that moment) so that the exit code is known, not None.
+        worker.process.join(1.0)
+        code = worker.process.exitcode
+        with self._lock:
+            pending = [sid for sid in worker.sources if sid not in self.ended]
+        if worker.conn is not None:
+            worker.conn.close()
+        worker.conn = None
+        if not pending:
+            worker.restart_at = None
+            return
+        if self._stopping.is_set():
+            self._end_sources(worker, f"its decode worker exited (code {code}) while stopping")
+            return
+        if worker.frames_since_start == 0:
+            worker.failed_starts += 1
+        worker.frames_since_start = 0
+        if worker.failed_starts >= MAX_FAILED_STARTS:
+            reason = (f"its decode worker died {worker.failed_starts} times in a row before "
+                      f"delivering a frame (exit code {code})")
+            log.error("decode worker keeps dying: giving up its sources", worker=worker.number,
+                      exit_code=code, sources=[self.names[sid] for sid in pending])
+            self._end_sources(worker, reason, failed=True)
+            return
+        nominal = min(RESTART_MAX_S, RESTART_INITIAL_S * 2 ** worker.restarts)
+        delay = nominal / 2 + nominal / 2 * random.random()
+        worker.restarts += 1
+        for sid in pending:
+            self.stages[sid].restarts += 1
+        worker.restart_at = time.monotonic() + delay
+        log.error("decode worker died: restarting its sources", worker=worker.number,
+                  exit_code=code, sources=[self.names[sid] for sid in pending],
+                  retry_in_s=round(delay, 2), restarts=worker.restarts)
+
+    def _end_sources(self, worker: _Worker, reason: str, failed: bool = False) -> None:
+        """End the sources of ``worker`` that have not ended: with ``reason`` as their error
+        when ``failed``, or for a file cut short outside a stop."""
+        with self._lock:
+            pending = [sid for sid in worker.sources if sid not in self.ended]
+            self.ended.update(pending)
+        for sid in pending:
+            stage = self.stages[sid]
+            error = reason if failed else (
+                None if stage.live or self._stopping.is_set() else reason)
+            stage.inbox.put(EndOfStream(stage.name, self.next_index[sid], error))
