@@ -39,6 +39,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from multiprocessing.connection import Connection, wait
@@ -72,6 +73,17 @@ def default_worker_count(sources: int, cores: int | None = None) -> int:
 # The worker process
 
 
+def name_this_process(name: str) -> None:
+    """Set the process name ``ps``, ``top`` and ``pgrep`` show (Linux, at most 15 bytes;
+    elsewhere nothing happens): a worker is otherwise just ``python -c ...spawn_main``."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def worker_main(worker: int, sources: list[tuple[int, SourceConfig, int]], shm_name: str,
                 slots: int, slot_bytes: int, free: list[int], conn: Connection,
                 log_format: str, log_level: str, threads_per_source: int) -> None:
@@ -89,6 +101,7 @@ def worker_main(worker: int, sources: list[tuple[int, SourceConfig, int]], shm_n
     from pipeline.logging import configure_logging
     from stages.decode import DecodeStage
 
+    name_this_process(f"streamdet-w{worker}")
     # Ctrl-C, or a SIGTERM sent to the whole group, reaches the pipeline, which stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -172,7 +185,9 @@ class WorkerSource(SourceStage):
     def reconnects(self) -> int:  # type: ignore[override]
         return self.worker_reconnects + self.restarts
 
-    def frames(self, stop_reading: threading.Event):  # type: ignore[override]
+    def frames(self, stop_reading: threading.Event) -> Iterator[Frame | EndOfStream]:
+        """The frames the worker decoded, then the end marker; a graceful stop asks the
+        workers to end their sources (what they already sent still comes)."""
         while True:
             if stop_reading.is_set():  # checked before every item: a busy inbox is never empty
                 self.pool.request_stop()
