@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support import RtspServer, rtsp_server_missing
+from tests.support import RtspServer, require_rtsp_server
 
 
 @pytest.fixture()
 def rtsp_server() -> Iterator[Callable[[dict[str, str]], RtspServer]]:
     """Start GStreamer RTSP servers: ``rtsp_server({"cam": "live"})`` returns a started one
     (``.kill()`` and ``.start()`` it again on the same port); all are killed at teardown.
-    Skips when the GStreamer packages are missing (.ci/install-system-packages.sh)."""
-    if (reason := rtsp_server_missing()) is not None:
-        pytest.skip(reason)
+    Skips when the GStreamer packages are missing (.ci/install-system-packages.sh), fails
+    in CI."""
+    require_rtsp_server()
     servers: list[RtspServer] = []
 
     def start(mounts: dict[str, str]) -> RtspServer:

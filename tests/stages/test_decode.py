@@ -25,7 +25,7 @@ from tests.support import (
     damage_packets,
     free_port,
     read_frames,
-    rtsp_server_missing,
+    require_rtsp_server,
     truncate,
     write_clip,
     write_multitrack,
@@ -307,8 +307,7 @@ def test_server_that_never_answers_hits_the_open_timeout() -> None:
 @pytest.fixture(scope="module")
 def rtsp() -> Iterator[RtspServer]:
     """GStreamer's RTSP server: a live pattern, and one that stalls 1.5 s into each session."""
-    if (reason := rtsp_server_missing()) is not None:
-        pytest.skip(reason)
+    require_rtsp_server()
     with RtspServer({"live": "live", "stall": "stall:1.5"}) as server:
         yield server
 
