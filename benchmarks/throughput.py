@@ -172,6 +172,14 @@ class StageLine:
         return self.work_s / self.active_s if self.active_s > 0 else 0.0
 
 
+def busiest_cell(stages: list[StageLine]) -> str:
+    """The table cell naming the stage that worked the largest share of its active time."""
+    if not stages:
+        return ""
+    busiest = max(stages, key=lambda s: s.work_share)
+    return f"{busiest.name} {100 * busiest.work_share:.0f}%"
+
+
 @dataclass
 class Row:
     """One line of the table; None where not measured, errors in ``notes``."""
@@ -196,10 +204,6 @@ class Row:
     def slowest(self) -> tuple[str, float] | None:
         stages = [(n, v) for n, v in (("decode", self.decode_fps), ("infer", self.infer_fps)) if v]
         return min(stages, key=lambda s: s[1]) if stages else None
-
-    @property
-    def busiest(self) -> StageLine | None:
-        return max(self.stages, key=lambda s: s.work_share) if self.stages else None
 
 
 @dataclass
@@ -233,10 +237,6 @@ class PacedRow:
         return (self.dropped == 0 and self.p99_ms is not None and self.p99_ms <= P99_LIMIT_MS
                 and self.delivered_fps is not None
                 and self.delivered_fps >= DELIVERED_SHARE * self.offered_fps)
-
-    @property
-    def busiest(self) -> StageLine | None:
-        return max(self.stages, key=lambda s: s.work_share) if self.stages else None
 
 
 @dataclass
@@ -865,13 +865,12 @@ def markdown(rows: list[Row], header: str) -> str:
         slowest = row.slowest
         ratio = row.fps / slowest[1] if row.fps and slowest else None
         speedup = row.fps / row.naive_fps if row.fps and row.naive_fps else None
-        busiest = row.busiest
         lines.append("| " + " | ".join([
             row.decode, str(row.cameras), procs(row.decode, row.workers), str(row.batch),
             num(row.fps), num(row.p50_ms, 1),
             num(row.p99_ms, 1), num(row.gpu_util), num(row.decode_fps), num(row.infer_fps),
             slowest[0] if slowest else "", num(ratio, 2), num(speedup, 1),
-            f"{busiest.name} {100 * busiest.work_share:.0f}%" if busiest else "",
+            busiest_cell(row.stages),
             num(None if row.slot_wait_share is None else 100 * row.slot_wait_share),
             stage_text(row.stages), num(row.build_s, 1), "; ".join(row.notes)]) + " |")
     return "\n".join(lines) + "\n"
@@ -902,7 +901,6 @@ def paced_markdown(rows: list[PacedRow], header: str, verdict: bool = False) -> 
              "|" + "---|" * 18]
     for row in rows:
         measured = row.delivered_fps is not None
-        busiest = row.busiest
         lines.append("| " + " | ".join([
             row.decode, str(row.cameras), procs(row.decode, row.workers), num(row.offered_fps),
             num(row.delivered_fps), num(row.delivered_fps / row.offered_fps if measured else None,
@@ -913,7 +911,7 @@ def paced_markdown(rows: list[PacedRow], header: str, verdict: bool = False) -> 
             num(row.offered_fps / row.infer_fps if row.infer_fps else None, 2),
             num(row.delivered_fps / row.naive_fps if measured and row.naive_fps else None, 1),
             ("yes" if row.kept_up else "no") if measured else "",
-            f"{busiest.name} {100 * busiest.work_share:.0f}%" if busiest else "",
+            busiest_cell(row.stages),
             stage_text(row.stages), num(row.build_s, 1), "; ".join(row.notes)]) + " |")
     text = "\n".join(lines) + "\n"
     if verdict:

@@ -199,7 +199,12 @@ def make_capture_safe(module: fx.GraphModule) -> fx.GraphModule:
                 user.replace_input_with(node, copy)
             if not node.users:
                 graph.erase_node(node)
-    graph.lint()
+    return _recompiled(module)
+
+
+def _recompiled(module: fx.GraphModule) -> fx.GraphModule:
+    """``module`` after a graph rewrite: checked, unused submodules dropped, code regenerated."""
+    module.graph.lint()
     module.delete_all_unused_submodules()
     module.recompile()
     return module
@@ -363,10 +368,7 @@ def bake_host_sizes(module: fx.GraphModule) -> fx.GraphModule:
     for node in reversed(list(known)):  # constants and folded values nothing reads any more
         if not node.users:
             graph.erase_node(node)
-    graph.lint()
-    module.delete_all_unused_submodules()
-    module.recompile()
-    return module
+    return _recompiled(module)
 
 
 def make_compile_friendly(module: fx.GraphModule) -> fx.GraphModule:
