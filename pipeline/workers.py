@@ -340,12 +340,14 @@ class DecodeWorkerPool:
 
     @staticmethod
     def _send_locked(worker: _Worker, message: tuple) -> None:
-        if worker.conn is None or worker.process is None or not worker.process.is_alive():
+        # The receiver thread clears conn and process when the worker exits: read them once.
+        conn, process = worker.conn, worker.process
+        if conn is None or process is None or not process.is_alive():
             return  # a dead worker's slots are recounted when it is restarted
         try:
-            worker.conn.send(message)
+            conn.send(message)
         except (BrokenPipeError, OSError):
-            pass  # it died: the receiver restarts it
+            pass  # it died (or its pipe was just closed): the receiver restarts it
 
     def _free_slots(self, number: int, slots: list[int]) -> None:
         """``ring.release`` of slots owned by worker ``number``: send them back to it."""
@@ -419,9 +421,10 @@ class DecodeWorkerPool:
         code = worker.process.exitcode
         with self._lock:
             pending = [sid for sid in worker.sources if sid not in self.ended]
-        if worker.conn is not None:
-            worker.conn.close()
-        worker.conn = None
+        with worker.send_lock:  # not while a stage thread sends it freed slots
+            if worker.conn is not None:
+                worker.conn.close()
+            worker.conn = None
         if not pending:
             worker.restart_at = None
             return
