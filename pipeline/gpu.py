@@ -124,7 +124,9 @@ class BatchBuffers:
         table: ``PinnedMirror`` of the batch's small per-frame tables, copied in with one H2D:
             ``pairs`` (max_batch, 2) int32 (frame row, batch index) grouped by geometry, as the
             preprocess kernel reads them; ``letterbox`` (max_batch, 6) float32 (columns of
-            ``pipeline.records.LETTERBOX_COLUMNS``), which the NMS uses to undo the letterbox.
+            ``pipeline.records.LETTERBOX_COLUMNS``), which the NMS uses to undo the letterbox;
+            ``copies`` (2 * max_batch, 5) int64, the NVDEC planes of GPU-decoded frames to
+            pack into their rows (``kernels.pack_cuda.COPY_COLUMNS``).
         detections: ``PinnedMirror`` of the batch's results, copied out with one D2H:
             ``boxes`` (max_batch, max_detections, 4) float32 in frame pixels, ``scores``
             (max_batch, max_detections) float32, ``class_ids`` (max_batch, max_detections)
@@ -133,7 +135,7 @@ class BatchBuffers:
         done: event recorded on the compute stream after the D2H of the detections.
         groups: set by the batcher: per frame geometry, (letterbox, pixel_format, start, end)
             rows of ``table.host["pairs"]``, one preprocess launch each.
-        surfaces: GPU-decoded frames' planes, kept alive until ``done`` (their copies ran).
+        surfaces: GPU-decoded frames' planes, kept alive until ``done`` (their packing ran).
     """
 
     index: int
@@ -162,7 +164,8 @@ class BatchRing:
         self.sets = []
         for index in range(count):
             table = PinnedMirror([("pairs", (max_batch, 2), np.int32),
-                                  ("letterbox", (max_batch, 6), np.float32)])
+                                  ("letterbox", (max_batch, 6), np.float32),
+                                  ("copies", (2 * max_batch, 5), np.int64)])
             detections = PinnedMirror([
                 ("counts", (max_batch,), np.int32),
                 ("boxes", (max_batch, max_detections, 4), np.float32),

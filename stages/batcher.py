@@ -7,10 +7,12 @@ queued here, once per batch:
 
 - a free ``BatchBuffers`` set is taken (waiting while all are in use: backpressure);
 - each host frame is copied from its pinned ring slot into the set's device row ``i`` with one
-  asynchronous H2D (``cudaMemcpyAsync``), each GPU-decoded frame is packed from its NVDEC
-  surface into row ``i`` with two pitched D2D copies (Y, then UV) -- all on the copy stream;
-- the per-frame tables (preprocess pairs grouped by geometry, letterbox parameters) are
-  written into the set's pinned table and copied with one more H2D;
+  asynchronous H2D (``cudaMemcpyAsync``) on the copy stream;
+- the per-frame tables (preprocess pairs grouped by geometry, letterbox parameters, and for
+  GPU-decoded frames the addresses and pitches of their NVDEC planes) are written into the
+  set's pinned table and copied with one more H2D;
+- the GPU-decoded frames are packed from their NVDEC surfaces into their rows by one kernel
+  launch for the whole batch (``kernels.pack_cuda``: no driver call per frame);
 - one event (``set.copied``) is recorded; the infer stage waits on it once per batch.
 """
 
@@ -28,7 +30,6 @@ from pipeline.stage import Stage
 
 CUDA_STREAM_LEGACY = 1  # cudaStreamLegacy: the stream FFmpeg's NULL stream is, in any thread
 MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
-MEMCPY_DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice
 
 
 def letterbox_row(letterbox: Letterbox) -> tuple[float, ...]:
@@ -38,7 +39,8 @@ def letterbox_row(letterbox: Letterbox) -> tuple[float, ...]:
 
 
 def pack_nv12(y: np.ndarray, uv: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """The packed NV12 frame :func:`pack_device_frame` writes, in NumPy (the reference).
+    """The packed NV12 frame the batcher writes into a device row for a GPU-decoded frame
+    (``kernels.pack_cuda``), in NumPy (the reference).
 
     Args:
         y: (height, width) uint8 host array, any row pitch.
@@ -54,26 +56,6 @@ def pack_nv12(y: np.ndarray, uv: np.ndarray, out: np.ndarray) -> np.ndarray:
     frame[:height] = y
     frame[height:] = uv.reshape(height // 2, width)
     return frame
-
-
-def pack_device_frame(row_ptr: int, frame: Frame, copy_stream: Any) -> None:
-    """Queue two pitched D2D copies (Y, then UV) of a GPU-decoded frame into a device row.
-
-    Args:
-        row_ptr: device address of the row (``height * 3 // 2 * width`` bytes are written,
-            in the layout of :func:`pack_nv12`).
-        frame: with ``device_planes`` (Y (H, W), UV (H/2, W/2, 2) uint8 CuPy arrays).
-        copy_stream: the CuPy stream the copies are queued on; the caller orders it after the
-            legacy default stream (where FFmpeg queued the decoder's output copies) and keeps
-            the planes alive until the copies have run.
-    """
-    import cupy
-
-    y, uv = frame.device_planes
-    width, height = frame.width, frame.height
-    for offset, plane, rows in ((0, y, height), (width * height, uv, height // 2)):
-        cupy.cuda.runtime.memcpy2DAsync(row_ptr + offset, width, plane.data.ptr, plane.strides[0],
-                                        width, rows, MEMCPY_DEVICE_TO_DEVICE, copy_stream.ptr)
 
 
 class BatcherStage(Stage):
@@ -124,8 +106,11 @@ class BatcherStage(Stage):
         if self.gpu is not None:
             import cupy
 
+            from kernels.pack_cuda import compile_pack
+
             self.gpu.activate()
             self._legacy_done = cupy.cuda.Event(disable_timing=True)
+            compile_pack()
 
     def process(self, item: Frame) -> Iterable[FrameBatch]:
         if not self._pending:
@@ -172,6 +157,8 @@ class BatcherStage(Stage):
                       buffers: Any) -> None:
         import cupy
 
+        from kernels.pack_cuda import launch_pack, nv12_copies
+
         gpu = self.gpu
         gpu.activate()
         stream = gpu.copy_stream
@@ -179,15 +166,13 @@ class BatcherStage(Stage):
         row_bytes = buffers.frames.shape[1]
         base = buffers.frames.data.ptr
         groups: dict[tuple[Letterbox, str], list[int]] = {}
-        waited_for_decoder = False
+        copies = buffers.table.host["copies"]
+        planes = 0
         for i, frame in enumerate(frames):
             groups.setdefault((boxes[i], frame.pixel_format), []).append(i)
             if frame.device_planes is not None:
-                if not waited_for_decoder:  # once per batch: after FFmpeg's queued copies
-                    self._legacy_done.record(cupy.cuda.ExternalStream(CUDA_STREAM_LEGACY))
-                    stream.wait_event(self._legacy_done)
-                    waited_for_decoder = True
-                pack_device_frame(base + i * row_bytes, frame, stream)
+                copies[planes:planes + 2] = nv12_copies(*frame.device_planes, i * row_bytes)
+                planes += 2
                 buffers.surfaces.append(frame.device_planes)
             else:
                 nbytes = frame.width * frame.height * 3 // 2
@@ -202,5 +187,9 @@ class BatcherStage(Stage):
             row += len(indices)
         buffers.table.host["letterbox"][: len(frames)] = letterbox
         buffers.table.to_device(stream)
+        if planes:  # after FFmpeg's output copies, queued on the legacy default stream
+            self._legacy_done.record(cupy.cuda.ExternalStream(CUDA_STREAM_LEGACY))
+            stream.wait_event(self._legacy_done)
+            launch_pack(buffers.table.device["copies"], planes, buffers.frames, stream)
         gpu.timeline.end(token, stream)
         buffers.copied.record(stream)

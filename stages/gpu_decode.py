@@ -6,7 +6,7 @@ decoder writes each picture as NV12 into a surface of its frame pool, in device 
 PyAV hands that surface over without downloading it. Each ``Frame`` then carries
 ``device_planes`` (Y and interleaved UV CuPy views, imported through DLPack: no copy) and
 ``pixel_format="nv12"`` instead of a host image; the batcher (``stages.batcher``) packs them
-into the batch's device frame rows with one device-to-device copy.
+into the batch's device frame rows, one kernel launch per batch (``kernels.pack_cuda``).
 
 **Which CUDA context.** FFmpeg's CUDA device context creates its own context unless told
 otherwise. Its ``primary_ctx`` option (PyAV sets it by default with ``is_hw_owned``) retains
@@ -24,7 +24,7 @@ between contexts with ``cuMemcpyPeer``, so that is an error with the reason, not
 **Ordering.** FFmpeg queues its decoder output copies on the context's legacy default
 stream (its ``AVCUDADeviceContext.stream`` is NULL); the pipeline's streams are
 non-blocking, so the consumer must order itself after that stream (an event; see
-``stages.batcher.pack_device_frame``).
+``stages.batcher.BatcherStage``).
 
 **Lifetime.** The DLPack export holds its own reference to the FFmpeg frame, so a surface
 returns to the decoder's pool only when the CuPy views are dropped; FFmpeg's CUDA frame pool
