@@ -6,7 +6,7 @@ like a real camera), each stage alone, and a naive sequential pipeline, in one r
         [--decode cpu,gpu[,cpu-threads]] [--decode-workers auto|N] [--paced 32,64,100,128]
         [--pace-fps 30] [--paced-warmup-s 2] [--paced-decode cpu] [--no-naive]
         [--compile | --no-compile] [--engine-cache DIR | --fresh-cache] [--budget-s S]
-        [--out t.md]
+        [--gil-profile DIR] [--out t.md]
 
 Decode modes: ``cpu`` decodes on the CPU in worker processes into the shared-memory slot ring
 (``runtime.decode_workers``: ``--decode-workers``, default auto = one per source, at most the
@@ -133,6 +133,7 @@ class Setup:
     deadline: float | None = None  # time.monotonic() after which nothing new starts
     decode_workers: int | None = None  # runtime.decode_workers of the cpu mode (None: auto)
     pace_fps: float = 30.0  # paced runs: each camera's frames/s
+    gil_profile_dir: Path | None = None  # py-spy GIL samples of each pipeline window go here
     paced_warmup_s: float = 2.0  # paced runs: seconds after the first result before the window
     overheads: dict[str, float] = field(default_factory=dict)  # measured, per kind: the largest
 
@@ -198,6 +199,7 @@ class Row:
     build_s: float | None = None
     stages: list[StageLine] = field(default_factory=list)
     slot_wait_share: float | None = None  # sources' time waiting for a free frame slot
+    gil: str | None = None  # who held the interpreter lock in the window (--gil-profile)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -226,6 +228,7 @@ class PacedRow:
     naive_fps: float | None = None
     build_s: float | None = None
     stages: list[StageLine] = field(default_factory=list)
+    gil: str | None = None  # who held the interpreter lock in the window (--gil-profile)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -415,6 +418,7 @@ def measure_pipeline(setup: Setup, row: Row, out: Path) -> None:
     window_ended = threading.Event()
     window_end = [math.inf]
     graph: Any = None
+    profile = None
 
     def end_window() -> None:
         window_end[0] = time.perf_counter()
@@ -422,13 +426,14 @@ def measure_pipeline(setup: Setup, row: Row, out: Path) -> None:
         graph.request_stop()
 
     def batch_done(source: str, part: BatchDetections) -> None:
-        nonlocal timer
+        nonlocal timer, profile
         now = time.perf_counter()
         with lock:  # sinks call this from their own threads
             if timer is None:  # the window starts with the first result, after start-up
                 timer = threading.Timer(setup.seconds, end_window)
                 timer.daemon = True
                 timer.start()
+                profile = start_gil_profile(setup, f"{row.decode}-{row.cameras}")
             times.append(now)
             counts.append(len(part))
 
@@ -441,6 +446,8 @@ def measure_pipeline(setup: Setup, row: Row, out: Path) -> None:
     finally:
         if timer is not None:
             timer.cancel()
+        if profile is not None:
+            row.gil = profile.wait()
     errors = {m.error for m in graph.source_metrics.values() if m.error}
     if errors:
         raise RuntimeError("; ".join(sorted(errors)))
@@ -472,6 +479,7 @@ def measure_paced(setup: Setup, row: PacedRow, out: Path) -> None:
     latencies: list[np.ndarray] = []
     timers: list[threading.Timer] = []
     graph: Any = None
+    profiles: list[Any] = []
 
     def dropped() -> int:
         graph.refresh_source_metrics()
@@ -482,6 +490,7 @@ def measure_paced(setup: Setup, row: PacedRow, out: Path) -> None:
             window["dropped0"] = dropped()
             window["start"] = time.perf_counter()
         later(setup.seconds, end_window)
+        profiles.append(start_gil_profile(setup, f"paced-{row.decode}-{row.cameras}"))
 
     def end_window() -> None:
         with lock:
@@ -514,6 +523,9 @@ def measure_paced(setup: Setup, row: PacedRow, out: Path) -> None:
     finally:
         for timer in timers:
             timer.cancel()
+        for profile in profiles:
+            if profile is not None:
+                row.gil = profile.wait()
     errors = {m.error for m in graph.source_metrics.values() if m.error}
     if errors:
         raise RuntimeError("; ".join(sorted(errors)))
@@ -531,6 +543,24 @@ def measure_paced(setup: Setup, row: PacedRow, out: Path) -> None:
     row.gpu_util = sampler.mean(window["start"], window["end"])
 
 
+def start_gil_profile(setup: Setup, name: str) -> Any:
+    """With ``--gil-profile``: py-spy samples of the interpreter lock's holders for one window
+    (``benchmarks.gil_profile``), else None."""
+    if setup.gil_profile_dir is None:
+        return None
+    from benchmarks.gil_profile import GilProfile
+
+    return GilProfile(setup.gil_profile_dir / f"{name}.txt", setup.seconds).start()
+
+
+def gil_lines(rows: list[Row] | list[PacedRow], what: str) -> str:
+    """The GIL profiles of the rows that have one, one line each."""
+    lines = [f"- {what} {row.decode}, {row.cameras} cameras: {row.gil}" for row in rows
+             if row.gil]
+    return ("\nInterpreter lock (py-spy --gil, the window only):\n\n" + "\n".join(lines) + "\n"
+            if lines else "")
+
+
 def make_source(setup: Setup, decode: str, index: int, ring: SlotRing | None = None,
                 abort: threading.Event | None = None) -> SourceStage:
     source = SourceConfig(name=f"cam{index:03d}", uri=str(setup.clip))
@@ -543,12 +573,14 @@ def make_source(setup: Setup, decode: str, index: int, ring: SlotRing | None = N
     return DecodeStage(source, ring, abort)
 
 
-def measure_decode(setup: Setup, decode: str, cameras: int) -> float:
+def measure_decode(setup: Setup, decode: str, cameras: int,
+                   counted: dict[str, int] | None = None) -> float:
     """Frames/s of ``cameras`` sources decoded as the pipeline decodes them, each slot given
     back as soon as its frame arrives; nothing else. ``cpu`` with decode workers: the
     pipeline's own ``DecodeWorkerPool`` (worker processes, a shared-memory ring, the frames
     received through its pipes, one reading thread per source as in the graph); otherwise
-    one thread per source (``DecodeStage`` / ``GpuDecodeStage``) into a slot ring."""
+    one thread per source (``DecodeStage`` / ``GpuDecodeStage``) into a slot ring.
+    ``counted["frames"]`` is set to every frame received, window or not."""
     from pipeline.build import frame_slots
     from pipeline.workers import DecodeWorkerPool
 
@@ -596,6 +628,8 @@ def measure_decode(setup: Setup, decode: str, cameras: int) -> float:
         if pool is not None:
             pool.close()
         ring.close()
+    if counted is not None:
+        counted["frames"] = len(done)
     if failures:
         raise RuntimeError(failures[0])
     return steady_rate(measured)[0]
@@ -973,6 +1007,7 @@ def make_setup(args: argparse.Namespace, tmp: Path) -> tuple[Setup, str]:
         what = (f"YOLOv8s 640, torch FP16 {'compiled' if args.compile else 'eager'} on the GPU, "
                 "bikes.mp4 upscaled to 1080p H.264 4 Mbps")
     setup.decode_workers = args.decode_workers
+    setup.gil_profile_dir = args.gil_profile
     if args.budget_s:  # counted from the start: making the clip is inside the budget
         setup.deadline = args.started + args.budget_s
     cache_note = "a fresh compile cache" if args.fresh_cache else f"compile cache {cache}"
@@ -1050,6 +1085,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no measurement that would not end within this many seconds")
     parser.add_argument("--assets", default="assets", help="assets folder (models, clips)")
+    parser.add_argument("--gil-profile", type=Path, default=None, metavar="DIR",
+                        help="sample which threads hold the interpreter lock in every window "
+                             "with py-spy (raw stacks in DIR, a summary under the tables)")
     parser.add_argument("--out", type=Path, default=None, help="also write the tables here (md)")
     started = time.monotonic()
     args = parser.parse_args(argv)
@@ -1080,6 +1118,7 @@ def main(argv: list[str] | None = None) -> int:
     target = (f" Target: >= {TARGET_IMAGES_S:,} images/s at batch {setup.target_batch}."
               if setup.target_batch else "")
     table = markdown(results.rows, header + " Unpaced: each camera as fast as it is taken.")
+    table += gil_lines(results.rows, "unpaced")
     if paced:
         table += "\n" + paced_markdown(
             results.paced, f"Paced: every camera live at {setup.pace_fps:g} frames/s in real "
@@ -1087,6 +1126,7 @@ def main(argv: list[str] | None = None) -> int:
             f"first result, then a {setup.seconds:g} s window: delivered fps, drops, latency "
             "and GPU utilisation inside it; stages over the whole run. Decode alone and infer "
             "alone: the unpaced measurements at the same camera count and batch.", verdict=True)
+        table += gil_lines(results.paced, "paced")
     table += "\n" + inference_markdown(
         results.inference, "Inference alone (backend.infer on one preallocated batch, built as "
         f"the pipeline builds it; warm-up = its warmup(), compilation included).{target}")
