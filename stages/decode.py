@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from fractions import Fraction
 
 import av
+import numpy as np
 import structlog
 
 from pipeline.config import SourceConfig, is_stream_url, redact_url
@@ -116,11 +117,16 @@ def probe_frame_count(source: SourceConfig) -> int | None:
 
 
 def to_i420(frame: av.VideoFrame) -> av.VideoFrame:
-    """The frame as yuv420p with even width and height (converted only when it is not)."""
-    width, height = frame.width & ~1, frame.height & ~1
-    if frame.format.name == "yuv420p" and (width, height) == (frame.width, frame.height):
-        return frame
-    return frame.reformat(width=width, height=height, format="yuv420p")
+    """The frame as yuv420p, same size (converted only when it is another format). An odd
+    width or height stays: the caller crops the last column or row (``even_size``)."""
+    return frame if frame.format.name == "yuv420p" else frame.reformat(format="yuv420p")
+
+
+def even_size(width: int, height: int) -> tuple[int, int]:
+    """The size a frame is used at: I420 needs even sizes, so an odd width or height loses its
+    last column or row (a crop, not a resize: every pixel keeps its coordinates, so boxes are
+    in the original picture's pixels; NVDEC frames are cropped the same way)."""
+    return width & ~1, height & ~1
 
 
 class DecodeStage(SourceStage):
@@ -165,6 +171,7 @@ class DecodeStage(SourceStage):
         self.display_uri = redact_url(source.uri)
         self.is_file = not is_stream_url(source.uri)
         self.reconnects = 0
+        self._cropped = False  # the odd-size warning was given
         self.thread_type = "SLICE" if self.live else "AUTO"
         self._container: av.container.InputContainer | None = None
         if self.is_file:
@@ -243,12 +250,19 @@ class DecodeStage(SourceStage):
             SourceError: the picture is larger than a ring slot.
         """
         picture = to_i420(picture)
-        width, height = picture.width, picture.height
+        width, height = even_size(picture.width, picture.height)
+        if (width, height) != (picture.width, picture.height) and not self._cropped:
+            self._cropped = True
+            log.warning("odd frame size: the last column or row is left out (boxes keep the "
+                        "original pixel coordinates)", source=self.name,
+                        size=f"{picture.width}x{picture.height}", used=f"{width}x{height}")
         pts = float(picture.time) if picture.time is not None else None
         captured = time.time() if capture_time is None else capture_time
         if self.ring is None:
+            image = np.empty((height * 3 // 2, width), np.uint8)
+            copy_i420_planes(picture.planes, width, height, image)
             return Frame(source=self.name, index=index, pts=pts, capture_time=captured,
-                         width=width, height=height, rate=rate, image=picture.to_ndarray())
+                         width=width, height=height, rate=rate, image=image)
         if not self.ring.fits(width, height):
             raise FrameTooLarge(f"a {width}x{height} frame does not fit the frame slots of "
                               f"{self.ring.slot_bytes} bytes (sized for the largest file source, "

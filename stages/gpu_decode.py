@@ -44,7 +44,7 @@ import structlog
 
 from pipeline.config import SourceConfig
 from pipeline.records import Frame
-from stages.decode import DecodeStage, FrameTooLarge, SourceError, open_options
+from stages.decode import DecodeStage, FrameTooLarge, SourceError, even_size, open_options
 
 log = structlog.get_logger("gpu_decode")
 
@@ -185,7 +185,7 @@ class GpuDecodeStage(DecodeStage):
                 raise SourceError("FFmpeg decoded into another CUDA context than the pipeline's "
                                   "(its CUDA device context ignored current_ctx: FFmpeg < 6.1?)")
             self._checked = True
-        width, height = picture.width & ~1, picture.height & ~1
+        width, height = even_size(picture.width, picture.height)  # a crop, as on the CPU
         if self.ring is not None and not self.ring.fits(width, height):
             raise FrameTooLarge(f"a {width}x{height} frame does not fit the frame slots of "
                               f"{self.ring.slot_bytes} bytes (sized for the largest file source, "
