@@ -9,7 +9,7 @@ from pathlib import Path
 import av
 import structlog
 
-from pipeline.config import PipelineConfig, is_stream_url
+from pipeline.config import ConfigError, PipelineConfig, is_stream_url
 from pipeline.gpu import GpuContext, gpu_unavailable_reason
 from pipeline.graph import Graph
 from pipeline.records import BatchDetections
@@ -94,11 +94,15 @@ def build_graph(config: PipelineConfig,
     sinks. On the GPU path every device buffer is allocated and every kernel compiled here,
     before the first frame.
     """
-    info = read_model_info(config.model.path)
+    try:
+        info = read_model_info(config.model.path)
+    except ValueError as error:
+        raise ConfigError(f"model.path: {error}") from None
     class_names = read_class_names(config.model.class_names)
     if class_names is not None and len(class_names) != info.num_classes:
-        log.warning("class names do not match the model", names=len(class_names),
-                    model_classes=info.num_classes)
+        raise ConfigError(f"model.class_names: {len(class_names)} names in "
+                          f"{config.model.class_names!r}, but the model has {info.num_classes} "
+                          "classes (one name per line, in class order)")
     gpu = create_gpu_context(config, profile_gpu)
     backend = create_backend(config.inference, Path(config.model.path), info, gpu,
                              first_file_source(config))

@@ -78,10 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_pipeline(config: PipelineConfig) -> int:
     """Build the graph, run it with signal handling and print the summary."""
-    from pipeline.build import build_graph
+    from pipeline.build import DeviceUnavailable, build_graph
     from pipeline.graph import PipelineError
     from pipeline.progress import Progress
     from pipeline.records import BatchDetections
+    from stages.infer import BackendUnavailable
 
     exporter = None
     if config.runtime.metrics_port is not None:
@@ -99,9 +100,12 @@ def run_pipeline(config: PipelineConfig) -> int:
             if exporter is not None:
                 port = exporter.start(graph)
                 log.info("serving Prometheus metrics", url=f"http://0.0.0.0:{port}/metrics")
-        except (ValueError, OSError, RuntimeError) as error:
-            print(f"error: {error}", file=sys.stderr)
+        except (ConfigError, DeviceUnavailable, BackendUnavailable) as error:
+            print(f"error: {error}", file=sys.stderr)  # what was asked for cannot be had
             return EXIT_USAGE
+        except (ValueError, OSError, RuntimeError) as error:  # a fault while starting
+            print(f"error: failed to start: {type(error).__name__}: {error}", file=sys.stderr)
+            return EXIT_FAILED
         progress.set_total(graph.sources)
         interrupts, previous = _install_signal_handlers(graph)
         started = time.monotonic()

@@ -9,6 +9,7 @@ and rejects unknown keys, wrong types and bad values with a ``ConfigError`` nami
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -22,6 +23,11 @@ import yaml
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message is one line meant for the user."""
+
+
+# Frames of one inference call: the pinned frame ring and the device batch sets grow with it
+# (at 1080p, 512 frames are 1.6 GB per batch set).
+MAX_BATCH_SIZE = 512
 
 
 def _doc(text: str, **extra: Any) -> dict[str, Any]:
@@ -101,7 +107,10 @@ class SourceConfig:
         if not self.uri:
             raise ConfigError(f"{where}: expected a file path or a URL, got ''")
         if not is_stream_url(self.uri):
-            if not (base_dir / self.uri).is_file():
+            path = base_dir / self.uri
+            if path.is_dir():
+                raise ConfigError(f"{where}: {self.uri!r} is a folder, not a video file")
+            if not path.is_file():
                 raise ConfigError(f"{where}: file not found: {self.uri!r}")
             if self.reconnect:
                 raise ConfigError(f"{key}.reconnect: files never reconnect; only stream URLs can")
@@ -156,7 +165,8 @@ class InferenceConfig:
         default="fp16", metadata=_doc("Numeric precision on the GPU (the CPU path runs fp32).")
     )
     batch_size: int = field(
-        default=4, metadata=_doc("Most frames, from any sources, in one inference call.", min=1)
+        default=4, metadata=_doc("Most frames, from any sources, in one inference call.", min=1,
+                                 max=MAX_BATCH_SIZE)
     )
     batch_timeout_ms: float = field(
         default=5.0,
@@ -277,6 +287,7 @@ class PipelineConfig:
 
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
+MAX_NAME_LENGTH = 100  # a source's name goes into file names (with a suffix: under 255 bytes)
 
 
 def is_stream_url(uri: str) -> bool:
@@ -382,6 +393,9 @@ def _check_semantics(config: PipelineConfig, base_dir: Path) -> None:
             raise ConfigError(
                 f"{key}.name: expected letters, digits, '_', '-' or '.', got {source.name!r}"
             )
+        if len(source.name) > MAX_NAME_LENGTH:
+            raise ConfigError(f"{key}.name: expected at most {MAX_NAME_LENGTH} characters, got "
+                              f"{len(source.name)} ({source.name[:20]}...)")
         if source.name in seen:
             raise ConfigError(f"{key}.name: duplicate source name {source.name!r}")
         seen.add(source.name)
@@ -403,6 +417,34 @@ def _check_semantics(config: PipelineConfig, base_dir: Path) -> None:
             raise ConfigError(
                 f"output.{key}: only {{source}} may be used in the path, got {template!r}"
             ) from None
+    _check_output_paths(config, base_dir)
+
+
+def partial_path(path: Path) -> Path:
+    """Where an output is written until it is complete (``cam.jsonl`` -> ``cam.partial.jsonl``)."""
+    return path.with_name(f"{path.stem}.partial{path.suffix}")
+
+
+def _check_output_paths(config: PipelineConfig, base_dir: Path) -> None:
+    """The output folder is not a file, and no two outputs (nor their temporary ``.partial``
+    names) are the same file: two writers of one file would lose one of them."""
+    folder = base_dir / config.output.dir
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"output.dir: {config.output.dir!r} exists and is not a folder")
+    owners: dict[str, str] = {}
+    for source in config.sources:
+        for key in ("video", "jsonl"):
+            template = getattr(config.output, key)
+            if template is None:
+                continue
+            final = Path(os.path.normpath(folder / template.format(source=source.name)))
+            for path, what in ((final, f"output.{key} of source {source.name!r}"),
+                               (partial_path(final), f"the temporary file of output.{key} of "
+                                                     f"source {source.name!r}")):
+                other = owners.setdefault(str(path), what)
+                if other != what:
+                    raise ConfigError(f"output.{key}: {what} would be {str(path)!r}, which is "
+                                      f"also {other}")
 
 
 def parse_config(data: Any, base_dir: Path = Path(".")) -> PipelineConfig:
@@ -434,12 +476,32 @@ def load_config(path: str | Path) -> PipelineConfig:
     except OSError as error:
         raise ConfigError(f"config: cannot read {str(path)!r}: {error.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as error:
+        raise ConfigError(f"config: {str(path)!r}: {error}") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"config: {str(path)!r} is not valid YAML{where}") from None
     return parse_config(data)
+
+
+class _DuplicateKey(Exception):
+    """A mapping of the YAML file repeats a key."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a repeated key is an error: plain YAML keeps the last
+    one silently (two ``sources:`` lists would lose the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(f"duplicate key {key!r} at line {key_node.start_mark.line + 1}")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def describe_schema(cls: type = PipelineConfig, prefix: str = "") -> list[str]:

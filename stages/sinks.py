@@ -23,17 +23,13 @@ import av
 import numpy as np
 import structlog
 
+from pipeline.config import partial_path
 from pipeline.records import BatchDetections, EndOfStream
 from pipeline.stage import Stage
 
 log = structlog.get_logger("sinks")
 
 DEFAULT_RATE = Fraction(25)
-
-
-def partial_path(path: Path) -> Path:
-    """Where ``path`` is written until it is complete (keeps the extension)."""
-    return path.with_name(f"{path.stem}.partial{path.suffix}")
 
 
 def detection_records(xyxy: np.ndarray, confidence: np.ndarray, class_id: np.ndarray,
@@ -248,9 +244,12 @@ class SinkStage(Stage):
     def close(self) -> None:
         for writer in self.writers:
             writer.close(self.complete)
-            if self.complete:
+            if self.complete and writer.path.exists():
                 log.info("output written", sink=self.name, path=str(writer.path),
                          frames=writer.frames)
+            elif self.complete:
+                log.warning("no output written: no frame came", sink=self.name,
+                            path=str(writer.path))
             elif writer.frames:
                 log.warning("output incomplete", sink=self.name,
                             path=str(partial_path(writer.path)), frames=writer.frames)

@@ -36,12 +36,17 @@ def read_model_info(model_path: str | Path) -> ModelInfo:
     """Read the input and output description of a YOLO-layout ONNX model.
 
     Raises:
-        ValueError: the model does not have one image input (B, 3, H, W) with fixed H, W and
-            an output (B, 4 + classes, anchors).
+        ValueError: not an ONNX file, or the model does not have one image input (B, 3, H, W)
+            with fixed H, W and an output (B, 4 + classes, anchors) with more anchors than
+            rows.
     """
     import onnx
 
-    model = onnx.load(str(model_path), load_external_data=False)
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception as error:  # noqa: BLE001 - protobuf raises its own DecodeError, and more
+        raise ValueError(f"{str(model_path)!r} is not an ONNX model ({type(error).__name__})"
+                         ) from None
     graph = model.graph
     initializers = {init.name for init in graph.initializer}
     inputs = [i for i in graph.input if i.name not in initializers]
@@ -57,6 +62,12 @@ def read_model_info(model_path: str | Path) -> ModelInfo:
         raise ValueError(f"{model_path}: input must be (batch, 3, H, W) with fixed H, W, got {in_dims}")
     if len(out_dims) != 3 or not isinstance(out_dims[1], int) or out_dims[1] <= 4:
         raise ValueError(f"{model_path}: output must be (batch, 4 + classes, anchors), got {out_dims}")
+    anchors = out_dims[2]
+    if isinstance(anchors, int) and anchors <= out_dims[1]:
+        raise ValueError(
+            f"{model_path}: output {out_dims} is not (batch, 4 + classes, anchors): a YOLO head "
+            f"has more anchors than rows ({anchors} <= {out_dims[1]}); a (batch, anchors, "
+            "5 + classes) export is not supported")
     elem_type = inputs[0].type.tensor_type.elem_type
     return ModelInfo(
         input_name=inputs[0].name,

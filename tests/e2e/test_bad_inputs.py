@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import av
+import numpy as np
 import pytest
 import structlog
 import yaml
@@ -37,10 +39,15 @@ def media(samples, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     clean = write_clip(out / "clean.mp4", bikes, (320, 136))  # its index first: cuts keep it
     (out / "text.mp4").write_text("not a video\n")
     (out / "empty.mp4").write_bytes(b"")
+    (out / "folder.mp4").mkdir()
+    (out / "five.names").write_text("a\nb\nc\nd\ne\n")
     made = {
         "clean": clean,
         "text": out / "text.mp4",
         "empty": out / "empty.mp4",
+        "folder": out / "folder.mp4",
+        "five_names": out / "five.names",
+        "ten_anchors": write_model(out / "ten_anchors.onnx", (1, 84, 10)),
         "cut_index": truncate(samples.bikes, out / "cut_index.mp4", keep=0.5),
         "truncated": truncate(clean, out / "truncated.mp4", keep=0.5),
         "damaged": damage_packets(clean, out / "damaged.mp4", {10, 25}),
@@ -62,6 +69,22 @@ class Case:
     message: str  # on one "error: ..." line, or a warning event when status is OK
     complete: dict[str, int] = field(default_factory=dict)  # source -> records when finished
     check: Callable[[Path], None] | None = None
+
+
+def write_model(path: Path, output_shape: tuple[int, ...]) -> Path:
+    """A valid ONNX model with a (1, 3, 640, 640) image input and a constant output of
+    ``output_shape``: shaped like a detector, but not a YOLO head."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    value = numpy_helper.from_array(np.zeros(output_shape, np.float32), "value")
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["output0"], value=value)], "not_yolo",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, [1, 3, 640, 640])],
+        [helper.make_tensor_value_info("output0", TensorProto.FLOAT, list(output_shape))])
+    onnx.save(helper.make_model(graph), str(path))
+    return path
 
 
 def source(**keys: Any) -> Callable[[dict, dict[str, str]], None]:
@@ -120,6 +143,34 @@ CASES = [
     Case("model file missing", section("model", path="nope.onnx"), USAGE,
          "model.path: file not found: 'nope.onnx'"),
     Case("not YAML", lambda c, m: "sources: [", USAGE, "is not valid YAML at line"),
+    Case("a key given twice", lambda c, m: yaml.safe_dump(c) + "sources: []\n", USAGE,
+         "duplicate key 'sources' at line"),
+    Case("batch too large for memory", section("inference", batch_size=100000), USAGE,
+         "inference.batch_size: expected a value between 1 and 512, got 100000"),
+    Case("source name too long for a file name", source(name="c" * 250), USAGE,
+         "sources[0].name: expected at most 100 characters, got 250"),
+    Case("a folder as the video", source(uri="folder"), USAGE,
+         "sources[0].uri (source 'cam'): '{folder}' is a folder, not a video file"),
+    Case("output folder is a file", lambda c, m: c["output"].update(dir=m["text"]), USAGE,
+         "output.dir: '{text}' exists and is not a folder"),
+    Case("two outputs in one file",
+         lambda c, m: c["output"].update(video="{source}.mp4", jsonl="{source}.mp4"), USAGE,
+         "output.jsonl: output.jsonl of source 'cam' would be"),
+    Case("two sources in one file",
+         lambda c, m: c["sources"].append({"name": "cam2", "uri": m["clean"]})
+         or c["output"].update(video="{source}/../same.mp4"), USAGE,
+         "which is also output.video of source 'cam'"),
+    Case("a source named like another's temporary file",
+         lambda c, m: c["sources"].append({"name": "cam.partial", "uri": m["clean"]}), USAGE,
+         "which is also the temporary file of output.jsonl of source 'cam'"),
+    Case("not an ONNX model", lambda c, m: c["model"].update(path=m["text"]), USAGE,
+         "model.path: '{text}' is not an ONNX model (DecodeError)"),
+    Case("model output is not a YOLO head",
+         lambda c, m: c["model"].update(path=m["ten_anchors"], class_names=None), USAGE,
+         "a YOLO head has more anchors than rows (10 <= 84)"),
+    Case("class names of another model", lambda c, m: c["model"].update(
+        class_names=m["five_names"]), USAGE,
+         "model.class_names: 5 names in '{five_names}', but the model has 80 classes"),
     Case("no sources", lambda c, m: c.update(sources=[]), USAGE,
          "sources: expected at least one source, got an empty list"),
     # -- sources that cannot be read: exit 1, one line naming the source -----------------
@@ -186,3 +237,71 @@ def test_bad_input_gives_a_clear_message_and_status(samples, media: dict[str, st
         assert len((out / f"{name}.jsonl").read_text().splitlines()) == count
     if case.check is not None:
         case.check(out)
+
+
+@pytest.mark.parametrize("error, status, message", [
+    (RuntimeError("out of memory allocating 6.2 GB"), FAILED,
+     "error: failed to start: RuntimeError: out of memory allocating 6.2 GB"),
+    (OSError(28, "No space left on device"), FAILED,
+     "error: failed to start: OSError: [Errno 28] No space left on device"),
+])
+def test_a_fault_while_starting_is_not_called_a_bad_configuration(
+        samples, media, tmp_path, monkeypatch, capfd, fresh_logging, error, status, message):
+    """Exit 2 means "fix your configuration": a fault of the machine while the pipeline is
+    built (here raised in place of ``build_graph``) is exit 1 with its own words."""
+    import pipeline.build
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(pipeline.build, "build_graph", fail)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(pipeline_config(
+        samples, tmp_path / "out", [{"name": "cam", "uri": media["clean"]}])))
+    assert main(["--config", str(path), "--no-progress"]) == status
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert errors == [message]
+
+
+def write_lossless(path: Path, pictures: list[av.VideoFrame]) -> Path:
+    """``pictures`` (yuv420p, any size) as an FFV1 MKV: decoded back bit for bit."""
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("ffv1", rate=25)
+        stream.width, stream.height, stream.pix_fmt = pictures[0].width, pictures[0].height, \
+            "yuv420p"
+        for index, picture in enumerate(pictures):
+            picture.pts = index
+            container.mux(stream.encode(picture))
+        container.mux(stream.encode(None))
+    return path
+
+
+def test_an_odd_sized_video_keeps_its_pixel_coordinates(samples, tmp_path, capfd,
+                                                        fresh_logging):
+    """641x273: I420 needs even sizes, so the last column and row are left out (a crop):
+    the boxes are those of the same pixels as a 640x272 video, in the same coordinates, and
+    a warning says so. A resize to 640x272 would move every pixel, and the boxes with them."""
+    from pipeline.slots import copy_i420_planes
+
+    odd = [frame.reformat(width=641, height=273, format="yuv420p")
+           for frame in read_frames(samples.bikes, 12)]
+    odd_path = write_lossless(tmp_path / "odd.mkv", odd)
+    cropped = []
+    for frame in read_frames(odd_path):
+        i420 = np.empty((272 * 3 // 2, 640), np.uint8)
+        copy_i420_planes(frame.planes, 640, 272, i420)
+        cropped.append(av.VideoFrame.from_ndarray(i420, format="yuv420p"))
+    even_path = write_lossless(tmp_path / "even.mkv", cropped)
+    out = tmp_path / "out"
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(pipeline_config(samples, out, [
+        {"name": "odd", "uri": str(odd_path)}, {"name": "even", "uri": str(even_path)}])))
+    assert main(["--config", str(path), "--no-progress"]) == OK
+    events = [json.loads(line) for line in capfd.readouterr().err.splitlines()]
+    warned = [e for e in events if e["event"].startswith("odd frame size")]
+    assert [(e["source"], e["size"], e["used"]) for e in warned] == [("odd", "641x273", "640x272")]
+    records = {name: [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+               for name in ("odd", "even")}
+    assert len(records["odd"]) == len(records["even"]) == 12
+    detections = [[d for r in records[name] for d in r["detections"]] for name in ("odd", "even")]
+    assert detections[0] and detections[0] == detections[1]

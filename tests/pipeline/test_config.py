@@ -59,7 +59,7 @@ def with_value(path: str, value: object) -> dict:
 
 BAD = [
     # (key path, value, text the message must contain)
-    ("inference.batch_size", 0, "inference.batch_size: expected a value >= 1, got 0"),
+    ("inference.batch_size", 0, "inference.batch_size: expected a value between 1 and 512, got 0"),
     ("inference.batch_size", "four", "inference.batch_size: expected an integer, got 'four'"),
     ("inference.batch_size", True, "inference.batch_size: expected an integer, got True"),
     ("inference.backend", "openvino", "inference.backend: expected one of 'auto', 'onnxruntime'"),
