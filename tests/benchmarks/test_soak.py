@@ -1,0 +1,53 @@
+"""benchmarks.soak: its arithmetic, its /proc sampling, and a short real soak."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.soak import Sample, host_usage, main, p99_bound, process_tree, slope_per_hour
+from tests.support import require_rtsp_server
+
+
+def test_slope_is_per_hour():
+    times = [0.0, 60.0, 120.0, 180.0]
+    assert slope_per_hour(times, [100.0, 100.5, 101.0, 101.5]) == pytest.approx(30.0)
+    assert slope_per_hour(times[:2], [1.0, 2.0]) is None
+
+
+def sample(count: float, buckets: dict[float, float]) -> Sample:
+    return Sample(0.0, 0.0, 0, 0, None, 0.0, 0.0, 0.0, count, buckets, 0.0)
+
+
+def test_p99_is_the_bucket_holding_99_percent_of_the_interval():
+    before = sample(100, {0.01: 50, 0.1: 100, float("inf"): 100})
+    after = sample(300, {0.01: 50, 0.1: 299, float("inf"): 300})  # 200 more: 199 <= 0.1 s
+    assert p99_bound(before, after) == 0.1
+    assert p99_bound(after, after) is None
+
+
+def test_process_tree_and_usage_cover_children():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        tree = process_tree(os.getpid())
+        assert os.getpid() in tree and child.pid in tree
+        rss, threads, fds = host_usage([os.getpid(), child.pid])
+        assert rss > host_usage([os.getpid()])[0] > 0 and threads >= 2 and fds >= 3
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_short_soak_runs_and_stops_cleanly(tmp_path, capsys):
+    require_rtsp_server()
+    out = tmp_path / "soak.md"
+    assert main(["--minutes", "0.5", "--cameras", "1", "--fps", "10", "--interval-s", "5",
+                 "--warmup-s", "0", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "pipeline exit code after SIGINT: 0" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) >= 3, text
+    assert "RSS MB/h +" in text or "RSS MB/h -" in text
