@@ -14,7 +14,7 @@ runs the NMS.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -98,15 +98,16 @@ def create_backend(config: InferenceConfig, model_path: Path, info: ModelInfo,
                    gpu: Any = None, calibration_video: str | None = None) -> InferenceBackend:
     """The backend named in the config; ``auto`` picks the best one available.
 
-    ``auto`` prefers tensorrt, then torch, on a GPU and onnxruntime on the CPU, and logs
-    which it took and why. ``calibration_video`` is used for int8 when the config names none.
+    ``auto`` prefers tensorrt (TensorRT-RTX only on the GPUs its runtime supports), then
+    torch, on a GPU and onnxruntime on the CPU, and logs which it took and why.
+    ``calibration_video`` is used for int8 when the config names none.
     """
     name = config.backend
     if name == "auto":
         if gpu is None:
             name, why = "onnxruntime", "no GPU in use"
         else:
-            name, why = _best_gpu_backend()
+            name, why = best_gpu_backend(compute_capability(gpu.device_id))
         log.info("backend chosen", backend=name, reason=why)
     if name == "onnxruntime":
         from stages.backends.onnxruntime import OnnxRuntimeBackend
@@ -135,12 +136,42 @@ class BackendUnavailable(RuntimeError):
     """The configured backend cannot run here; the message says why."""
 
 
-def _best_gpu_backend() -> tuple[str, str]:
+# Compute capabilities TensorRT-RTX's runtime accepts (its own error message lists them; it
+# refuses data-centre GPUs such as the H100/H200 at 9.0). Full TensorRT runs on all of them.
+TENSORRT_RTX_CAPABILITIES = frozenset({"8.0", "8.6", "8.9", "12.0", "12.1"})
+
+
+def compute_capability(device_id: int) -> str:
+    """The device's compute capability as "major.minor" (CuPy)."""
+    import cupy
+
+    capability = cupy.cuda.Device(device_id).compute_capability  # "90"
+    return f"{capability[:-1]}.{capability[-1]}"
+
+
+def module_installed(name: str) -> bool:
     import importlib.util
 
-    for module in ("tensorrt", "tensorrt_rtx"):
-        if importlib.util.find_spec(module) is not None:
-            return "tensorrt", f"{module} is installed"
-    if importlib.util.find_spec("torch") and importlib.util.find_spec("onnx2torch"):
-        return "torch", "TensorRT is not installed; torch and onnx2torch are"
-    raise BackendUnavailable("no GPU backend installed: install tensorrt or torch + onnx2torch")
+    return importlib.util.find_spec(name) is not None
+
+
+def best_gpu_backend(capability: str, installed: Callable[[str], bool] = module_installed
+                     ) -> tuple[str, str]:
+    """(backend, reason) for ``backend: auto`` on a GPU of compute ``capability``: full
+    TensorRT when installed; TensorRT-RTX when installed and this GPU is one it runs on; else
+    torch with onnx2torch.
+
+    Raises:
+        BackendUnavailable: none of them can run here.
+    """
+    if installed("tensorrt"):
+        return "tensorrt", "tensorrt is installed"
+    rtx = installed("tensorrt_rtx")
+    if rtx and capability in TENSORRT_RTX_CAPABILITIES:
+        return "tensorrt", f"tensorrt_rtx is installed and runs on compute capability {capability}"
+    if installed("torch") and installed("onnx2torch"):
+        why = (f"tensorrt_rtx does not run on compute capability {capability}" if rtx
+               else "TensorRT is not installed")
+        return "torch", f"{why}; torch and onnx2torch are installed"
+    raise BackendUnavailable("no GPU backend installed for this GPU: install torch and "
+                             "onnx2torch (or TensorRT)")

@@ -13,7 +13,7 @@ from pipeline.config import InferenceConfig
 from pipeline.records import ModelOutputs
 from stages.backends.base import read_model_info
 from stages.batcher import BatcherStage
-from stages.infer import BackendUnavailable, InferStage, create_backend
+from stages.infer import BackendUnavailable, InferStage, best_gpu_backend, create_backend
 from stages.preprocess import HostPreprocess
 from tests.support.batches import make_frame
 
@@ -57,3 +57,21 @@ def test_cpu_infer_stage_is_onnxruntime_on_the_host_preprocess(samples, count: i
     assert out.outputs.shape == (count, 4 + info.num_classes, expected.shape[2])
     np.testing.assert_allclose(out.outputs, expected, rtol=1e-4, atol=1e-4)
     stage.close()
+
+
+@pytest.mark.parametrize("installed, capability, backend, why", [
+    ({"tensorrt", "torch", "onnx2torch"}, "9.0", "tensorrt", "tensorrt is installed"),
+    ({"tensorrt_rtx", "torch", "onnx2torch"}, "8.6", "tensorrt", "runs on compute capability 8.6"),
+    # make setup installs tensorrt_rtx: on an H100/H200 (9.0) auto must still take torch
+    ({"tensorrt_rtx", "torch", "onnx2torch"}, "9.0", "torch",
+     "tensorrt_rtx does not run on compute capability 9.0"),
+    ({"torch", "onnx2torch"}, "9.0", "torch", "TensorRT is not installed"),
+])
+def test_auto_takes_tensorrt_rtx_only_where_it_runs(installed, capability, backend, why):
+    chosen, reason = best_gpu_backend(capability, installed.__contains__)
+    assert chosen == backend and why in reason
+
+
+def test_auto_without_any_gpu_backend_says_what_to_install():
+    with pytest.raises(BackendUnavailable, match="install torch and onnx2torch"):
+        best_gpu_backend("9.0", {"tensorrt_rtx"}.__contains__)
