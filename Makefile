@@ -6,13 +6,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 CONFIG ?= configs/file.yaml
 
-.PHONY: demo test setup samples lint
+.PHONY: demo test setup setup-test samples lint
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# What the pipeline needs to run (the demo runs on the CPU: no GPU or TensorRT packages).
 setup: $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+
+# The tests also build TensorRT engines on the CPU with TensorRT-RTX (about 258 MB).
+setup-test: $(BIN)/python
 	$(BIN)/python -m pip install -q -e ".[dev,tensorrt]"
 
 samples: setup
@@ -21,8 +26,8 @@ samples: setup
 demo: samples
 	$(BIN)/python run.py --config $(CONFIG)
 
-test: samples
+test: setup-test samples
 	$(BIN)/python -m pytest -q
 
-lint: setup
+lint: setup-test
 	$(BIN)/ruff check .

@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 import structlog
 
@@ -26,7 +27,7 @@ log = structlog.get_logger("run")
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="run.py",
+        prog="streamdet" if Path(sys.argv[0]).name == "streamdet" else "run.py",
         description="Detect objects in video files and RTSP cameras with a YOLO ONNX model; "
                     "write annotated MP4 and JSON Lines detections per source.",
         epilog="Configuration keys: run.py --help-config. Example: configs/file.yaml.",
