@@ -1,0 +1,234 @@
+"""The Python API: run the pipeline from your own code, with the configuration of ``run.py``.
+
+```python
+from pipeline.api import Pipeline
+
+# Iterate over results, frame by frame (like Ultralytics' ``predict(stream=True)``):
+with Pipeline("configs/file.yaml") as pipeline:
+    for result in pipeline.results():
+        print(result.source, result.index, result.class_names, result.detections.xyxy)
+
+# Or a callback per batch part (like Roboflow's ``on_prediction``), blocking until the end:
+summary = Pipeline(config_dict, on_batch=lambda source, part: ...).run()
+```
+
+The configuration is a YAML path, a dict in the YAML's shape, or a ``PipelineConfig``; it is
+validated exactly as ``run.py`` validates it (``ConfigError`` with the one-line message). The
+outputs the configuration asks for (video, JSONL) are written as with ``run.py``; set
+``output.video`` and ``output.jsonl`` to null to only receive the results.
+
+``results()`` runs the pipeline on a background thread and hands over each frame's result
+through a bounded queue: a consumer slower than the pipeline holds file sources back (no
+frame lost) and makes live sources drop their oldest frames, as a slow sink would. Leaving the
+loop early (``break``) or ``stop()`` stops reading, drains and finalises every output. Signals
+are left to the caller: no handler is installed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.config import PipelineConfig, load_config, parse_config
+from pipeline.records import BatchDetections, Detections
+
+RESULTS_QUEUE_PARTS = 8  # batch parts waiting for the consumer of results()
+_DONE = object()
+
+
+@dataclass(frozen=True)
+class FrameResult:
+    """One frame's detections.
+
+    Attributes:
+        source: the source's name.
+        index: the frame's number within its source (0-based).
+        pts: presentation time in seconds, or None when unknown.
+        capture_time: wall-clock time the frame was decoded (or was due, for a paced file).
+        width, height: the frame's size in pixels (the coordinates of the boxes).
+        detections: host arrays: ``xyxy`` (n, 4) float32, ``confidence`` (n,) float32,
+            ``class_id`` (n,) int32.
+        class_names: (n,) names of the detections' classes ("" where the model's class names
+            are unknown).
+    """
+
+    source: str
+    index: int
+    pts: float | None
+    capture_time: float
+    width: int
+    height: int
+    detections: Detections
+    class_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """How a run ended: per source, frames done, frames dropped and the error (None: ok)."""
+
+    frames: dict[str, int]
+    dropped: dict[str, int]
+    errors: dict[str, str | None]
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.errors.values())
+
+
+def as_config(config: str | Path | dict | PipelineConfig) -> PipelineConfig:
+    """A validated configuration from a YAML path, a dict or a ``PipelineConfig``."""
+    if isinstance(config, PipelineConfig):
+        return config
+    if isinstance(config, dict):
+        return parse_config(config)
+    return load_config(config)
+
+
+def frame_results(part: BatchDetections, names: list[str] | None) -> list[FrameResult]:
+    """The per-frame results of one source's batch part (host copies of its arrays)."""
+    frames = part.frames
+    results = []
+    for i in range(len(part)):
+        found = part[i]
+        class_id = np.asarray(found.class_id)
+        pts = float(frames.pts[i])
+        results.append(FrameResult(
+            source=frames.source_name(i), index=int(frames.index[i]),
+            pts=None if pts != pts else pts, capture_time=float(frames.capture_time[i]),
+            width=int(frames.width[i]), height=int(frames.height[i]),
+            detections=Detections(np.asarray(found.xyxy), np.asarray(found.confidence),
+                                  class_id),
+            class_names=tuple(names[c] if names and 0 <= c < len(names) else ""
+                              for c in class_id.tolist())))
+    return results
+
+
+class Pipeline:
+    """One pipeline run (module docstring).
+
+    Args:
+        config: a YAML path, a dict in the YAML's shape, or a ``PipelineConfig``.
+        on_batch: called from a sink thread with (source name, that source's part of a batch:
+            ``BatchDetections``) after its outputs were written; keep it quick.
+
+    Raises:
+        ConfigError: the configuration is invalid (also: model and outputs, checked when
+            the graph is built).
+    """
+
+    def __init__(self, config: str | Path | dict | PipelineConfig,
+                 on_batch: Callable[[str, BatchDetections], None] | None = None) -> None:
+        self.config = as_config(config)
+        self._on_batch = on_batch
+        self._graph: Any = None
+        self._listeners: list[Callable[[str, BatchDetections], None]] = []
+        self._lock = threading.Lock()
+
+    def _batch_done(self, source: str, part: BatchDetections) -> None:
+        if self._on_batch is not None:
+            self._on_batch(source, part)
+        for listener in self._listeners:
+            listener(source, part)
+
+    def _build(self) -> Any:
+        from pipeline.build import build_graph
+
+        with self._lock:
+            if self._graph is not None:
+                raise RuntimeError("a Pipeline runs once; make a new one to run again")
+            self._graph = build_graph(self.config, on_batch_done=self._batch_done)
+            return self._graph
+
+    def run(self) -> RunSummary:
+        """Build and run until every source ended (or ``stop()``); returns the summary.
+
+        Raises:
+            PipelineError: a stage failed (a source that fails does not raise: it is in the
+                summary's ``errors``).
+        """
+        graph = self._build()
+        graph.run()
+        return self.summary()
+
+    def results(self) -> Iterator[FrameResult]:
+        """Run on a background thread and yield every frame's result as it is done, in frame
+        order within each source. Leaving the loop early stops the run (outputs finalised).
+
+        Raises:
+            PipelineError: a stage failed (after the results done before it).
+        """
+        from pipeline.build import read_class_names
+
+        names = read_class_names(self.config.model.class_names)
+        parts: queue.Queue[Any] = queue.Queue(RESULTS_QUEUE_PARTS)
+        failure: list[BaseException] = []
+        stopped = threading.Event()
+
+        def hand_over(source: str, part: BatchDetections) -> None:
+            while not stopped.is_set():
+                try:
+                    parts.put(part, timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
+
+        self._listeners.append(hand_over)
+        graph = self._build()
+
+        def run() -> None:
+            try:
+                graph.run()
+            except BaseException as error:  # noqa: BLE001 - raised in the consumer's thread
+                failure.append(error)
+            finally:
+                while True:  # the end marker must get in even past a full queue
+                    try:
+                        parts.put(_DONE, timeout=0.1)
+                        break
+                    except queue.Full:
+                        if stopped.is_set():
+                            break
+        runner = threading.Thread(target=run, name="pipeline-api", daemon=True)
+        runner.start()
+        try:
+            while (part := parts.get()) is not _DONE:
+                yield from frame_results(part, names)
+        finally:
+            if runner.is_alive():  # left early: stop, and stop handing over
+                graph.request_stop()
+                stopped.set()
+                while runner.is_alive():
+                    try:
+                        parts.get(timeout=0.1)
+                    except queue.Empty:
+                        pass
+            runner.join()
+        if failure:
+            raise failure[0]
+
+    def stop(self) -> None:
+        """Stop reading the sources; what is queued drains and outputs are finalised."""
+        if self._graph is not None:
+            self._graph.request_stop()
+
+    def summary(self) -> RunSummary:
+        """Frames done, dropped and errors per source so far."""
+        if self._graph is None:
+            return RunSummary({}, {}, {})
+        self._graph.refresh_source_metrics()
+        metrics = self._graph.source_metrics
+        return RunSummary({name: m.frames_out for name, m in metrics.items()},
+                          {name: m.dropped for name, m in metrics.items()},
+                          {name: m.error for name, m in metrics.items()})
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,68 @@
+"""pipeline.api: the pipeline from Python code, on the real sample model and video (CPU)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from pipeline.api import Pipeline
+from pipeline.config import ConfigError
+from tests.e2e.conftest import pipeline_config
+
+
+def test_results_are_every_frame_in_order_and_match_the_jsonl(samples, tmp_path):
+    out = tmp_path / "out"
+    config = pipeline_config(samples, out, [{"name": "bikes", "uri": str(samples.bikes)}])
+    with Pipeline(config) as pipeline:
+        results = list(pipeline.results())
+    assert [r.index for r in results] == list(range(250))
+    assert {(r.source, r.width, r.height) for r in results} == {("bikes", 640, 272)}
+    records = [json.loads(line) for line in (out / "bikes.jsonl").read_text().splitlines()]
+    for result, record in zip(results, records):
+        assert [d["class_name"] for d in record["detections"]] == list(result.class_names)
+        np.testing.assert_allclose(result.detections.xyxy,
+                                   np.array([d["xyxy"] for d in record["detections"]],
+                                            np.float32).reshape(-1, 4), atol=0.01)
+    assert sum(len(r.detections.xyxy) for r in results) > 100  # people, cars, bicycles
+    assert "person" in {name for r in results for name in r.class_names}
+    summary = pipeline.summary()
+    assert summary.ok and summary.frames == {"bikes": 250}
+
+
+def test_a_callback_run_sees_every_frame_of_every_source(samples, tmp_path):
+    seen: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def count(source, part):
+        with lock:
+            seen[source] = seen.get(source, 0) + len(part)
+
+    config = pipeline_config(samples, tmp_path / "out", [
+        {"name": "bikes", "uri": str(samples.bikes)},
+        {"name": "car", "uri": str(samples.carphone)}], output={"jsonl": None})
+    summary = Pipeline(config, on_batch=count).run()
+    assert seen == {"bikes": 250, "car": 120} == summary.frames
+    assert summary.ok and summary.dropped == {"bikes": 0, "car": 0}
+
+
+def test_leaving_the_loop_early_stops_and_finalises(samples, tmp_path):
+    out = tmp_path / "out"
+    config = pipeline_config(samples, out, [{"name": "bikes", "uri": str(samples.bikes)}])
+    before = threading.active_count()
+    pipeline = Pipeline(config)
+    for result in pipeline.results():
+        if result.index == 20:
+            break
+    lines = (out / "bikes.jsonl").read_text().splitlines()  # finalised under its name
+    assert 21 <= len(lines) < 250
+    assert [json.loads(line)["frame"] for line in lines] == list(range(len(lines)))
+    assert threading.active_count() <= before
+
+
+def test_a_bad_configuration_is_the_cli_s_one_line_error(samples, tmp_path):
+    config = pipeline_config(samples, tmp_path, [{"name": "x", "uri": "missing.mp4"}])
+    with pytest.raises(ConfigError, match=r"sources\[0\].uri \(source 'x'\): file not found"):
+        Pipeline(config)
