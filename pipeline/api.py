@@ -26,6 +26,7 @@ are left to the caller: no handler is installed.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -35,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import PipelineConfig, load_config, parse_config
+from pipeline.config import PipelineConfig, load_config, parse_config, substitute_env
 from pipeline.records import BatchDetections, Detections
 
 RESULTS_QUEUE_PARTS = 8  # batch parts waiting for the consumer of results()
@@ -82,11 +83,12 @@ class RunSummary:
 
 
 def as_config(config: str | Path | dict | PipelineConfig) -> PipelineConfig:
-    """A validated configuration from a YAML path, a dict or a ``PipelineConfig``."""
+    """A validated configuration from a YAML path, a dict (``${VAR}`` references filled in
+    from the environment, as in a file) or a ``PipelineConfig``."""
     if isinstance(config, PipelineConfig):
         return config
     if isinstance(config, dict):
-        return parse_config(config)
+        return parse_config(substitute_env(config, os.environ))
     return load_config(config)
 
 

@@ -40,6 +40,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="override runtime.log_format")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                         help="override runtime.log_level")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="override a configuration key, e.g. --set inference.batch_size=8 "
+                             "or --set sources[0].uri=rtsp://...; repeatable")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--help-config", action="store_true",
                         help="list every configuration key with its default and meaning")
@@ -56,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, args.overrides)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE

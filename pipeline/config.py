@@ -464,11 +464,91 @@ def parse_config(data: Any, base_dir: Path = Path(".")) -> PipelineConfig:
     return config
 
 
-def load_config(path: str | Path) -> PipelineConfig:
-    """Read and validate a YAML configuration file.
+_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def substitute_env(data: Any, environ: typing.Mapping[str, str], key: str = "") -> Any:
+    """``data`` with every ``${VAR}`` in its strings replaced by the environment variable
+    (camera passwords stay out of YAML files); ``$${`` stays a literal ``${``.
 
     Raises:
-        ConfigError: the file is missing, is not YAML, or holds a bad value.
+        ConfigError: a variable is not set (naming it and the key that uses it).
+    """
+    if isinstance(data, dict):
+        return {k: substitute_env(v, environ, f"{key}.{k}" if key else str(k))
+                for k, v in data.items()}
+    if isinstance(data, list):
+        return [substitute_env(v, environ, f"{key}[{i}]") for i, v in enumerate(data)]
+    if not isinstance(data, str) or "${" not in data:
+        return data
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in environ:
+            raise ConfigError(f"{key}: environment variable {name} is not set")
+        return environ[name]
+
+    parts = data.split("$${")
+    return "${".join(_ENV_REFERENCE.sub(value, part) for part in parts)
+
+
+_SET_PATH = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)")
+
+
+def apply_overrides(data: Any, overrides: typing.Sequence[str]) -> Any:
+    """``data`` (the parsed YAML) with ``key.path=value`` overrides applied (``--set``), each
+    value read as YAML (``4``, ``true``, ``null``, ``[a, b]``, text); list items are
+    ``sources[0].uri``. The result is validated like the file.
+
+    Raises:
+        ConfigError: an override is not ``key=value`` or names a list item that is not there.
+    """
+    data = {} if data is None else data
+    for override in overrides:
+        path, sep, text = override.partition("=")
+        if not sep or not path.strip():
+            raise ConfigError(f"--set {override}: expected key.path=value")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        steps: list[str | int] = []
+        for part in path.strip().split("."):
+            match = _SET_PATH.fullmatch(part)
+            if match is None:
+                raise ConfigError(f"--set {override}: {part!r} is not a key name")
+            steps.append(match.group(1))
+            steps.extend(int(i) for i in re.findall(r"\[(\d+)\]", match.group(2)))
+        node = data
+        for step, following in zip(steps, steps[1:]):
+            if isinstance(step, int):
+                if not isinstance(node, list) or step >= len(node):
+                    raise ConfigError(f"--set {override}: there is no item {step} there")
+                node = node[step]
+            else:
+                if not isinstance(node, dict):
+                    raise ConfigError(f"--set {override}: {step!r} is not inside a mapping")
+                node = node.setdefault(step, [] if isinstance(following, int) else {})
+        last = steps[-1]
+        if isinstance(last, int):
+            if not isinstance(node, list) or last > len(node):
+                raise ConfigError(f"--set {override}: there is no item {last} there")
+            node[last:last + 1] = [value]
+        elif isinstance(node, dict):
+            node[last] = value
+        else:
+            raise ConfigError(f"--set {override}: {last!r} is not inside a mapping")
+    return data
+
+
+def load_config(path: str | Path, overrides: typing.Sequence[str] = (),
+                environ: typing.Mapping[str, str] | None = None) -> PipelineConfig:
+    """Read and validate a YAML configuration file, with ``--set`` ``overrides`` applied and
+    ``${VAR}`` references replaced from ``environ`` (default: the process environment).
+
+    Raises:
+        ConfigError: the file is missing, is not YAML, holds a bad value, or uses an unset
+            environment variable.
     """
     path = Path(path)
     try:
@@ -483,7 +563,8 @@ def load_config(path: str | Path) -> PipelineConfig:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"config: {str(path)!r} is not valid YAML{where}") from None
-    return parse_config(data)
+    data = apply_overrides(data, overrides)
+    return parse_config(substitute_env(data, os.environ if environ is None else environ))
 
 
 class _DuplicateKey(Exception):

@@ -143,6 +143,9 @@ CASES = [
     Case("model file missing", section("model", path="nope.onnx"), USAGE,
          "model.path: file not found: 'nope.onnx'"),
     Case("not YAML", lambda c, m: "sources: [", USAGE, "is not valid YAML at line"),
+    Case("unset environment variable",
+         source(uri="rtsp://admin:${STREAMDET_UNSET_PASSWORD}@cam.local/live"), USAGE,
+         "sources[0].uri: environment variable STREAMDET_UNSET_PASSWORD is not set"),
     Case("a key given twice", lambda c, m: yaml.safe_dump(c) + "sources: []\n", USAGE,
          "duplicate key 'sources' at line"),
     Case("batch too large for memory", section("inference", batch_size=100000), USAGE,
@@ -305,3 +308,24 @@ def test_an_odd_sized_video_keeps_its_pixel_coordinates(samples, tmp_path, capfd
     assert len(records["odd"]) == len(records["even"]) == 12
     detections = [[d for r in records[name] for d in r["detections"]] for name in ("odd", "even")]
     assert detections[0] and detections[0] == detections[1]
+
+
+def test_environment_variables_and_set_overrides(samples, media, tmp_path, monkeypatch, capfd,
+                                                 fresh_logging):
+    """``${VAR}`` fills any string (a file's path here); ``--set`` overrides keys, validated
+    like the file: a bad value is exit 2 with the key's message."""
+    monkeypatch.setenv("STREAMDET_CLIP", media["clean"])
+    out = tmp_path / "out"
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(pipeline_config(
+        samples, out, [{"name": "cam", "uri": "${STREAMDET_CLIP}"}])))
+    assert main(["--config", str(path), "--no-progress", "--set", "output.jsonl=renamed.jsonl",
+                 "--set", "inference.batch_size=3"]) == OK
+    assert len((out / "renamed.jsonl").read_text().splitlines()) == 40
+    assert not (out / "cam.jsonl").exists()
+    capfd.readouterr()
+    assert main(["--config", str(path), "--set", "inference.batch_size=0"]) == USAGE
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == ["error: inference.batch_size: expected a value between 1 and 512, got 0"]
+    assert main(["--config", str(path), "--set", "sources[3].uri=x"]) == USAGE
+    assert "error: --set sources[3].uri=x: there is no item 3 there" in capfd.readouterr().err
