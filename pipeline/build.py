@@ -158,6 +158,7 @@ def build_graph(config: PipelineConfig,
             class_names,
             config.output.video_crf,
             release_slots=ring.release if video else None,
+            live=source.is_live,
         )
         for source in config.sources
     }

@@ -30,6 +30,7 @@ from pipeline.stage import Stage
 log = structlog.get_logger("sinks")
 
 DEFAULT_RATE = Fraction(25)
+FRAGMENT_S = 2.0  # a live camera's MP4: a keyframe, and so a fragment, this often
 
 
 def detection_records(xyxy: np.ndarray, confidence: np.ndarray, class_id: np.ndarray,
@@ -84,16 +85,24 @@ def frame_records(item: BatchDetections,
 
 
 class VideoWriter:
-    """Encodes I420 frames to an H.264 MP4 (yuv420p, faststart: plays in browsers).
+    """Encodes I420 frames to an H.264 MP4 (yuv420p: plays in browsers).
 
     Frames are numbered in order, at the first frame's source's nominal rate, so the output
     has exactly as many frames as were written. A frame of another size than the first is
     scaled to it.
+
+    A file source's MP4 is written with its index in front (``faststart``). A live camera's
+    (``fragmented``) is a fragmented MP4: an empty index first, then one fragment per
+    keyframe, a keyframe every ``FRAGMENT_S`` seconds. Its bytes reach the file as it goes, a
+    killed process leaves a file that plays up to its last fragment, and the muxer keeps no
+    per-frame index in memory (a plain MP4 holds one entry per frame until it is closed: the
+    slow memory growth of a camera recorded for hours).
     """
 
-    def __init__(self, path: Path, crf: int) -> None:
+    def __init__(self, path: Path, crf: int, fragmented: bool = False) -> None:
         self.path = path
         self.crf = crf
+        self.fragmented = fragmented
         self._container: av.container.OutputContainer | None = None
         self._stream: av.video.stream.VideoStream | None = None
         self.frames = 0
@@ -134,10 +143,15 @@ class VideoWriter:
 
     def _open(self, width: int, height: int, rate: Fraction | None) -> None:
         partial_path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        # A fragment goes to the file when it is complete, not when 32 KB have gathered.
+        options = ({"movflags": "frag_keyframe+empty_moov+default_base_moof",
+                    "flush_packets": "1"} if self.fragmented else {"movflags": "+faststart"})
         self._container = av.open(str(partial_path(self.path)), "w", format="mp4",
-                                  options={"movflags": "+faststart"})
+                                  options=options)
         rate = rate or DEFAULT_RATE
         stream = self._container.add_stream("libx264", rate=rate)
+        if self.fragmented:
+            stream.codec_context.gop_size = max(1, round(FRAGMENT_S * rate))
         stream.width, stream.height = width, height
         stream.pix_fmt = "yuv420p"
         stream.time_base = 1 / rate
@@ -197,6 +211,7 @@ class SinkStage(Stage):
         jsonl_path: detections JSONL path, or None.
         class_names: names indexed by class id, or None.
         crf: x264 quality.
+        live: the source is a live camera: its MP4 is fragmented (``VideoWriter``).
         release_slots: called once per batch part, after all its frames were written, with
             ``item.frames.slot`` ((k,) int32 host array: the slot-ring slots of the part's k
             frames; -1 for a frame that holds none, which the callable must ignore), so the
@@ -207,8 +222,10 @@ class SinkStage(Stage):
 
     def __init__(self, name: str, video_path: Path | None, jsonl_path: Path | None,
                  class_names: list[str] | None, crf: int = 23,
-                 release_slots: Callable[[np.ndarray], None] | None = None) -> None:
+                 release_slots: Callable[[np.ndarray], None] | None = None,
+                 live: bool = False) -> None:
         super().__init__(name)
+        self.live = live
         self.video_path, self.jsonl_path = video_path, jsonl_path
         self.class_names, self.crf = class_names, crf
         self.release_slots = release_slots
@@ -221,7 +238,7 @@ class SinkStage(Stage):
                 path.unlink(missing_ok=True)
                 partial_path(path).unlink(missing_ok=True)
         if self.video_path is not None:
-            self.writers.append(VideoWriter(self.video_path, self.crf))
+            self.writers.append(VideoWriter(self.video_path, self.crf, fragmented=self.live))
         if self.jsonl_path is not None:
             self.writers.append(JsonlWriter(self.jsonl_path, self.class_names))
 
