@@ -120,6 +120,8 @@ def create_backend(config: InferenceConfig, model_path: Path, info: ModelInfo,
 
         return TorchBackend(model_path, info, config.batch_size, config.precision, gpu,
                             compile=config.compile, cache_dir=Path(config.engine_cache))
+    if config.backend == "tensorrt":  # forced: say so at once on a GPU it cannot run on
+        check_tensorrt_runs(compute_capability(gpu.device_id))
     from stages.backends.precision import CalibrationSettings
     from stages.backends.tensorrt import TensorRtBackend
 
@@ -153,6 +155,19 @@ def module_installed(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+def check_tensorrt_runs(capability: str,
+                       installed: Callable[[str], bool] = module_installed) -> None:
+    """Raise ``BackendUnavailable`` when ``backend: tensorrt`` cannot run on a GPU of
+    compute ``capability``: only TensorRT-RTX is installed and it does not support it."""
+    if installed("tensorrt") or not installed("tensorrt_rtx"):
+        return  # full TensorRT runs everywhere; without either, the backend says so itself
+    if capability not in TENSORRT_RTX_CAPABILITIES:
+        supported = ", ".join(sorted(TENSORRT_RTX_CAPABILITIES, key=float))
+        raise BackendUnavailable(
+            f"inference.backend: 'tensorrt' cannot run on this GPU (compute capability "
+            f"{capability}): TensorRT-RTX supports {supported}; use backend: torch or auto")
 
 
 def best_gpu_backend(capability: str, installed: Callable[[str], bool] = module_installed

@@ -13,7 +13,13 @@ from pipeline.config import InferenceConfig
 from pipeline.records import ModelOutputs
 from stages.backends.base import read_model_info
 from stages.batcher import BatcherStage
-from stages.infer import BackendUnavailable, InferStage, best_gpu_backend, create_backend
+from stages.infer import (
+    BackendUnavailable,
+    InferStage,
+    best_gpu_backend,
+    check_tensorrt_runs,
+    create_backend,
+)
 from stages.preprocess import HostPreprocess
 from tests.support.batches import make_frame
 
@@ -75,3 +81,12 @@ def test_auto_takes_tensorrt_rtx_only_where_it_runs(installed, capability, backe
 def test_auto_without_any_gpu_backend_says_what_to_install():
     with pytest.raises(BackendUnavailable, match="install torch and onnx2torch"):
         best_gpu_backend("9.0", {"tensorrt_rtx"}.__contains__)
+
+
+def test_forced_tensorrt_on_a_gpu_tensorrt_rtx_refuses_is_one_line():
+    only_rtx = {"tensorrt_rtx", "torch"}.__contains__
+    with pytest.raises(BackendUnavailable, match=r"compute capability 9.0\): TensorRT-RTX "
+                       r"supports 8.0, 8.6, 8.9, 12.0, 12.1; use backend: torch or auto"):
+        check_tensorrt_runs("9.0", only_rtx)
+    check_tensorrt_runs("8.9", only_rtx)  # supported: no error
+    check_tensorrt_runs("9.0", {"tensorrt"}.__contains__)  # full TensorRT: no error
