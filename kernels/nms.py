@@ -124,3 +124,49 @@ def postprocess_reference(
         keep = nms(xyxy, scores, class_ids, iou_threshold, class_agnostic, max_detections)
         results.append((xyxy[keep], scores[keep], class_ids[keep]))
     return results
+
+
+def yolov5_to_anchor_columns(predictions: np.ndarray) -> np.ndarray:
+    """A (B, A, 5 + K) YOLOv5/YOLOv7 output as the (B, 4 + K, A) layout ``postprocess_reference``
+    reads: box rows, then class scores = objectness x class probability.
+
+    Args:
+        predictions: (B, A, 5 + K) float32/float16 host array: cx, cy, w, h, objectness,
+            K class probabilities per anchor row.
+
+    Returns:
+        (B, 4 + K, A) float32 host array.
+    """
+    p = np.asarray(predictions, dtype=np.float32)
+    if p.ndim != 3 or p.shape[2] < 6:
+        raise ValueError(f"predictions must have shape (B, anchors, 5 + classes), got {p.shape}")
+    scores = p[:, :, 4:5] * p[:, :, 5:]
+    return np.concatenate([p[:, :, :4], scores], axis=2).transpose(0, 2, 1)
+
+
+def end2end_reference(
+    predictions: np.ndarray, conf_threshold: float, max_detections: int = 300,
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Detections of an end-to-end model (NMS inside: YOLOv10, YOLO26, exports with NMS):
+    only the threshold and the cap are applied.
+
+    Args:
+        predictions: (B, N, 6) float32/float16 host array: x1, y1, x2, y2 (model-input
+            pixels), score, class per row; unused rows have a score of 0.
+        conf_threshold: keep a row when its score is strictly greater.
+        max_detections: most detections kept per image (best scores).
+
+    Returns:
+        Per image ``(xyxy (M, 4) float32, scores (M,) float32, class_ids (M,) int32)``, host,
+        best score first (equal scores: the model's order).
+    """
+    p = np.asarray(predictions, dtype=np.float32)
+    if p.ndim != 3 or p.shape[2] != 6:
+        raise ValueError(f"predictions must have shape (B, detections, 6), got {p.shape}")
+    results = []
+    for image in p:
+        kept = image[image[:, 4] > np.float32(conf_threshold)]
+        kept = kept[np.argsort(-kept[:, 4], kind="stable")][:max_detections]
+        results.append((np.ascontiguousarray(kept[:, :4]), np.ascontiguousarray(kept[:, 4]),
+                        kept[:, 5].round().astype(np.int32)))
+    return results

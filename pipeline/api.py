@@ -166,8 +166,11 @@ class Pipeline:
             PipelineError: a stage failed (after the results done before it).
         """
         from pipeline.build import read_class_names
+        from stages.backends.base import read_model_info
 
         names = read_class_names(self.config.model.class_names)
+        if names is None:  # the model's own, as the pipeline's outputs use
+            names = list(read_model_info(self.config.model.path).names or ()) or None
         parts: queue.Queue[Any] = queue.Queue(RESULTS_QUEUE_PARTS)
         failure: list[BaseException] = []
         stopped = threading.Event()

@@ -95,15 +95,21 @@ def build_graph(config: PipelineConfig,
     before the first frame.
     """
     try:
-        info = read_model_info(config.model.path)
+        info = read_model_info(config.model.path, config.model.layout)
     except ValueError as error:
         raise ConfigError(f"model.path: {error}") from None
     class_names = read_class_names(config.model.class_names)
-    if class_names is not None and len(class_names) != info.num_classes:
+    if class_names is None and info.names is not None:
+        class_names = list(info.names)
+    elif class_names is not None and info.num_classes and len(class_names) != info.num_classes:
         raise ConfigError(f"model.class_names: {len(class_names)} names in "
                           f"{config.model.class_names!r}, but the model has {info.num_classes} "
                           "classes (one name per line, in class order)")
     gpu = create_gpu_context(config, profile_gpu)
+    if gpu is not None and info.layout != "yolov8":
+        raise ConfigError(f"model.layout: the {info.layout} layout runs on the CPU path only in "
+                          "this version (inference.device: cpu); the GPU NMS reads yolov8 "
+                          "(batch, 4 + classes, anchors) outputs")
     backend = create_backend(config.inference, Path(config.model.path), info, gpu,
                              first_file_source(config))
     probe_output = backend.warmup()
@@ -147,7 +153,8 @@ def build_graph(config: PipelineConfig,
         num_classes, anchors = probe_output.shape[1] - 4, probe_output.shape[2]
         infer = InferStage("infer", backend, DevicePreprocess(geometries), gpu,
                            DeviceNms(config.nms, inference.batch_size, anchors, num_classes))
-    chain: list[Stage] = [batcher, infer, PostprocessStage("postprocess", config.nms, gpu, release)]
+    postprocess = PostprocessStage("postprocess", config.nms, gpu, release, info.layout)
+    chain: list[Stage] = [batcher, infer, postprocess]
     if video:
         chain.append(AnnotateStage("annotate", class_names))
     sinks = {

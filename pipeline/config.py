@@ -142,11 +142,19 @@ class ModelConfig:
 
     path: str = field(
         default="assets/models/yolov3-tiny.onnx",
-        metadata=_doc("ONNX file with output layout (batch, 4 + classes, anchors)."),
+        metadata=_doc("ONNX file of a YOLO-family detector (see layout)."),
     )
     class_names: str | None = field(
         default="assets/models/coco.names",
-        metadata=_doc("Text file with one class name per line, or null for numeric ids."),
+        metadata=_doc("Text file with one class name per line, or null: the names in the "
+                      "model's metadata (Ultralytics exports carry them), else numeric ids."),
+    )
+    layout: Literal["auto", "yolov8", "yolov5", "end2end"] = field(
+        default="auto",
+        metadata=_doc("The output's layout. auto: from its shape. yolov8 (batch, 4 + classes, "
+                      "anchors): YOLOv8/YOLO11; yolov5 (batch, anchors, 5 + classes): YOLOv5/"
+                      "YOLOv7; end2end (batch, detections, 6: x1, y1, x2, y2, score, class): "
+                      "YOLOv10, YOLO26 and exports with NMS inside (no NMS is run)."),
     )
 
 

@@ -243,7 +243,8 @@ class ModelOutputs:
 
     Attributes:
         frames: the batch.
-        outputs: CPU path: the raw (n, 4 + classes, anchors) float32 host model output.
+        outputs: CPU path: the raw float32 host model output, (n, 4 + classes, anchors)
+            or another layout of ``stages.backends.base.LAYOUTS`` (the postprocess knows it).
             GPU path: None; the NMS already ran on the device and the batch's detections
             are on their way to ``frames.buffers``' pinned host buffer (its ``done`` event).
     """

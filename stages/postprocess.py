@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.nms import postprocess_reference
+from kernels.nms import end2end_reference, postprocess_reference, yolov5_to_anchor_columns
 from pipeline.config import NmsConfig
 from pipeline.records import BatchDetections, FrameBatch, ModelOutputs
 from pipeline.stage import Stage
@@ -109,12 +109,14 @@ class PostprocessStage(Stage):
         gpu: the ``GpuContext`` (GPU path: the results come from the batch set), or None.
         release_slots: when set, called once per batch with the batch's ring slots
             ((n,) int32, -1 = none): this stage is the last reader of the host images.
+        layout: the model output's layout (``stages.backends.base.LAYOUTS``; CPU path).
     """
 
     def __init__(self, name: str, nms: NmsConfig, gpu: Any = None,
-                 release_slots: Callable[[np.ndarray], None] | None = None) -> None:
+                 release_slots: Callable[[np.ndarray], None] | None = None,
+                 layout: str = "yolov8") -> None:
         super().__init__(name)
-        self.nms, self.gpu = nms, gpu
+        self.nms, self.gpu, self.layout = nms, gpu, layout
         self.release_slots = release_slots
 
     def process(self, item: ModelOutputs) -> Iterable[BatchDetections]:
@@ -125,10 +127,14 @@ class PostprocessStage(Stage):
         return (detections,)
 
     def _from_host(self, item: ModelOutputs) -> BatchDetections:
-        frames = item.frames
-        results = postprocess_reference(item.outputs, self.nms.conf_threshold,
-                                        self.nms.iou_threshold, self.nms.class_agnostic,
-                                        self.nms.max_detections)
+        frames, nms, outputs = item.frames, self.nms, item.outputs
+        if self.layout == "end2end":
+            results = end2end_reference(outputs, nms.conf_threshold, nms.max_detections)
+        else:
+            if self.layout == "yolov5":
+                outputs = yolov5_to_anchor_columns(outputs)
+            results = postprocess_reference(outputs, nms.conf_threshold, nms.iou_threshold,
+                                            nms.class_agnostic, nms.max_detections)
         batch = BatchDetections.from_lists(frames, results)
         rows = np.repeat(np.arange(len(frames)), batch.counts)
         batch.xyxy = unletterbox(batch.xyxy, frames.letterbox[rows])

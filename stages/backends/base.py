@@ -18,9 +18,16 @@ class ModelInfo:
         input_name: name of the image input tensor.
         input_height, input_width: model input size in pixels, read from the model file.
         input_dtype: dtype the model wants for its image input (float32 or float16).
-        output_name: name of the output tensor of layout (B, 4 + classes, anchors).
-        num_classes: number of class score rows in the output.
+        output_name: name of the output tensor.
+        num_classes: classes the model tells apart (an end-to-end model's output does not
+            say: then the count of the names in its metadata, or 0 when unknown).
         dynamic_batch: True when the batch dimension of the model is symbolic.
+        layout: the output's layout (``LAYOUTS``): ``yolov8`` (B, 4 + K, A) box rows then
+            class scores per anchor column; ``yolov5`` (B, A, 5 + K) per anchor row: box,
+            objectness, class probabilities (score = objectness x probability);
+            ``end2end`` (B, N, 6) detections after NMS: x1, y1, x2, y2, score, class.
+        names: class names from the model's metadata (Ultralytics writes ``names``), or
+            None.
     """
 
     input_name: str
@@ -30,15 +37,83 @@ class ModelInfo:
     output_name: str
     num_classes: int
     dynamic_batch: bool
+    layout: str = "yolov8"
+    names: tuple[str, ...] | None = None
 
 
-def read_model_info(model_path: str | Path) -> ModelInfo:
-    """Read the input and output description of a YOLO-layout ONNX model.
+LAYOUTS = ("yolov8", "yolov5", "end2end")
+SUPPORTED = ("supported: (batch, 4 + classes, anchors) yolov8/yolo11, (batch, anchors, "
+             "5 + classes) yolov5/yolov7, (batch, detections, 6) end to end (yolov10, yolo26, "
+             "NMS inside)")
+
+
+def metadata_names(model: Any) -> tuple[str, ...] | None:
+    """Class names from an Ultralytics export's metadata (``names``: "{0: 'person', ...}")."""
+    import ast
+
+    for prop in model.metadata_props:
+        if prop.key == "names":
+            try:
+                names = ast.literal_eval(prop.value)
+            except (ValueError, SyntaxError):
+                return None
+            if isinstance(names, dict) and sorted(names) == list(range(len(names))):
+                return tuple(str(names[i]) for i in range(len(names)))
+            if isinstance(names, list):
+                return tuple(str(n) for n in names)
+    return None
+
+
+def detect_layout(out_dims: list[int | str], height: int, width: int,
+                  forced: str = "auto") -> str:
+    """The output layout (``LAYOUTS``) of a (batch, d1, d2) output, or ``forced``.
+
+    Raises:
+        ValueError: the shape fits no layout, or two (a (batch, n, 6) output whose n is a
+            YOLO anchor count: set ``model.layout``), or not the forced one.
+    """
+    _, rows, columns = out_dims
+    shape = f"(batch, {rows}, {columns})"
+    if not isinstance(columns, int) or (not isinstance(rows, int) and forced == "auto"):
+        if forced == "yolov8" and isinstance(rows, int) and rows > 4:
+            return forced
+        raise ValueError(f"output {shape} has a symbolic size: set model.layout; {SUPPORTED}")
+    fits = set()
+    if isinstance(rows, int) and 4 < rows < columns:
+        fits.add("yolov8")
+    if 5 < columns < rows and rows in yolo_anchor_counts(height, width):
+        fits.add("yolov5")
+    if columns == 6:
+        fits.add("end2end")
+    if forced != "auto":
+        if forced not in fits:
+            raise ValueError(f"output {shape} is not the {forced} layout; {SUPPORTED}")
+        return forced
+    if len(fits) > 1:  # (batch, n, 6) with n a grid's anchors: a one-class YOLOv5 too
+        raise ValueError(f"output {shape} fits the {' and the '.join(sorted(fits))} layouts: "
+                         "set model.layout")
+    if not fits:
+        raise ValueError(f"output {shape} fits no layout; {SUPPORTED}")
+    return fits.pop()
+
+
+def yolo_anchor_counts(height: int, width: int) -> set[int]:
+    """Anchor counts of YOLO heads for a height x width input: one or three anchors per cell
+    of two or more consecutive grids of strides 8, 16, 32, 64 (YOLOv5 at 640: 25,200;
+    YOLOv3-tiny at 416: 2,535)."""
+    cells = [-(-height // stride) * -(-width // stride) for stride in (8, 16, 32, 64)]
+    return {per_cell * sum(cells[first:last])
+            for first in range(len(cells)) for last in range(first + 2, len(cells) + 1)
+            for per_cell in (1, 3)}
+
+
+def read_model_info(model_path: str | Path, layout: str = "auto") -> ModelInfo:
+    """Read the input and output description of a YOLO ONNX model, its output layout
+    (``detect_layout``, or ``layout`` when not auto) and its metadata's class names.
 
     Raises:
         ValueError: not an ONNX file, or the model does not have one image input (B, 3, H, W)
-            with fixed H, W and an output (B, 4 + classes, anchors) with more anchors than
-            rows.
+            with fixed H, W and an output of one of the ``LAYOUTS``.
     """
     import onnx
 
@@ -60,23 +135,28 @@ def read_model_info(model_path: str | Path) -> ModelInfo:
     in_dims, out_dims = dims(inputs[0]), dims(graph.output[0])
     if len(in_dims) != 4 or in_dims[1] != 3 or not all(isinstance(d, int) for d in in_dims[2:]):
         raise ValueError(f"{model_path}: input must be (batch, 3, H, W) with fixed H, W, got {in_dims}")
-    if len(out_dims) != 3 or not isinstance(out_dims[1], int) or out_dims[1] <= 4:
-        raise ValueError(f"{model_path}: output must be (batch, 4 + classes, anchors), got {out_dims}")
-    anchors = out_dims[2]
-    if isinstance(anchors, int) and anchors <= out_dims[1]:
-        raise ValueError(
-            f"{model_path}: output {out_dims} is not (batch, 4 + classes, anchors): a YOLO head "
-            f"has more anchors than rows ({anchors} <= {out_dims[1]}); a (batch, anchors, "
-            "5 + classes) export is not supported")
+    if len(out_dims) != 3:
+        raise ValueError(f"{model_path}: output {out_dims} has {len(out_dims)} dimensions, not 3; "
+                         f"{SUPPORTED}")
+    height, width = int(in_dims[2]), int(in_dims[3])
+    try:
+        layout = detect_layout(out_dims, height, width, layout)
+    except ValueError as error:
+        raise ValueError(f"{model_path}: {error}") from None
+    names = metadata_names(model)
+    classes = {"yolov8": lambda: int(out_dims[1]) - 4, "yolov5": lambda: int(out_dims[2]) - 5,
+               "end2end": lambda: len(names or ())}[layout]()
     elem_type = inputs[0].type.tensor_type.elem_type
     return ModelInfo(
         input_name=inputs[0].name,
-        input_height=int(in_dims[2]),
-        input_width=int(in_dims[3]),
+        input_height=height,
+        input_width=width,
         input_dtype=np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)),
         output_name=graph.output[0].name,
-        num_classes=int(out_dims[1]) - 4,
+        num_classes=classes,
         dynamic_batch=not isinstance(in_dims[0], int) or in_dims[0] <= 0,
+        layout=layout,
+        names=names,
     )
 
 

@@ -170,7 +170,7 @@ CASES = [
          "model.path: '{text}' is not an ONNX model (DecodeError)"),
     Case("model output is not a YOLO head",
          lambda c, m: c["model"].update(path=m["ten_anchors"], class_names=None), USAGE,
-         "a YOLO head has more anchors than rows (10 <= 84)"),
+         "output (batch, 84, 10) fits no layout; supported: (batch, 4 + classes, anchors)"),
     Case("class names of another model", lambda c, m: c["model"].update(
         class_names=m["five_names"]), USAGE,
          "model.class_names: 5 names in '{five_names}', but the model has 80 classes"),
