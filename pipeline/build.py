@@ -20,6 +20,7 @@ from stages.annotate import AnnotateStage
 from stages.backends.base import read_model_info
 from stages.batcher import BatcherStage
 from stages.decode import DecodeStage, decoder_threads
+from stages.filters import DetectionFilterStage, SourceFilter
 from stages.gpu_decode import GpuDecodeStage, gpu_decode_unavailable_reason
 from stages.infer import InferStage, create_backend
 from stages.postprocess import DeviceNms, PostprocessStage
@@ -105,6 +106,9 @@ def build_graph(config: PipelineConfig,
         raise ConfigError(f"model.class_names: {len(class_names)} names in "
                           f"{config.model.class_names!r}, but the model has {info.num_classes} "
                           "classes (one name per line, in class order)")
+    filters = {i: f for i, source in enumerate(config.sources)
+               if (f := SourceFilter.from_config(f"sources[{i}]", source, class_names,
+                                                 info.num_classes)) is not None}
     gpu = create_gpu_context(config, profile_gpu)
     if gpu is not None and info.layout != "yolov8":
         raise ConfigError(f"model.layout: the {info.layout} layout runs on the CPU path only in "
@@ -155,6 +159,8 @@ def build_graph(config: PipelineConfig,
                            DeviceNms(config.nms, inference.batch_size, anchors, num_classes))
     postprocess = PostprocessStage("postprocess", config.nms, gpu, release, info.layout)
     chain: list[Stage] = [batcher, infer, postprocess]
+    if filters:
+        chain.append(DetectionFilterStage("filter", filters))
     if video:
         chain.append(AnnotateStage("annotate", class_names))
     sinks = {

@@ -84,6 +84,16 @@ class SourceConfig:
     reconnect_max_s: float = field(
         default=10.0, metadata=_doc("Longest wait between reconnection attempts.", min=0.01)
     )
+    classes: list[str | int] | None = field(
+        default=None,
+        metadata=_doc("Keep only detections of these classes (names or ids), or null for all."),
+    )
+    roi: list[list[float]] | None = field(
+        default=None,
+        metadata=_doc("Region of interest: a polygon [[x, y], ...] (at least 3 points, frame "
+                      "pixels); a detection whose bottom-centre point lies outside is dropped. "
+                      "null: the whole frame."),
+    )
 
     @property
     def is_live(self) -> bool:
@@ -103,6 +113,12 @@ class SourceConfig:
             key: where the source sits in the config (``sources[0]``), for the message.
             base_dir: folder a relative file path is resolved against.
         """
+        if self.roi is not None and (len(self.roi) < 3 or any(len(p) != 2 for p in self.roi)):
+            raise ConfigError(f"{key}.roi: expected a polygon of at least 3 [x, y] points, got "
+                              f"{self.roi!r}")
+        if self.classes is not None and not self.classes:
+            raise ConfigError(f"{key}.classes: expected class names or ids, or null for all, "
+                              "got an empty list")
         where = f"{key}.uri (source {self.name!r})"
         if not self.uri:
             raise ConfigError(f"{where}: expected a file path or a URL, got ''")

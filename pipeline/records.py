@@ -315,6 +315,14 @@ class BatchDetections:
                                self.confidence[detection_rows], self.class_id[detection_rows],
                                offsets)
 
+    def keep(self, mask: np.ndarray) -> BatchDetections:
+        """The same frames with only the detections where ``mask`` ((m,) bool host array) is
+        true, in the same order."""
+        kept_before = np.zeros(len(mask) + 1, np.int64)
+        np.cumsum(mask, out=kept_before[1:])
+        return BatchDetections(self.frames, self.xyxy[mask], self.confidence[mask],
+                               self.class_id[mask], kept_before[self.offsets])
+
     def by_source(self) -> list[tuple[str, BatchDetections]]:
         """The batch split by source (once per batch): (source name, its frames in batch
         order with their detections), one entry per source present."""
