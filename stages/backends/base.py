@@ -144,8 +144,12 @@ def read_model_info(model_path: str | Path, layout: str = "auto") -> ModelInfo:
     except ValueError as error:
         raise ValueError(f"{model_path}: {error}") from None
     names = metadata_names(model)
-    classes = {"yolov8": lambda: int(out_dims[1]) - 4, "yolov5": lambda: int(out_dims[2]) - 5,
-               "end2end": lambda: len(names or ())}[layout]()
+    if layout == "yolov8":
+        classes = int(out_dims[1]) - 4
+    elif layout == "yolov5":
+        classes = int(out_dims[2]) - 5
+    else:  # end to end: the output has no class dimension
+        classes = len(names or ())
     elem_type = inputs[0].type.tensor_type.elem_type
     return ModelInfo(
         input_name=inputs[0].name,
