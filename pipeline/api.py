@@ -12,6 +12,9 @@ with Pipeline("configs/file.yaml") as pipeline:
 summary = Pipeline(config_dict, on_batch=lambda source, part: ...).run()
 ```
 
+A script must run this under ``if __name__ == "__main__":``: decode workers are spawned
+processes that import the main module (as with any ``multiprocessing`` code).
+
 The configuration is a YAML path, a dict in the YAML's shape, or a ``PipelineConfig``; it is
 validated exactly as ``run.py`` validates it (``ConfigError`` with the one-line message). The
 outputs the configuration asks for (video, JSONL) are written as with ``run.py``; set
@@ -38,6 +41,11 @@ import numpy as np
 
 from pipeline.config import PipelineConfig, load_config, parse_config, substitute_env
 from pipeline.records import BatchDetections, Detections
+
+
+class SourceFailed(RuntimeError):
+    """``results()`` ended and some sources had failed; the message names each and why."""
+
 
 RESULTS_QUEUE_PARTS = 8  # batch parts waiting for the consumer of results()
 _DONE = object()
@@ -164,6 +172,8 @@ class Pipeline:
 
         Raises:
             PipelineError: a stage failed (after the results done before it).
+            SourceFailed: at the end, when a source failed (its reason; the other sources'
+                results all came).
         """
         from pipeline.build import read_class_names
         from stages.backends.base import read_model_info
@@ -216,6 +226,9 @@ class Pipeline:
             runner.join()
         if failure:
             raise failure[0]
+        failed = {name: error for name, error in self.summary().errors.items() if error}
+        if failed:
+            raise SourceFailed("; ".join(f"source {name}: {error}" for name, error in failed.items()))
 
     def stop(self) -> None:
         """Stop reading the sources; what is queued drains and outputs are finalised."""

@@ -436,7 +436,8 @@ class DecodeWorkerPool:
         worker.frames_since_start = 0
         if worker.failed_starts >= MAX_FAILED_STARTS:
             reason = (f"its decode worker died {worker.failed_starts} times in a row before "
-                      f"delivering a frame (exit code {code})")
+                      f"delivering a frame (exit code {code}; from a script, is the pipeline "
+                      "started under if __name__ == '__main__'? the workers import it)")
             log.error("decode worker keeps dying: giving up its sources", worker=worker.number,
                       exit_code=code, sources=[self.names[sid] for sid in pending])
             self._end_sources(worker, reason, failed=True)

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from pipeline.api import Pipeline
+from pipeline.api import Pipeline, SourceFailed
 from pipeline.config import ConfigError
 from tests.e2e.conftest import pipeline_config
 
@@ -66,3 +66,16 @@ def test_a_bad_configuration_is_the_cli_s_one_line_error(samples, tmp_path):
     config = pipeline_config(samples, tmp_path, [{"name": "x", "uri": "missing.mp4"}])
     with pytest.raises(ConfigError, match=r"sources\[0\].uri \(source 'x'\): file not found"):
         Pipeline(config)
+
+
+def test_a_failed_source_is_raised_after_the_other_sources_results(samples, tmp_path):
+    bad = tmp_path / "notavideo.mp4"
+    bad.write_text("not a video\n")
+    config = pipeline_config(samples, tmp_path / "out", [
+        {"name": "good", "uri": str(samples.carphone)}, {"name": "bad", "uri": str(bad)}],
+        output={"jsonl": None})
+    results = []
+    with pytest.raises(SourceFailed, match=r"source bad: cannot open .*notavideo.mp4"):
+        for result in Pipeline(config).results():
+            results.append(result)
+    assert [r.index for r in results if r.source == "good"] == list(range(120))
