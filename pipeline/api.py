@@ -180,7 +180,8 @@ class Pipeline:
 
         names = read_class_names(self.config.model.class_names)
         if names is None:  # the model's own, as the pipeline's outputs use
-            names = list(read_model_info(self.config.model.path).names or ()) or None
+            model = self.config.model
+            names = list(read_model_info(model.path, model.layout).names or ()) or None
         parts: queue.Queue[Any] = queue.Queue(RESULTS_QUEUE_PARTS)
         failure: list[BaseException] = []
         stopped = threading.Event()
