@@ -2,6 +2,7 @@
 
     python -m benchmarks.soak [--minutes 30] [--cameras 2] [--fps 25] [--interval-s 10]
         [--warmup-s 60] [--device cpu|cuda] [--no-video] [--out soak.md]
+    python -m benchmarks.soak --refit soak.md --warmup-s 900   # slopes of a printed report
 
 Starts the tests' real RTSP server (GStreamer, ``tests/support``) with one endless live
 camera per source (a moving test pattern, 320x240), writes a configuration that reads them
@@ -259,11 +260,28 @@ def report(samples: list[Sample], code: int, args: argparse.Namespace) -> str:
         slopes["device MB/h"] = slope_per_hour(
             times, [s.device_mb or 0.0 for s in steady])
     span = f"{times[0]:.0f}-{times[-1]:.0f} s" if times else "none"
-    slope_text = ", ".join(f"{name} {'n/a' if value is None else f'{value:+.2f}'}"
+    slope_text = ", ".join(f"{name} {'n/a' if value is None else f'{round(value, 2) + 0.0:+.2f}'}"
                            for name, value in slopes.items())
     return "\n".join([header, "", *rows, "",
                       f"Least-squares slopes over the samples after {args.warmup_s:g} s "
                       f"({span}, {len(steady)} samples): {slope_text}."])
+
+
+def refit(text: str, warmup_s: float) -> str:
+    """The slopes line of a printed report (its table), over the samples after ``warmup_s``:
+    to see whether growth continues past a step (a buffer that grew once)."""
+    rows = [line.strip("|").split("|") for line in text.splitlines()
+            if line.startswith("| ") and line[2].isdigit()]
+    steady = [[cell.strip() for cell in row] for row in rows if float(row[0]) >= warmup_s]
+    times = [float(row[0]) for row in steady]
+    slopes = {"RSS MB/h": slope_per_hour(times, [float(row[1]) for row in steady]),
+              "threads/h": slope_per_hour(times, [float(row[2]) for row in steady]),
+              "fds/h": slope_per_hour(times, [float(row[3]) for row in steady])}
+    span = f"{times[0]:.0f}-{times[-1]:.0f} s" if times else "none"
+    return (f"Least-squares slopes over the samples after {warmup_s:g} s ({span}, "
+            f"{len(steady)} samples): " + ", ".join(
+                f"{name} {'n/a' if value is None else f'{round(value, 2) + 0.0:+.2f}'}"
+                for name, value in slopes.items()) + ".")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,7 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-video", dest="video", action="store_false")
     parser.add_argument("--assets", default="assets")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
+    parser.add_argument("--refit", type=Path, default=None, metavar="REPORT",
+                        help="no run: the slopes of REPORT's samples after --warmup-s")
     args = parser.parse_args(argv)
+    if args.refit is not None:
+        print(refit(args.refit.read_text(), args.warmup_s))
+        return 0
     samples, code = run_soak(args)
     text = report(samples, code, args)
     print(text)

@@ -8,7 +8,15 @@ import sys
 
 import pytest
 
-from benchmarks.soak import Sample, host_usage, main, p99_bound, process_tree, slope_per_hour
+from benchmarks.soak import (
+    Sample,
+    host_usage,
+    main,
+    p99_bound,
+    process_tree,
+    refit,
+    slope_per_hour,
+)
 from tests.support import require_rtsp_server
 
 
@@ -51,3 +59,13 @@ def test_a_short_soak_runs_and_stops_cleanly(tmp_path, capsys):
     rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) >= 3, text
     assert "RSS MB/h +" in text or "RSS MB/h -" in text
+
+
+def test_refit_reads_a_printed_report():
+    report = "\n".join(["| s | RSS MB | threads | fds |", "|---|---|---|---|"] + [
+        f"| {t} | {100 + (10 if t >= 300 else 0) + t / 360:.2f} | 29 | 33 | | 9.0 |"
+        for t in range(0, 1200, 60)])
+    text = refit(report, 300)  # RSS printed to 0.01 MB: the slope to about 0.01 MB/h
+    assert text.startswith("Least-squares slopes over the samples after 300 s (300-1140 s, "
+                           "15 samples): RSS MB/h +10.0"), text
+    assert text.endswith("threads/h +0.00, fds/h +0.00."), text
