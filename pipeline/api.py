@@ -175,13 +175,6 @@ class Pipeline:
             SourceFailed: at the end, when a source failed (its reason; the other sources'
                 results all came).
         """
-        from pipeline.build import read_class_names
-        from stages.backends.base import read_model_info
-
-        names = read_class_names(self.config.model.class_names)
-        if names is None:  # the model's own, as the pipeline's outputs use
-            model = self.config.model
-            names = list(read_model_info(model.path, model.layout).names or ()) or None
         parts: queue.Queue[Any] = queue.Queue(RESULTS_QUEUE_PARTS)
         failure: list[BaseException] = []
         stopped = threading.Event()
@@ -196,6 +189,8 @@ class Pipeline:
 
         self._listeners.append(hand_over)
         graph = self._build()
+        # The names the build settled on (the file's, else the model's metadata), as the sinks.
+        names = next(iter(graph.sinks.values())).class_names
 
         def run() -> None:
             try:
