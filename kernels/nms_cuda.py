@@ -34,6 +34,17 @@ pipeline passes (CuPy views, model output) compiles exactly what the first batch
 
 The buffers of one ``CudaNms`` are reused by every call: calls must be ordered on one
 stream (one instance per stream).
+
+Output layouts (``stages.backends.base.LAYOUTS``), each read in place from the model's
+output binding:
+
+- ``yolov8`` (B, 4 + K, A): the steps above.
+- ``yolov5`` (B, A, 5 + K): the same steps; ``filter_kernel`` reads anchor rows instead of
+  anchor columns and scores a class as objectness x class probability (one float32 multiply,
+  as ``kernels.nms.yolov5_to_anchor_columns``).
+- ``end2end`` (B, N, 6) (NMS inside the model): ``CudaEnd2End``, one kernel that keeps the
+  rows above the threshold, best first, up to the cap, and undoes the letterbox, as
+  ``kernels.nms.end2end_reference`` followed by ``unmap_boxes``.
 """
 
 from __future__ import annotations
@@ -72,11 +83,15 @@ if SIMULATOR:  # the simulator computes with NumPy float32 scalars, which never 
         with np.errstate(invalid="ignore", divide="ignore"):
             return x / y
 
+    def _round_even(x):
+        return np.rint(x)
+
 else:
     from numba.cuda import libdevice
 
     _add, _sub = libdevice.fadd_rn, libdevice.fsub_rn
     _mul, _div = libdevice.fmul_rn, libdevice.fdiv_rn
+    _round_even = libdevice.rintf  # halves to even, like np.round
 
 # The grids follow the batch (the reduction: one block per image); numba warns below 128 blocks.
 warnings.filterwarnings("ignore", message=r".*Grid size \d+ will likely result in GPU under-util")
@@ -103,26 +118,48 @@ def _unmap(v, pad, scale, limit):
     return v
 
 
+@cuda.jit(device=True)
+def _box_value(predictions, b, a, i, anchor_rows):
+    """Box value i (cx, cy, w, h) of anchor a: a row (yolov5) or a column (yolov8) entry."""
+    if anchor_rows:
+        return np.float32(predictions[b, a, i])
+    return np.float32(predictions[b, i, a])
+
+
+@cuda.jit(device=True)
+def _class_score(predictions, b, a, k, anchor_rows):
+    """Score of class k at anchor a: objectness x probability (yolov5) or the score (yolov8)."""
+    if anchor_rows:
+        return _mul(np.float32(predictions[b, a, 4]), np.float32(predictions[b, a, 5 + k]))
+    return np.float32(predictions[b, 4 + k, a])
+
+
 @cuda.jit
 def filter_kernel(predictions, conf_threshold, cand_count, cand_anchor, cand_score, cand_class,
-                  cand_box):
-    """Grid (ceil(A / T), B) x T threads (T = _THREADS): one thread per anchor; see the module doc."""
+                  cand_box, anchor_rows):
+    """Grid (ceil(A / T), B) x T threads (T = _THREADS): one thread per anchor; see the module
+    doc. ``anchor_rows``: the yolov5 layout (B, A, 5 + K), else yolov8 (B, 4 + K, A)."""
     a = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     b = cuda.blockIdx.y
-    if a >= predictions.shape[2]:
+    if anchor_rows:
+        num_anchors, num_classes = predictions.shape[1], predictions.shape[2] - 5
+    else:
+        num_anchors, num_classes = predictions.shape[2], predictions.shape[1] - 4
+    if a >= num_anchors:
         return
-    best = np.float32(predictions[b, 4, a])
+    best = _class_score(predictions, b, a, 0, anchor_rows)
     best_class = 0
-    for k in range(1, predictions.shape[1] - 4):
-        s = np.float32(predictions[b, 4 + k, a])
+    for k in range(1, num_classes):
+        s = _class_score(predictions, b, a, k, anchor_rows)
         if s > best or (s != s and best == best):  # the first NaN wins, like np.argmax
             best = s
             best_class = k
     if best > conf_threshold:
         slot = cuda.atomic.add(cand_count, b, 1)
-        cx, cy = np.float32(predictions[b, 0, a]), np.float32(predictions[b, 1, a])
-        half_w = _mul(np.float32(predictions[b, 2, a]), _HALF)
-        half_h = _mul(np.float32(predictions[b, 3, a]), _HALF)
+        cx = _box_value(predictions, b, a, 0, anchor_rows)
+        cy = _box_value(predictions, b, a, 1, anchor_rows)
+        half_w = _mul(_box_value(predictions, b, a, 2, anchor_rows), _HALF)
+        half_h = _mul(_box_value(predictions, b, a, 3, anchor_rows), _HALF)
         cand_box[b, slot, 0] = _sub(cx, half_w)
         cand_box[b, slot, 1] = _sub(cy, half_h)
         cand_box[b, slot, 2] = _add(cx, half_w)
@@ -268,22 +305,64 @@ def reduce_kernel(cand_count, sorted_score, sorted_class, sorted_box, mask, max_
         cand_count[b] = 0  # ready for the next call; every thread read it before a barrier
 
 
+@cuda.jit
+def end2end_kernel(predictions, conf_threshold, max_detections, out_box, out_score, out_class,
+                   out_count, letterbox, unmap):
+    """Grid B x _THREADS: image b's rows (x1, y1, x2, y2, score, class) scoring above the
+    threshold, ranked by (score descending, row ascending), the first ``max_detections`` written
+    to ``out_*[b, rank]``; the letterbox is undone on the way when ``unmap``."""
+    b = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    rows = predictions.shape[1]
+    kept = cuda.shared.array(1, np.int32)
+    if t == 0:
+        kept[0] = 0
+    cuda.syncthreads()
+    for i in range(t, rows, cuda.blockDim.x):
+        score = np.float32(predictions[b, i, 4])
+        if not score > conf_threshold:  # NaN is not kept, like the NumPy comparison
+            continue
+        cuda.atomic.add(kept, 0, 1)
+        rank = 0
+        for j in range(rows):
+            other = np.float32(predictions[b, j, 4])
+            if other > conf_threshold and (other > score or (other == score and j < i)):
+                rank += 1
+        if rank >= max_detections:
+            continue
+        out_score[b, rank] = score
+        out_class[b, rank] = np.int32(_round_even(np.float32(predictions[b, i, 5])))
+        for c in range(4):  # x1 y1 x2 y2: even c is x, odd c is y
+            v = np.float32(predictions[b, i, c])
+            if unmap:
+                axis = c % 2
+                v = _unmap(v, letterbox[b, 2 + axis], letterbox[b, axis], letterbox[b, 4 + axis])
+            out_box[b, rank, c] = v
+    cuda.syncthreads()
+    if t == 0:
+        out_count[b] = min(kept[0], max_detections)
+
+
 def launch_filter(predictions, conf_threshold, cand_count, cand_anchor, cand_score, cand_class,
-                  cand_box, stream: Any = 0) -> None:
+                  cand_box, stream: Any = 0, anchor_rows: bool = False) -> None:
     """Find and decode each image's candidates (appended in arbitrary order).
 
     Args:
-        predictions: (B, 4 + K, A) float32 or float16 device array, valid on ``stream``.
+        predictions: (B, 4 + K, A) (yolov8) or, with ``anchor_rows``, (B, A, 5 + K) (yolov5)
+            float32 or float16 device array, valid on ``stream``.
         conf_threshold: float32 threshold, exclusive.
         cand_count: (>= B,) int32 device, zero on entry; gets the candidate count per image.
         cand_anchor, cand_score, cand_class: (>= B, A) int32 / float32 / int32 device outputs.
         cand_box: (>= B, A, 4) float32 device output, x1 y1 x2 y2.
         stream: numba stream (or 0, the default stream) all arrays are valid on.
+        anchor_rows: the predictions are in the yolov5 layout.
     """
-    batch, _, anchors = predictions.shape
+    batch = predictions.shape[0]
+    anchors = predictions.shape[1 if anchor_rows else 2]
     grid = (math.ceil(anchors / _THREADS), batch)
     filter_kernel[grid, _THREADS, stream](predictions, np.float32(conf_threshold), cand_count,
-                                          cand_anchor, cand_score, cand_class, cand_box)
+                                          cand_anchor, cand_score, cand_class, cand_box,
+                                          bool(anchor_rows))
 
 
 def launch_rank(batch: int, cand_count, cand_anchor, cand_score, cand_class, cand_box,
@@ -361,18 +440,23 @@ class CudaNms:
 
     Args:
         batch_capacity: most images per call.
-        num_anchors: A, columns of the model output (2535 for YOLOv3-tiny at 416, 8400 for
+        num_anchors: A, anchors of the model output (2535 for YOLOv3-tiny at 416, 8400 for
             YOLOv8 at 640); at most ``MAX_ANCHORS``.
-        num_classes: K, class score rows of the model output.
+        num_classes: K, classes of the model output.
         conf_threshold: minimum best-class score, exclusive.
         iou_threshold: IoU above which a kept box suppresses another, exclusive.
         class_agnostic: suppress across classes.
         max_detections: most detections kept per image.
+        layout: "yolov8", predictions (B, 4 + K, A), or "yolov5", predictions (B, A, 5 + K).
     """
 
     def __init__(self, batch_capacity: int, num_anchors: int, num_classes: int,
                  conf_threshold: float = 0.25, iou_threshold: float = 0.45,
-                 class_agnostic: bool = False, max_detections: int = 300) -> None:
+                 class_agnostic: bool = False, max_detections: int = 300,
+                 layout: str = "yolov8") -> None:
+        if layout not in ("yolov8", "yolov5"):
+            raise ValueError(f"layout must be yolov8 or yolov5 (end2end: CudaEnd2End), got {layout!r}")
+        self.layout = layout
         if not 1 <= num_anchors <= MAX_ANCHORS:
             raise ValueError(f"num_anchors must be in 1..{MAX_ANCHORS}, got {num_anchors}")
         if batch_capacity < 1 or num_classes < 1 or max_detections < 1:
@@ -407,9 +491,9 @@ class CudaNms:
         ``out`` when given, undoing the letterbox on the way when ``letterbox`` is given.
 
         Args:
-            predictions: (B, 4 + K, A) float32 or float16 device array (any object with
-                ``__cuda_array_interface__``, e.g. a CuPy array, read in place), B <=
-                batch_capacity, valid on ``stream``.
+            predictions: (B, 4 + K, A) (yolov8) or (B, A, 5 + K) (yolov5) float32 or float16
+                device array (any object with ``__cuda_array_interface__``, e.g. a CuPy
+                array, read in place), B <= batch_capacity, valid on ``stream``.
             stream: numba stream to run on (``stream_from_cupy`` wraps a CuPy one), or 0.
             out: None (results go to this instance's buffers), or ``(boxes, scores, class_ids,
                 counts)`` device arrays with ``__cuda_array_interface__`` (CuPy arrays or views,
@@ -432,28 +516,18 @@ class CudaNms:
             overwritten by the next call. Image b's detections are the first ``counts[b]``
             rows, best score first; later rows are stale (whatever was there before).
         """
-        preds = self._device(predictions)
-        expected = (self.batch_capacity, 4 + self.num_classes, self.num_anchors)
-        if preds.ndim != 3 or tuple(preds.shape[1:]) != expected[1:] or not (
-            1 <= preds.shape[0] <= self.batch_capacity
-        ):
-            raise ValueError(f"predictions must have shape (1..{expected[0]}, {expected[1]}, "
-                             f"{expected[2]}), got {tuple(preds.shape)}")
-        if preds.dtype not in (np.float32, np.float16):
-            raise ValueError(f"predictions must be float32 or float16, got {preds.dtype}")
+        anchor_rows = self.layout == "yolov5"
+        rows = (self.num_anchors, 5 + self.num_classes) if anchor_rows else \
+            (4 + self.num_classes, self.num_anchors)
+        preds = _check_predictions(predictions, self.batch_capacity, rows)
         batch = preds.shape[0]
         if out is None:
             targets = (self._out_box, self._out_score, self._out_class, self._out_count)
         else:
-            targets = self._check_out(out, batch)
-        lb = None
-        if letterbox is not None:
-            lb = self._device(letterbox)
-            if lb.ndim != 2 or lb.shape[1] != 6 or lb.shape[0] < batch or lb.dtype != np.float32:
-                raise ValueError(f"letterbox must be ({batch}.., 6) float32, got "
-                                 f"{tuple(lb.shape)} {lb.dtype}")
+            targets = _check_out(out, batch, self.max_detections)
+        lb = _check_letterbox(letterbox, batch)
         launch_filter(preds, self.conf_threshold, self._cand_count, self._cand_anchor,
-                      self._cand_score, self._cand_class, self._cand_box, stream)
+                      self._cand_score, self._cand_class, self._cand_box, stream, anchor_rows)
         launch_rank(batch, self._cand_count, self._cand_anchor, self._cand_score,
                     self._cand_class, self._cand_box, self._sorted_score, self._sorted_class,
                     self._sorted_box, stream)
@@ -489,35 +563,118 @@ class CudaNms:
             dtype: the dtype of the zero image when ``predictions`` is None.
         """
         if predictions is None or isinstance(predictions, (type, np.dtype, str)):
-            shape = (1, 4 + self.num_classes, self.num_anchors)
+            shape = (1, self.num_anchors, 5 + self.num_classes) if self.layout == "yolov5" \
+                else (1, 4 + self.num_classes, self.num_anchors)
             zeros = np.zeros(shape, np.dtype(dtype if predictions is None else predictions))
             predictions = cuda.to_device(zeros)
         self.run(predictions, stream, out=out, letterbox=letterbox)
-        if stream:
-            stream.synchronize()
-        else:
-            cuda.synchronize()
+        _synchronize(stream)
 
-    @staticmethod
-    def _device(array: Any) -> Any:
-        """A numba view of a ``__cuda_array_interface__`` array (no copy, no sync)."""
-        return array if SIMULATOR else cuda.as_cuda_array(array, sync=False)
 
-    def _check_out(self, out: tuple[Any, Any, Any, Any], batch: int) -> tuple[Any, ...]:
-        """``out`` as numba views, after checking the shapes and dtypes ``run`` documents."""
-        if len(out) != 4:
-            raise ValueError(f"out must be (boxes, scores, class_ids, counts), got {len(out)} arrays")
-        views = tuple(self._device(a) for a in out)
-        d = self.max_detections
-        wanted = (((d, 4), np.float32), ((d,), np.float32), ((d,), np.int32), ((), np.int32))
-        for name, view, (tail, dtype) in zip(("boxes", "scores", "class_ids", "counts"), views,
-                                             wanted):
-            shape = tuple(view.shape)
-            if shape[1:] != tail or shape[0] < batch or view.dtype != dtype:
-                wanted_shape = ", ".join([f"{batch}.."] + [str(v) for v in tail])
-                raise ValueError(f"out {name} must be ({wanted_shape}) {np.dtype(dtype).name}, "
-                                 f"got {shape} {view.dtype}")
-        return views
+class CudaEnd2End:
+    """The GPU postprocess of an end-to-end model's output (NMS inside the model): threshold,
+    best first, cap, letterbox undo; the same results as ``kernels.nms.end2end_reference``
+    followed by ``unmap_boxes`` (bit-equal boxes and scores).
+
+    Args:
+        batch_capacity: most images per call.
+        num_rows: N, detection rows per image of the model output (300 for YOLOv10/YOLO26).
+        conf_threshold: minimum score, exclusive.
+        max_detections: most detections kept per image.
+    """
+
+    def __init__(self, batch_capacity: int, num_rows: int, conf_threshold: float = 0.25,
+                 max_detections: int = 300) -> None:
+        if batch_capacity < 1 or num_rows < 1 or max_detections < 1:
+            raise ValueError("batch_capacity, num_rows and max_detections must be >= 1, got "
+                             f"{batch_capacity}, {num_rows}, {max_detections}")
+        self.batch_capacity, self.num_rows = batch_capacity, num_rows
+        self.conf_threshold, self.max_detections = conf_threshold, max_detections
+
+    def run(self, predictions: Any, stream: Any = 0, out: tuple[Any, Any, Any, Any] | None = None,
+            letterbox: Any = None) -> tuple[Any, Any, Any, Any]:
+        """Keep each image's rows above the threshold; one kernel on ``stream``, no sync.
+
+        Args:
+            predictions: (B, N, 6) float32 or float16 device array (x1, y1, x2, y2 in
+                model-input pixels, score, class), read in place, valid on ``stream``.
+            stream, letterbox: as in ``CudaNms.run``.
+            out: as in ``CudaNms.run``, or None: new numba device arrays are allocated.
+
+        Returns:
+            ``(boxes, scores, class_ids, counts)`` as in ``CudaNms.run``.
+        """
+        preds = _check_predictions(predictions, self.batch_capacity, (self.num_rows, 6))
+        batch = preds.shape[0]
+        if out is None:
+            d = self.max_detections
+            out = (cuda.device_array((batch, d, 4), np.float32),
+                   cuda.device_array((batch, d), np.float32),
+                   cuda.device_array((batch, d), np.int32), cuda.device_array(batch, np.int32))
+        targets = _check_out(out, batch, self.max_detections)
+        lb = _check_letterbox(letterbox, batch)
+        end2end_kernel[batch, _THREADS, stream](preds, np.float32(self.conf_threshold),
+                                                self.max_detections, *targets,
+                                                targets[1] if lb is None else lb, lb is not None)
+        return out
+
+    def warmup(self, predictions: Any, out: tuple[Any, Any, Any, Any] | None = None,
+               letterbox: Any = None, stream: Any = 0) -> None:
+        """Compile the kernel for the very arrays ``run`` will get (see ``CudaNms.warmup``)."""
+        self.run(predictions, stream, out=out, letterbox=letterbox)
+        _synchronize(stream)
+
+
+def _synchronize(stream: Any) -> None:
+    if stream:
+        stream.synchronize()
+    else:
+        cuda.synchronize()
+
+
+def _device(array: Any) -> Any:
+    """A numba view of a ``__cuda_array_interface__`` array (no copy, no sync)."""
+    return array if SIMULATOR else cuda.as_cuda_array(array, sync=False)
+
+
+def _check_predictions(predictions: Any, batch_capacity: int, rows: tuple[int, int]) -> Any:
+    """``predictions`` as a numba view after checking it is (1..capacity, *rows) float32/16."""
+    preds = _device(predictions)
+    if preds.ndim != 3 or tuple(preds.shape[1:]) != rows or not (
+            1 <= preds.shape[0] <= batch_capacity):
+        raise ValueError(f"predictions must have shape (1..{batch_capacity}, {rows[0]}, "
+                         f"{rows[1]}), got {tuple(preds.shape)}")
+    if preds.dtype not in (np.float32, np.float16):
+        raise ValueError(f"predictions must be float32 or float16, got {preds.dtype}")
+    return preds
+
+
+def _check_letterbox(letterbox: Any, batch: int) -> Any:
+    """None, or ``letterbox`` as a numba view after checking it is (>= batch, 6) float32."""
+    if letterbox is None:
+        return None
+    lb = _device(letterbox)
+    if lb.ndim != 2 or lb.shape[1] != 6 or lb.shape[0] < batch or lb.dtype != np.float32:
+        raise ValueError(f"letterbox must be ({batch}.., 6) float32, got {tuple(lb.shape)} "
+                         f"{lb.dtype}")
+    return lb
+
+
+def _check_out(out: tuple[Any, Any, Any, Any], batch: int, max_detections: int) -> tuple[Any, ...]:
+    """``out`` as numba views, after checking the shapes and dtypes ``CudaNms.run`` documents."""
+    if len(out) != 4:
+        raise ValueError(f"out must be (boxes, scores, class_ids, counts), got {len(out)} arrays")
+    views = tuple(_device(a) for a in out)
+    d = max_detections
+    wanted = (((d, 4), np.float32), ((d,), np.float32), ((d,), np.int32), ((), np.int32))
+    for name, view, (tail, dtype) in zip(("boxes", "scores", "class_ids", "counts"), views,
+                                         wanted):
+        shape = tuple(view.shape)
+        if shape[1:] != tail or shape[0] < batch or view.dtype != dtype:
+            wanted_shape = ", ".join([f"{batch}.."] + [str(v) for v in tail])
+            raise ValueError(f"out {name} must be ({wanted_shape}) {np.dtype(dtype).name}, "
+                             f"got {shape} {view.dtype}")
+    return views
 
 
 def letterbox_rows(letterboxes: Any) -> np.ndarray:
@@ -583,5 +740,5 @@ def _empty() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.empty((0, 4), np.float32), np.empty(0, np.float32), np.empty(0, np.int32)
 
 
-__all__ = ["CudaNms", "launch_filter", "launch_mask", "launch_rank", "launch_reduce",
+__all__ = ["CudaEnd2End", "CudaNms", "end2end_kernel", "launch_filter", "launch_mask", "launch_rank", "launch_reduce",
            "letterbox_rows", "split_detections", "stream_from_cupy", "to_host"]

@@ -18,7 +18,7 @@ from pipeline.stage import SourceStage, Stage
 from pipeline.workers import DecodeWorkerPool, default_worker_count
 from stages.annotate import AnnotateStage
 from stages.backends.base import read_model_info
-from stages.batcher import BatcherStage
+from stages.batcher import BatcherStage, DetectionSchedule
 from stages.decode import DecodeStage, decoder_threads
 from stages.filters import DetectionFilterStage, SourceFilter
 from stages.gpu_decode import GpuDecodeStage, gpu_decode_unavailable_reason
@@ -110,10 +110,6 @@ def build_graph(config: PipelineConfig,
                if (f := SourceFilter.from_config(f"sources[{i}]", source, class_names,
                                                  info.num_classes)) is not None}
     gpu = create_gpu_context(config, profile_gpu)
-    if gpu is not None and info.layout != "yolov8":
-        raise ConfigError(f"model.layout: the {info.layout} layout runs on the CPU path only in "
-                          "this version (inference.device: cpu); the GPU NMS reads yolov8 "
-                          "(batch, 4 + classes, anchors) outputs")
     backend = create_backend(config.inference, Path(config.model.path), info, gpu,
                              first_file_source(config))
     probe_output = backend.warmup()
@@ -144,8 +140,10 @@ def build_graph(config: PipelineConfig,
     video = config.output.video is not None
     release = None if video else ring.release  # the sinks release when they read the images
     size = (info.input_height, info.input_width)
+    schedule = DetectionSchedule([s.detect_every for s in config.sources],
+                                 [s.detect_fps for s in config.sources])
     batcher = BatcherStage("batch", size, inference.batch_size, inference.batch_timeout_ms,
-                           tuple(s.name for s in config.sources), gpu, ring, stop)
+                           tuple(s.name for s in config.sources), gpu, ring, stop, schedule)
     if gpu is None:
         infer = InferStage("infer", backend, HostPreprocess(size, info.input_dtype,
                                                            inference.batch_size))
@@ -154,9 +152,9 @@ def build_graph(config: PipelineConfig,
         formats = ["i420", *(["nv12"] if any(isinstance(s, GpuDecodeStage) for s in sources)
                              else [])]
         geometries = [(batcher.letterbox(w, h), fmt) for w, h in sizes for fmt in formats]
-        num_classes, anchors = probe_output.shape[1] - 4, probe_output.shape[2]
         infer = InferStage("infer", backend, DevicePreprocess(geometries), gpu,
-                           DeviceNms(config.nms, inference.batch_size, anchors, num_classes))
+                           DeviceNms(config.nms, inference.batch_size, info.layout,
+                                     tuple(probe_output.shape[1:])))
     postprocess = PostprocessStage("postprocess", config.nms, gpu, release, info.layout)
     chain: list[Stage] = [batcher, infer, postprocess]
     if filters:

@@ -94,6 +94,17 @@ class SourceConfig:
                       "pixels); a detection whose bottom-centre point lies outside is dropped. "
                       "null: the whole frame."),
     )
+    detect_every: int = field(
+        default=1,
+        metadata=_doc("Run the detector on every Nth frame of this source only; the frames in "
+                      "between still reach the video and the records (with the tracker's "
+                      "predictions when tracking is on, else no detections).", min=1),
+    )
+    detect_fps: float | None = field(
+        default=None,
+        metadata=_doc("Run the detector at most this many times a second of the source's "
+                      "timestamps (instead of detect_every), or null.", min=0.01),
+    )
 
     @property
     def is_live(self) -> bool:
@@ -116,6 +127,9 @@ class SourceConfig:
         if self.roi is not None and (len(self.roi) < 3 or any(len(p) != 2 for p in self.roi)):
             raise ConfigError(f"{key}.roi: expected a polygon of at least 3 [x, y] points, got "
                               f"{self.roi!r}")
+        if self.detect_fps is not None and self.detect_every != 1:
+            raise ConfigError(f"{key}.detect_fps: set detect_every or detect_fps, not both (got "
+                              f"detect_every {self.detect_every}, detect_fps {self.detect_fps})")
         if self.classes is not None and not self.classes:
             raise ConfigError(f"{key}.classes: expected class names or ids, or null for all, "
                               "got an empty list")
@@ -255,6 +269,32 @@ class OutputConfig:
     video_crf: int = field(
         default=23, metadata=_doc("x264 quality (0 best .. 51 worst).", min=0, max=51)
     )
+
+
+@dataclass
+class MqttConfig:
+    """An MQTT broker the analytics events are published to (paho-mqtt)."""
+
+    host: str = field(metadata=_doc("Broker host name or address."))
+    port: int = field(default=1883, metadata=_doc("Broker port (8883 is usual with TLS).",
+                                                  min=1, max=65535))
+    username: str | None = field(default=None, metadata=_doc("User name, or null."))
+    password: str | None = field(
+        default=None, metadata=_doc("Password, or null; use ${VAR} to keep it out of the file. "
+                                    "Never logged."))
+    tls: bool = field(default=False, metadata=_doc("Connect with TLS."))
+    ca_file: str | None = field(
+        default=None, metadata=_doc("TLS: CA certificate file to trust; null: the system's."))
+    client_id: str = field(default="streamdet", metadata=_doc("MQTT client id."))
+    topic_prefix: str = field(
+        default="streamdet",
+        metadata=_doc("Topics are <prefix>/<source>/events (QoS 1), <prefix>/<source>/counts "
+                      "(retained) and <prefix>/availability (online/offline, last will)."))
+    queue_size: int = field(
+        default=10000,
+        metadata=_doc("Messages kept while the broker is away; beyond that the oldest are "
+                      "dropped and counted.", min=1))
+    keepalive_s: int = field(default=30, metadata=_doc("MQTT keepalive in seconds.", min=5))
 
 
 @dataclass

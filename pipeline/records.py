@@ -157,6 +157,9 @@ class FrameBatch:
         rates: n nominal frame rates (frames/s) of the frames' sources, None when unknown.
         buffers: on the GPU path, the ``pipeline.gpu.BatchBuffers`` set that carries the batch
             through the device (its frames, model input, detections); None on the CPU path.
+        detect: (n,) bool host array, False for a frame the detector skips (the source's
+            ``detect_every`` / ``detect_fps``: it reaches the sinks with no detections of its
+            own), or None when every frame is detected.
     """
 
     source_names: tuple[str, ...]
@@ -171,9 +174,14 @@ class FrameBatch:
     images: list[Any]
     rates: list[Fraction | None]
     buffers: Any = None
+    detect: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = self.source.shape[0]
+        if self.detect is not None:
+            _check_shape("detect", self.detect, (n,))
+            if self.detect.dtype != np.bool_:
+                raise ValueError(f"detect must be bool, got {self.detect.dtype}")
         for name, dtype in (("source", np.int32), ("index", np.int64), ("pts", np.float64),
                             ("capture_time", np.float64), ("width", np.int32),
                             ("height", np.int32), ("slot", np.int32)):
@@ -194,13 +202,14 @@ class FrameBatch:
     @classmethod
     def from_frames(cls, frames: list[Frame], source_ids: dict[str, int],
                     source_names: tuple[str, ...], letterbox: np.ndarray,
-                    buffers: Any = None) -> FrameBatch:
+                    buffers: Any = None, detect: np.ndarray | None = None) -> FrameBatch:
         """Columns of ``frames`` (one pass over them).
 
         Args:
             frames: the frames, in batch order.
             source_ids: source name -> its index in ``source_names``.
             letterbox: (len(frames), 6) float32 host array (see the class docstring).
+            detect: (len(frames),) bool host array, or None (see the class docstring).
         """
         return cls(
             source_names=source_names,
@@ -216,6 +225,7 @@ class FrameBatch:
             images=[f.image for f in frames],
             rates=[f.rate for f in frames],
             buffers=buffers,
+            detect=None if detect is None or detect.all() else detect,
         )
 
     def select(self, rows: np.ndarray) -> FrameBatch:
@@ -225,7 +235,15 @@ class FrameBatch:
             self.source_names, self.source[rows], self.index[rows], self.pts[rows],
             self.capture_time[rows], self.width[rows], self.height[rows], self.letterbox[rows],
             self.slot[rows], [self.images[i] for i in rows.tolist()],
-            [self.rates[i] for i in rows.tolist()])
+            [self.rates[i] for i in rows.tolist()],
+            detect=None if self.detect is None else self.detect[rows])
+
+    @property
+    def detect_rows(self) -> np.ndarray:
+        """(d,) int64 host array: the batch positions of the frames the detector runs on."""
+        if self.detect is None:
+            return np.arange(len(self), dtype=np.int64)
+        return np.flatnonzero(self.detect)
 
     def source_name(self, row: int) -> str:
         """The source name of the frame at batch position ``row``."""
@@ -243,10 +261,12 @@ class ModelOutputs:
 
     Attributes:
         frames: the batch.
-        outputs: CPU path: the raw float32 host model output, (n, 4 + classes, anchors)
-            or another layout of ``stages.backends.base.LAYOUTS`` (the postprocess knows it).
-            GPU path: None; the NMS already ran on the device and the batch's detections
-            are on their way to ``frames.buffers``' pinned host buffer (its ``done`` event).
+        outputs: CPU path: the raw float32 host model output of the frames at
+            ``frames.detect_rows`` (d of them), (d, 4 + classes, anchors) or another layout of
+            ``stages.backends.base.LAYOUTS`` (the postprocess knows it); None when d = 0.
+            GPU path: None; the NMS already ran on the device and the detections of the d
+            frames are on their way to rows 0..d-1 of ``frames.buffers``' pinned host buffer
+            (its ``done`` event).
     """
 
     frames: FrameBatch
@@ -334,6 +354,16 @@ class BatchDetections:
         bounds = [*starts.tolist(), len(order)]
         return [(self.frames.source_names[int(ids[k])], self.select(order[bounds[k]:bounds[k + 1]]))
                 for k in range(len(ids))]
+
+    def spread(self, frames: FrameBatch, rows: np.ndarray) -> BatchDetections:
+        """These detections, of the frames at ``rows`` ((k,) ascending int64 host array of
+        positions in ``frames``), as the detections of all of ``frames``: the other frames
+        get none (the frames the detector skipped)."""
+        counts = np.zeros(len(frames), np.int64)
+        counts[rows] = self.counts
+        offsets = np.zeros(len(frames) + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        return BatchDetections(frames, self.xyxy, self.confidence, self.class_id, offsets)
 
     @classmethod
     def from_padded(cls, frames: FrameBatch, boxes: np.ndarray, scores: np.ndarray,

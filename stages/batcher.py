@@ -58,6 +58,44 @@ def pack_nv12(y: np.ndarray, uv: np.ndarray, out: np.ndarray) -> np.ndarray:
     return frame
 
 
+class DetectionSchedule:
+    """Which frames of each source go to the detector: every ``detect_every``-th frame (by
+    frame index), or at most ``detect_fps`` frames per second of the source's timestamps
+    (pts, else capture time), evenly: a frame is detected when its time reaches the next due
+    time, which then advances by one period (so 25 frames/s at detect_fps 10 detects 10 of
+    every 25 frames, not one in three). A time that jumps back (a stream that reconnected)
+    restarts the schedule.
+
+    Args:
+        every: per source id, ``detect_every`` (1: every frame).
+        fps: per source id, ``detect_fps`` or None.
+    """
+
+    def __init__(self, every: list[int], fps: list[float | None]) -> None:
+        self.every, self.period = every, [None if f is None else 1.0 / f for f in fps]
+        self._due: list[float | None] = [None] * len(every)
+
+    @property
+    def skips_frames(self) -> bool:
+        """Whether any source skips frames."""
+        return any(e > 1 for e in self.every) or any(p is not None for p in self.period)
+
+    def wanted(self, source_id: int, index: int, time_s: float) -> bool:
+        """Whether the frame ``index`` of source ``source_id``, at ``time_s``, is detected
+        (call once per frame, in the source's order)."""
+        period = self.period[source_id]
+        if period is None:
+            return index % self.every[source_id] == 0
+        due = self._due[source_id]
+        tolerance = period * 1e-3
+        if due is not None and due - 2 * period <= time_s < due - tolerance:
+            return False
+        if due is None or time_s > due + period or time_s < due - 2 * period:
+            due = time_s  # the first frame, a gap or a jump back: start again from here
+        self._due[source_id] = due + period
+        return True
+
+
 class BatcherStage(Stage):
     """Frames in, ``FrameBatch`` records out (see the module docstring).
 
@@ -70,12 +108,16 @@ class BatcherStage(Stage):
         gpu: the ``GpuContext`` whose batch sets are allocated (GPU path), or None.
         ring: the ``SlotRing`` holding the host frames (its pinned memory is copied from).
         stop: the graph's abort event (ends a wait for a free batch set).
+        schedule: which frames the detector skips (``FrameBatch.detect``); None: none.
+            On the GPU path a skipped frame is not copied to the device.
     """
 
     def __init__(self, name: str, input_size: tuple[int, int], batch_size: int,
                  batch_timeout_ms: float, source_names: tuple[str, ...], gpu: Any = None,
-                 ring: Any = None, stop: Any = None) -> None:
+                 ring: Any = None, stop: Any = None,
+                 schedule: DetectionSchedule | None = None) -> None:
         super().__init__(name)
+        self.schedule = schedule if schedule is not None and schedule.skips_frames else None
         self.input_height, self.input_width = input_size
         self.batch_size = batch_size
         self.batch_timeout_s = batch_timeout_ms / 1000
@@ -140,12 +182,19 @@ class BatcherStage(Stage):
         """The batch of ``frames``; on the GPU path, with its copies onto the device queued."""
         boxes = [self.letterbox(f.width, f.height) for f in frames]
         letterbox = np.array([letterbox_row(b) for b in boxes], np.float32).reshape(-1, 6)
+        detect = None
+        if self.schedule is not None:
+            wanted, ids = self.schedule.wanted, self.source_ids
+            detect = np.fromiter((wanted(ids[f.source], f.index,
+                                         f.capture_time if f.pts is None else f.pts)
+                                  for f in frames), np.bool_, len(frames))
         if self.gpu is None:
-            return FrameBatch.from_frames(frames, self.source_ids, self.source_names, letterbox)
+            return FrameBatch.from_frames(frames, self.source_ids, self.source_names, letterbox,
+                                          detect=detect)
         buffers = self._take_buffers()
-        self._queue_copies(frames, boxes, letterbox, buffers)
+        self._queue_copies(frames, boxes, letterbox, buffers, detect)
         return FrameBatch.from_frames(frames, self.source_ids, self.source_names, letterbox,
-                                      buffers)
+                                      buffers, detect)
 
     def _take_buffers(self) -> Any:
         started = time.perf_counter()
@@ -154,7 +203,9 @@ class BatcherStage(Stage):
         return buffers
 
     def _queue_copies(self, frames: list[Frame], boxes: list[Letterbox], letterbox: np.ndarray,
-                      buffers: Any) -> None:
+                      buffers: Any, detect: np.ndarray | None = None) -> None:
+        """Queue the copies of the detected frames (all when ``detect`` is None) into device
+        rows; the k-th detected frame's model input and results are row k (compact)."""
         import cupy
 
         from kernels.pack_cuda import launch_pack, nv12_copies
@@ -169,23 +220,29 @@ class BatcherStage(Stage):
         copies = buffers.table.host["copies"]
         planes = 0
         for i, frame in enumerate(frames):
+            if frame.device_planes is not None:
+                buffers.surfaces.append(frame.device_planes)  # released with the set
+            if detect is not None and not detect[i]:
+                continue
             groups.setdefault((boxes[i], frame.pixel_format), []).append(i)
             if frame.device_planes is not None:
                 copies[planes:planes + 2] = nv12_copies(*frame.device_planes, i * row_bytes)
                 planes += 2
-                buffers.surfaces.append(frame.device_planes)
             else:
                 nbytes = frame.width * frame.height * 3 // 2
                 cupy.cuda.runtime.memcpyAsync(base + i * row_bytes, self.ring.pointer(frame.slot),
                                               nbytes, MEMCPY_HOST_TO_DEVICE, stream.ptr)
         pairs = buffers.table.host["pairs"]
+        rows = np.arange(len(frames)) if detect is None else np.flatnonzero(detect)
+        output_row = np.empty(len(frames), np.int64)
+        output_row[rows] = np.arange(len(rows))  # frame i's row in the model input
         row = 0
         for (box, pixel_format), indices in groups.items():
             pairs[row:row + len(indices), 0] = indices
-            pairs[row:row + len(indices), 1] = indices
+            pairs[row:row + len(indices), 1] = output_row[indices]
             buffers.groups.append((box, pixel_format, row, row + len(indices)))
             row += len(indices)
-        buffers.table.host["letterbox"][: len(frames)] = letterbox
+        buffers.table.host["letterbox"][: len(rows)] = letterbox[rows]
         buffers.table.to_device(stream)
         if planes:  # after FFmpeg's output copies, queued on the legacy default stream
             self._legacy_done.record(cupy.cuda.ExternalStream(CUDA_STREAM_LEGACY))

@@ -75,13 +75,21 @@ class InferStage(Stage):
         self.nms.warmup(outputs, buffers, stream)
 
     def process(self, item: FrameBatch) -> Iterable[ModelOutputs]:
-        n = len(item)
+        """Run the model on the frames at ``item.detect_rows`` (all, unless a source skips
+        frames: then only those, as a smaller batch)."""
+        n = len(item) if item.detect is None else int(item.detect.sum())
         if self.gpu is None:
-            return (ModelOutputs(item, self.backend.infer(self.preprocess.run(item))),)
+            if n == 0:
+                return (ModelOutputs(item),)
+            frames = item if item.detect is None else item.select(item.detect_rows)
+            return (ModelOutputs(item, self.backend.infer(self.preprocess.run(frames))),)
         gpu, stream = self.gpu, self.gpu.compute_stream
         gpu.activate()
         buffers = item.buffers
         stream.wait_event(buffers.copied)  # the batch's frames and tables are on the device
+        if n == 0:  # nothing to detect: the set is free once its copies are done
+            buffers.done.record(stream)
+            return (ModelOutputs(item),)
         token = gpu.timeline.begin("compute", stream)
         images = self.input_binding(n)
         self.preprocess.enqueue(buffers, images, stream)

@@ -53,14 +53,25 @@ class DeviceNms:
 
     Args:
         nms: thresholds and the per-frame cap.
-        max_batch, num_anchors, num_classes: the model output's size.
+        max_batch: most frames per batch.
+        layout: the model output's layout (``stages.backends.base.LAYOUTS``).
+        output_shape: one image's output shape: (4 + K, A) yolov8, (A, 5 + K) yolov5,
+            (N, 6) end2end (no NMS is run, only the threshold, the cap and the letterbox undo).
     """
 
-    def __init__(self, nms: NmsConfig, max_batch: int, num_anchors: int, num_classes: int) -> None:
-        from kernels.nms_cuda import CudaNms
+    def __init__(self, nms: NmsConfig, max_batch: int, layout: str,
+                 output_shape: tuple[int, int]) -> None:
+        from kernels.nms_cuda import CudaEnd2End, CudaNms
 
-        self.cuda_nms = CudaNms(max_batch, num_anchors, num_classes, nms.conf_threshold,
-                                nms.iou_threshold, nms.class_agnostic, nms.max_detections)
+        rows, columns = output_shape
+        if layout == "end2end":
+            self.cuda_nms: Any = CudaEnd2End(max_batch, rows, nms.conf_threshold,
+                                             nms.max_detections)
+        else:
+            anchors, classes = (rows, columns - 5) if layout == "yolov5" else (columns, rows - 4)
+            self.cuda_nms = CudaNms(max_batch, anchors, classes, nms.conf_threshold,
+                                    nms.iou_threshold, nms.class_agnostic, nms.max_detections,
+                                    layout)
         self._streams: dict[int, Any] = {}  # CuPy stream pointer -> its Numba wrapper
 
     def _numba_stream(self, stream: Any) -> Any:
@@ -79,7 +90,7 @@ class DeviceNms:
         """Queue the NMS of a batch, then the D2H of its detections and ``buffers.done``.
 
         Args:
-            outputs: (n, 4 + classes, anchors) float16/float32 CuPy array, the model's output
+            outputs: (n, *output_shape) float16/float32 CuPy array, the model's output
                 binding, valid on ``stream``; read in place.
             buffers: the batch's ``BatchBuffers`` (its device letterbox table is read, its
                 detections written and copied to its pinned mirror).
@@ -109,7 +120,8 @@ class PostprocessStage(Stage):
         gpu: the ``GpuContext`` (GPU path: the results come from the batch set), or None.
         release_slots: when set, called once per batch with the batch's ring slots
             ((n,) int32, -1 = none): this stage is the last reader of the host images.
-        layout: the model output's layout (``stages.backends.base.LAYOUTS``; CPU path).
+        layout: the model output's layout (``stages.backends.base.LAYOUTS``; on the GPU path
+            ``DeviceNms`` reads it).
     """
 
     def __init__(self, name: str, nms: NmsConfig, gpu: Any = None,
@@ -127,8 +139,11 @@ class PostprocessStage(Stage):
         return (detections,)
 
     def _from_host(self, item: ModelOutputs) -> BatchDetections:
-        frames, nms, outputs = item.frames, self.nms, item.outputs
-        if self.layout == "end2end":
+        nms, outputs, rows = self.nms, item.outputs, item.frames.detect_rows
+        frames = item.frames if item.frames.detect is None else item.frames.select(rows)
+        if outputs is None:  # the detector skipped every frame of the batch
+            results = [_EMPTY] * len(frames)
+        elif self.layout == "end2end":
             results = end2end_reference(outputs, nms.conf_threshold, nms.max_detections)
         else:
             if self.layout == "yolov5":
@@ -136,9 +151,9 @@ class PostprocessStage(Stage):
             results = postprocess_reference(outputs, nms.conf_threshold, nms.iou_threshold,
                                             nms.class_agnostic, nms.max_detections)
         batch = BatchDetections.from_lists(frames, results)
-        rows = np.repeat(np.arange(len(frames)), batch.counts)
-        batch.xyxy = unletterbox(batch.xyxy, frames.letterbox[rows])
-        return batch
+        owners = np.repeat(np.arange(len(frames)), batch.counts)
+        batch.xyxy = unletterbox(batch.xyxy, frames.letterbox[owners])
+        return batch if item.frames.detect is None else batch.spread(item.frames, rows)
 
     def _from_device(self, frames: FrameBatch) -> BatchDetections:
         buffers = frames.buffers
@@ -146,9 +161,17 @@ class PostprocessStage(Stage):
         buffers.done.synchronize()  # the batch's D2H has landed (waiting for the GPU)
         self.blocked_s += time.perf_counter() - started
         host = buffers.detections.host
-        # Boolean indexing copies the kept rows out of the pinned buffer before it is reused.
-        detections = BatchDetections.from_padded(frames, host["boxes"], host["scores"],
-                                                 host["class_ids"], host["counts"])
+        rows = frames.detect_rows
+        detected = frames if frames.detect is None else frames.select(rows)
+        if len(rows):
+            # Boolean indexing copies the kept rows out of the pinned buffer before it is reused.
+            detections = BatchDetections.from_padded(detected, host["boxes"], host["scores"],
+                                                     host["class_ids"], host["counts"])
+        else:
+            detections = BatchDetections.from_lists(detected, [])
         frames.buffers = None
         self.gpu.batches.release(buffers)
-        return detections
+        return detections if frames.detect is None else detections.spread(frames, rows)
+
+
+_EMPTY = (np.empty((0, 4), np.float32), np.empty(0, np.float32), np.empty(0, np.int32))

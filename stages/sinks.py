@@ -65,7 +65,8 @@ def frame_records(item: BatchDetections,
                   class_names: list[str] | None = None) -> list[dict[str, Any]]:
     """One JSON-ready dict per frame of ``item``, in batch order: ``{"source", "frame",
     "pts" (None when unknown), "capture_time" (rounded to 6 digits), "detections"}`` with
-    the detections as ``detection_records`` makes them (``[]`` for a frame without any)."""
+    the detections as ``detection_records`` makes them (``[]`` for a frame without any),
+    and ``"detected": false`` on a frame the detector skipped (``detect_every``/``detect_fps``)."""
     frames = item.frames
     detections = detection_records(item.xyxy, item.confidence, item.class_id, class_names)
     offsets = item.offsets.tolist()
@@ -81,6 +82,9 @@ def frame_records(item: BatchDetections,
             "capture_time": round(capture_time, 6),
             "detections": detections[offsets[row]:offsets[row + 1]],
         })
+    if frames.detect is not None:
+        for row in np.flatnonzero(~frames.detect).tolist():
+            records[row]["detected"] = False
     return records
 
 

@@ -26,11 +26,12 @@ def clip(samples, tmp_path_factory) -> Path:
                       read_frames(samples.bikes, 60), (640, 272))
 
 
-def detections(samples, tmp_path: Path, clip: Path, model: Path, **model_keys) -> list[list]:
+def detections(samples, tmp_path: Path, clip: Path, model: Path, inference: dict | None = None,
+               **model_keys) -> list[list]:
     out = tmp_path / model.stem
     config = pipeline_config(samples, out, [{"name": "cam", "uri": str(clip)}],
                              model={"path": str(model), **model_keys},
-                             inference={"batch_size": 1})
+                             inference={"batch_size": 1, **(inference or {})})
     path = tmp_path / f"{model.stem}.yaml"
     import yaml
 
@@ -58,6 +59,24 @@ def test_yolov5_and_end2end_give_the_plain_model_s_detections(samples, tmp_path,
     assert sum(map(len, plain)) > 50  # people, bicycles, cars
     same(plain, detections(samples, tmp_path, clip, v5))
     same(plain, detections(samples, tmp_path, clip, e2e))
+
+
+@pytest.mark.gpu
+def test_every_layout_on_the_gpu_path(samples, tmp_path, clip):
+    """The GPU postprocess reads each layout in place (yolov5 rows in the NMS filter kernel,
+    end2end in its own kernel): the plain model's GPU detections, each layout."""
+    from pipeline.gpu import gpu_unavailable_reason
+
+    if (reason := gpu_unavailable_reason()) is not None:
+        pytest.skip(f"GPU path unavailable: {reason}")
+    gpu = {"device": "cuda", "backend": "torch", "precision": "fp32", "compile": False,
+           "engine_cache": str(tmp_path / "engines")}
+    v5 = to_yolov5_layout(samples.model, tmp_path / "yolov5.onnx")
+    e2e = to_end2end(samples.model, tmp_path / "end2end.onnx", CONF, IOU)
+    plain = detections(samples, tmp_path, clip, samples.model, gpu)
+    assert sum(map(len, plain)) > 50
+    same(plain, detections(samples, tmp_path, clip, v5, gpu))
+    same(plain, detections(samples, tmp_path, clip, e2e, gpu))
 
 
 @pytest.mark.parametrize("dims, size, layout", [

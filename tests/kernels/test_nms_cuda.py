@@ -17,9 +17,15 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from kernels.nms import decode_predictions, postprocess_reference
+from kernels.nms import (
+    decode_predictions,
+    end2end_reference,
+    postprocess_reference,
+    yolov5_to_anchor_columns,
+)
 from kernels.nms_cuda import (
     SIMULATOR,
+    CudaEnd2End,
     CudaNms,
     letterbox_rows,
     reduce_kernel,
@@ -447,3 +453,74 @@ def test_cupy_out_and_letterbox_one_copy_no_recompile_gpu(dtype) -> None:
         assert_same(got, want)
         for (xyxy, _, _), (want_xyxy, _, _) in zip(got, want):
             np.testing.assert_array_equal(bits(xyxy), bits(want_xyxy))
+
+
+def yolov5_rows(p: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A (B, 4 + K, A) output as (B, A, 5 + K) rows: box, objectness, class probabilities
+    whose products with the objectness are near (not always equal to) the original scores."""
+    scores = p[:, 4:].transpose(0, 2, 1)
+    objectness = np.maximum(scores.max(axis=2, keepdims=True), rng.uniform(0.5, 1.0, (1,)))
+    rows = np.concatenate([p[:, :4].transpose(0, 2, 1), objectness, scores / objectness], axis=2)
+    return np.ascontiguousarray(rows, np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_yolov5_rows_read_in_place_match_the_reference(dtype) -> None:
+    """yolov5 (B, A, 5 + K): the same keep sets, bit for bit, as the CPU path (convert to
+    anchor columns, then the reference NMS), also with the letterbox undone on the device."""
+    rng = np.random.default_rng(30)
+    batch, classes, anchors, max_det = 2, 5, 160, 40
+    p = yolov5_rows(random_predictions(rng, batch, classes, anchors), rng).astype(dtype)
+    nms = CudaNms(batch, anchors, classes, 0.2, 0.45, False, max_det, layout="yolov5")
+    expected = postprocess_reference(yolov5_to_anchor_columns(p), 0.2, 0.45, False, max_det)
+    results = run_on_device(nms, p)
+    assert_same(results, expected)
+    assert all(len(r[0]) for r in results)
+    lb = letterbox_geometry(1920, 1080, 640, 640)
+    buffer, out = out_allocation(batch, max_det)
+    nms.run(cuda.to_device(p), out=out, letterbox=cuda.to_device(letterbox_rows([lb] * batch)))
+    for got, want in zip(read_back(buffer, batch, max_det, batch), expected, strict=True):
+        np.testing.assert_array_equal(bits(got[0]), bits(lb.unmap_boxes(want[0])))
+        assert_same([got[1:]], [want[1:]])
+    with pytest.raises(ValueError, match=r"must have shape \(1..2, 160, 10\)"):
+        nms.run(cuda.to_device(np.zeros((1, 9, 160), np.float32)))
+
+
+def end2end_rows(rng: np.random.Generator, batch: int, rows: int) -> np.ndarray:
+    """(B, N, 6) end-to-end outputs made to be hard: tied scores, zero rows, a NaN score,
+    class values to round (2.5 rounds to 2, 3.5 to 4), boxes past the input's borders."""
+    p = np.zeros((batch, rows, 6), np.float32)
+    live = rng.random((batch, rows)) < 0.7
+    xy = rng.uniform(-20, 660, (batch, rows, 2))
+    p[..., :2], p[..., 2:4] = xy, xy + rng.uniform(1, 120, (batch, rows, 2))
+    p[..., 4] = np.where(live, rng.integers(1, 9, (batch, rows)) / 8, 0.0)
+    p[..., 5] = rng.choice([0.0, 1.0, 2.5, 3.5, 7.0], (batch, rows))
+    p[0, 3, 4] = np.nan
+    return p
+
+
+@pytest.mark.parametrize("dtype, max_det", [(np.float32, 300), (np.float16, 7)])
+def test_end2end_matches_the_reference_and_unmaps(dtype, max_det) -> None:
+    """end2end (B, N, 6): threshold, best first (ties in row order), cap, class rounded half
+    to even, letterbox undone bit-equal to ``unmap_boxes``; untouched rows stay untouched."""
+    rng = np.random.default_rng(31)
+    batch, capacity, rows = 2, 3, 150
+    p = end2end_rows(rng, batch, rows).astype(dtype)
+    p[1] = 0  # an image with nothing above the threshold
+    post = CudaEnd2End(capacity, rows, 0.25, max_det)
+    letterboxes = [letterbox_geometry(1280, 720, 640, 640), letterbox_geometry(641, 479, 640, 640)]
+    buffer, out = out_allocation(capacity, max_det)
+    post.warmup(cuda.to_device(p), out=out, letterbox=cuda.to_device(letterbox_rows(letterboxes)))
+    buffer, out = out_allocation(capacity, max_det)
+    post.run(cuda.to_device(p), out=out, letterbox=cuda.to_device(letterbox_rows(letterboxes)))
+    got = read_back(buffer, capacity, max_det, batch)
+    expected = end2end_reference(p, 0.25, max_det)
+    above = len(end2end_reference(p, 0.25, rows)[0][1])
+    assert above > 7 and [len(r[1]) for r in got] == [min(max_det, above), 0]
+    for lb, (xyxy, scores, class_ids), (want_xyxy, want_scores, want_classes) in zip(
+            letterboxes, got, expected, strict=True):
+        np.testing.assert_array_equal(bits(xyxy), bits(lb.unmap_boxes(want_xyxy)))
+        np.testing.assert_array_equal(scores, want_scores)
+        np.testing.assert_array_equal(class_ids, want_classes)
+    plain = to_host(*post.run(cuda.to_device(p)))
+    assert_same(plain, expected)

@@ -11,7 +11,7 @@ import pytest
 
 from kernels.preprocess import letterbox_geometry, preprocess_reference
 from pipeline.records import LETTERBOX_COLUMNS, EndOfStream, FrameBatch
-from stages.batcher import BatcherStage, letterbox_row, pack_nv12
+from stages.batcher import BatcherStage, DetectionSchedule, letterbox_row, pack_nv12
 from tests.support.batches import grey_image, make_frame
 
 NAMES = ("a", "b", "c")
@@ -133,3 +133,45 @@ def test_packed_nv12_is_the_frame_the_kernel_reads(samples, pitch: int) -> None:
     from_i420 = preprocess_reference(picture.to_ndarray(format="yuv420p"), width, height,
                                      letterbox)
     np.testing.assert_array_equal(from_nv12, from_i420)
+
+
+def test_detect_every_marks_every_nth_frame_of_each_source() -> None:
+    schedule = DetectionSchedule([3, 1, 2], [None, None, None])
+    stage = BatcherStage("batch", (32, 48), 4, 1000.0, NAMES, schedule=schedule)
+    frames = [frame(name, i) for i in range(6) for name in ("a", "b", "c")]
+    batches = [b for f in frames for b in stage.process(f)] + list(stage.finish())
+    detect = np.concatenate([b.detect for b in batches])
+    names = [NAMES[s] for b in batches for s in b.source.tolist()]
+    index = np.concatenate([b.index for b in batches])
+    expected = [i % {"a": 3, "b": 1, "c": 2}[n] == 0 for n, i in zip(names, index.tolist())]
+    assert detect.tolist() == expected
+    assert all(b.detect_rows.tolist() == np.flatnonzero(b.detect).tolist() for b in batches)
+
+
+def test_no_schedule_leaves_detect_none() -> None:
+    stage = BatcherStage("batch", (32, 48), 2, 1000.0, NAMES,
+                         schedule=DetectionSchedule([1, 1, 1], [None, None, None]))
+    (batch,) = [b for f in (frame("a", 0), frame("b", 0)) for b in stage.process(f)]
+    assert batch.detect is None and batch.detect_rows.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("rate, fps, expected", [
+    (25, 10, 10), (30, 10, 10), (25, 5, 5), (30, 30, 30), (25, 40, 25), (12.5, 2.5, 2.5)])
+def test_detect_fps_detects_that_many_frames_a_second_evenly(rate, fps, expected) -> None:
+    schedule = DetectionSchedule([1], [fps])
+    wanted = [schedule.wanted(0, i, i / rate) for i in range(int(rate * 8))]
+    assert sum(wanted) == pytest.approx(expected * 8, abs=1)
+    per_second = [sum(wanted[int(s * rate):int((s + 1) * rate)]) for s in range(8)]
+    assert max(per_second) - min(per_second) <= 1  # even, not in bursts
+    gaps = np.diff(np.flatnonzero(wanted))
+    assert gaps.max() - gaps.min() <= 1
+
+
+def test_detect_fps_restarts_when_the_time_jumps_back_or_has_a_gap() -> None:
+    schedule = DetectionSchedule([1], [10])
+    assert [schedule.wanted(0, i, t) for i, t in enumerate([5.0, 5.04, 5.08, 5.12])] == \
+        [True, False, False, True]
+    assert schedule.wanted(0, 4, 0.0)  # a reconnected stream starts its pts again
+    assert not schedule.wanted(0, 5, 0.04)
+    assert schedule.wanted(0, 6, 9.0)  # a gap of seconds: detected at once
+    assert not schedule.wanted(0, 7, 9.04)
