@@ -740,5 +740,6 @@ def _empty() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.empty((0, 4), np.float32), np.empty(0, np.float32), np.empty(0, np.int32)
 
 
-__all__ = ["CudaEnd2End", "CudaNms", "end2end_kernel", "launch_filter", "launch_mask", "launch_rank", "launch_reduce",
-           "letterbox_rows", "split_detections", "stream_from_cupy", "to_host"]
+__all__ = ["CudaEnd2End", "CudaNms", "end2end_kernel", "launch_filter", "launch_mask",
+           "launch_rank", "launch_reduce", "letterbox_rows", "split_detections",
+           "stream_from_cupy", "to_host"]
