@@ -1,13 +1,16 @@
 """Soak: live RTSP cameras through ``python run.py`` for minutes, looking for slow growth.
 
     python -m benchmarks.soak [--minutes 30] [--cameras 2] [--fps 25] [--interval-s 10]
-        [--warmup-s 60] [--device cpu|cuda] [--no-video] [--out soak.md]
+        [--warmup-s 60] [--device cpu|cuda] [--no-video] [--clip VIDEO] [--out soak.md]
     python -m benchmarks.soak --refit soak.md --warmup-s 900   # slopes of a printed report
 
 Starts the tests' real RTSP server (GStreamer, ``tests/support``) with one endless live
 camera per source (a moving test pattern, 320x240), writes a configuration that reads them
 (``live: true``, annotated video on unless ``--no-video``, JSONL, Prometheus on a free
-loopback port) and runs the pipeline as users do, in a process of its own. Every
+loopback port) and runs the pipeline as users do, in a process of its own. On a machine
+without GStreamer (the H200 machine), ``--clip VIDEO`` makes the cameras that clip instead,
+repeated by a stream copy to last the run and played as live cameras in real time
+(``live: true``, ``pace_fps``: dropped when behind, like the RTSP ones). Every
 ``--interval-s`` it samples:
 
 - host: resident memory (RSS) of the pipeline process and of all its children (the decode
@@ -27,6 +30,7 @@ segmenting exists: its size is reported, not counted as memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -156,10 +160,27 @@ def slope_per_hour(times: list[float], values: list[float]) -> float | None:
     return float(np.polyfit(np.asarray(times), np.asarray(values, np.float64), 1)[0]) * 3600
 
 
+def looped_clip(clip: Path, target: Path, seconds: float) -> Path:
+    """``clip`` repeated end to end (stream copy) to last at least ``seconds``."""
+    import av
+
+    from benchmarks.throughput import make_looped_clip
+
+    with av.open(str(clip)) as container:
+        duration = float(container.duration or 0) / av.time_base
+    if duration <= 0:
+        raise SystemExit(f"error: --clip {clip}: no duration")
+    return make_looped_clip(clip, target, int(seconds / duration) + 1)
+
+
 def soak_config(urls: list[str], out: Path, model: Path, names: Path, device: str, video: bool,
-                port: int) -> dict:
+                port: int, pace_fps: float | None = None) -> dict:
+    """The pipeline's configuration: one live source per URL (a file played at ``pace_fps``
+    in real time when given)."""
+    pace = {} if pace_fps is None else {"pace_fps": pace_fps}
     return {
-        "sources": [{"name": f"cam{i}", "uri": url, "live": True} for i, url in enumerate(urls)],
+        "sources": [{"name": f"cam{i}", "uri": url, "live": True, **pace}
+                    for i, url in enumerate(urls)],
         "model": {"path": str(model), "class_names": str(names)},
         "inference": {"device": device, "batch_size": 4},
         "output": {"dir": str(out), "video": "{source}.mp4" if video else None,
@@ -174,18 +195,24 @@ def run_soak(args: argparse.Namespace) -> tuple[list[Sample], int]:
     from samples.fetch import SamplePaths, ensure_samples
     from tests.support import RtspServer, free_port, rtsp_server_missing
 
-    if (reason := rtsp_server_missing()) is not None:
-        raise SystemExit(f"error: {reason}")
+    if args.clip is None and (reason := rtsp_server_missing()) is not None:
+        raise SystemExit(f"error: {reason} (or give --clip VIDEO)")
     samples = SamplePaths.under(Path(args.assets))
     if not samples.model.exists():
         samples = ensure_samples(Path(args.assets))
     port = free_port()
     mounts = {f"cam{i}": f"live:{args.fps:g}" for i in range(args.cameras)}
     samples_taken: list[Sample] = []
-    with tempfile.TemporaryDirectory() as tmp, RtspServer(mounts) as server:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        if args.clip is None:
+            server = stack.enter_context(RtspServer(mounts))
+            uris = [server.url(m) for m in mounts]
+        else:
+            uris = [str(looped_clip(args.clip, Path(tmp) / "looped.mp4", 60 * args.minutes + 120))
+                    ] * args.cameras
         out = Path(tmp) / "out"
-        config = soak_config([server.url(m) for m in mounts], out, samples.model, samples.names,
-                             args.device, args.video, port)
+        config = soak_config(uris, out, samples.model, samples.names, args.device, args.video,
+                             port, None if args.clip is None else args.fps)
         config_path = Path(tmp) / "soak.yaml"
         config_path.write_text(yaml.safe_dump(config))
         log = open(Path(tmp) / "stderr.log", "w")
@@ -244,7 +271,9 @@ def line(samples: list[Sample]) -> str:
 
 
 def report(samples: list[Sample], code: int, args: argparse.Namespace) -> str:
-    header = (f"Soak: {args.cameras} live RTSP cameras ({args.fps:g} fps, 320x240 test pattern) "
+    cameras = (f"live RTSP cameras ({args.fps:g} fps, 320x240 test pattern)" if args.clip is None
+               else f"simulated live cameras ({args.clip.name} looped, played at {args.fps:g} fps)")
+    header = (f"Soak: {args.cameras} {cameras} "
               f"through `python run.py` ({args.device}, video {'on' if args.video else 'off'}) "
               f"for {args.minutes:g} min, sampled every {args.interval_s:g} s; pipeline exit "
               f"code after SIGINT: {code}.")
@@ -296,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--no-video", dest="video", action="store_false")
     parser.add_argument("--assets", default="assets")
+    parser.add_argument("--clip", type=Path, default=None,
+                        help="cameras play this video looped, paced (no RTSP server needed)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     parser.add_argument("--refit", type=Path, default=None, metavar="REPORT",
                         help="no run: the slopes of REPORT's samples after --warmup-s")

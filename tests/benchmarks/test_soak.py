@@ -69,3 +69,18 @@ def test_refit_reads_a_printed_report():
     assert text.startswith("Least-squares slopes over the samples after 300 s (300-1140 s, "
                            "15 samples): RSS MB/h +10.0"), text
     assert text.endswith("threads/h +0.00, fds/h +0.00."), text
+
+
+def test_a_short_soak_of_a_looped_clip_played_as_cameras(tmp_path, samples):
+    """--clip: no RTSP server; the clip (10 s) is looped to outlast the run and played live."""
+    out = tmp_path / "soak.md"
+    assert main(["--minutes", "0.4", "--cameras", "2", "--fps", "10", "--interval-s", "4",
+                 "--warmup-s", "0", "--clip", str(samples.bikes), "--no-video",
+                 "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "2 simulated live cameras (bikes.mp4 looped, played at 10 fps)" in text
+    assert "pipeline exit code after SIGINT: 0" in text
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) >= 3, text
+    fps = [float(row[6]) for row in rows[1:] if row[6].strip()]
+    assert fps and max(fps) > 10, text  # two cameras at 10 frames/s each
