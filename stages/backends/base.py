@@ -79,9 +79,12 @@ def detect_layout(out_dims: list[int | str], height: int, width: int,
             return forced
         raise ValueError(f"output {shape} has a symbolic size: set model.layout; {SUPPORTED}")
     fits = set()
-    if isinstance(rows, int) and 4 < rows < columns:
+    anchors = yolo_anchor_counts(height, width)
+    # A YOLO head has at least the cells of one grid: ceil(H / 64) x ceil(W / 64) or more.
+    coarsest = -(-height // 64) * -(-width // 64)
+    if isinstance(rows, int) and 4 < rows < columns and (columns >= coarsest or forced == "yolov8"):
         fits.add("yolov8")
-    if 5 < columns < rows and rows in yolo_anchor_counts(height, width):
+    if 5 < columns < rows and rows in anchors:
         fits.add("yolov5")
     if columns == 6:
         fits.add("end2end")
@@ -99,9 +102,9 @@ def detect_layout(out_dims: list[int | str], height: int, width: int,
 
 def yolo_anchor_counts(height: int, width: int) -> set[int]:
     """Anchor counts of YOLO heads for a height x width input: one or three anchors per cell
-    of two or more consecutive grids of strides 8, 16, 32, 64 (YOLOv5 at 640: 25,200;
-    YOLOv3-tiny at 416: 2,535)."""
-    cells = [-(-height // stride) * -(-width // stride) for stride in (8, 16, 32, 64)]
+    of two or more consecutive grids of strides 4, 8, 16, 32, 64 (YOLOv8 at 640: 8,400;
+    YOLOv5 at 640: 25,200; YOLOv3-tiny at 416: 2,535)."""
+    cells = [-(-height // stride) * -(-width // stride) for stride in (4, 8, 16, 32, 64)]
     return {per_cell * sum(cells[first:last])
             for first in range(len(cells)) for last in range(first + 2, len(cells) + 1)
             for per_cell in (1, 3)}

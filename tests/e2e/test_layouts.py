@@ -87,6 +87,7 @@ def test_every_layout_on_the_gpu_path(samples, tmp_path, clip):
     (["batch", 84, 2535], (416, 416), "yolov8"),
     ([1, 25200, 85], (640, 640), "yolov5"),
     ([1, 300, 6], (640, 640), "end2end"),
+    ([1, 84, 34000], (640, 640), "yolov8"),  # a P2 head: 160² + 80² + 40² + 20² cells
 ])
 def test_layout_from_the_shape(dims, size, layout):
     assert detect_layout(dims, *size) == layout
@@ -94,12 +95,18 @@ def test_layout_from_the_shape(dims, size, layout):
 
 @pytest.mark.parametrize("dims, forced, message", [
     ([1, 84, 10], "auto", "fits no layout"),
+    # Not "1 class, 7 anchors": a 640 x 640 YOLO head has at least 10 x 10 anchors.
+    ([1, 5, 7], "auto", r"output \(batch, 5, 7\) fits no layout"),
     ([1, 25200, 6], "auto", "fits the end2end and the yolov5 layouts: set model.layout"),
     ([1, 84, 8400], "end2end", "is not the end2end layout"),
 ])
 def test_a_shape_that_fits_no_layout_or_two_is_an_error(dims, forced, message):
     with pytest.raises(ValueError, match=message):
         detect_layout(dims, 640, 640, forced)
+
+
+def test_a_forced_yolov8_layout_takes_any_anchor_count():
+    assert detect_layout([1, 5, 7], 640, 640, "yolov8") == "yolov8"
     assert detect_layout([1, 25200, 6], 640, 640, "yolov5") == "yolov5"
 
 
