@@ -113,7 +113,8 @@ def frame_results(part: BatchDetections, names: list[str] | None) -> list[FrameR
             pts=None if pts != pts else pts, capture_time=float(frames.capture_time[i]),
             width=int(frames.width[i]), height=int(frames.height[i]),
             detections=Detections(np.asarray(found.xyxy), np.asarray(found.confidence),
-                                  class_id),
+                                  class_id, None if found.tracker_id is None
+                                  else np.asarray(found.tracker_id)),
             class_names=tuple(names[c] if names and 0 <= c < len(names) else ""
                               for c in class_id.tolist())))
     return results

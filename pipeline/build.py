@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import av
 import structlog
@@ -12,10 +13,12 @@ import structlog
 from pipeline.config import ConfigError, PipelineConfig, is_stream_url
 from pipeline.gpu import GpuContext, gpu_unavailable_reason
 from pipeline.graph import Graph
+from pipeline.preview import PreviewHub
 from pipeline.records import BatchDetections
 from pipeline.slots import SlotRing, i420_bytes
 from pipeline.stage import SourceStage, Stage
 from pipeline.workers import DecodeWorkerPool, default_worker_count
+from stages.analytics import AnalyticsStage, Region
 from stages.annotate import AnnotateStage
 from stages.backends.base import read_model_info
 from stages.batcher import BatcherStage, DetectionSchedule
@@ -26,10 +29,15 @@ from stages.infer import InferStage, create_backend
 from stages.postprocess import DeviceNms, PostprocessStage
 from stages.preprocess import DevicePreprocess, HostPreprocess
 from stages.sinks import SinkStage
+from stages.tracking import TrackerSettings, TrackerStage
+
+if TYPE_CHECKING:
+    from pipeline.mqtt import MqttPublisher
 
 log = structlog.get_logger("build")
 
 DEFAULT_FRAME_SIZE = (1920, 1080)  # staging slot size when no source announces a larger one
+TRACK_GONE_MARGIN_S = 0.5  # analytics: a track unseen this long past tracker_lost_s is gone
 BATCH_SETS = 3  # batch sets: one being copied in, one on the GPU, one being read back
 
 
@@ -81,7 +89,7 @@ def frame_slots(config: PipelineConfig) -> int:
         return config.runtime.staging_slots
     batch, sources = config.inference.batch_size, len(config.sources)
     slots = batch * (BATCH_SETS + 2) + 2 * sources
-    if config.output.video is not None:
+    if config.output.video is not None or config.runtime.http is not None:
         slots += batch * 2 + 2 * sources
     return slots
 
@@ -91,9 +99,9 @@ def build_graph(config: PipelineConfig,
                 profile_gpu: bool = False) -> Graph:
     """Create every stage the configuration asks for and connect them.
 
-    sources (decode into the slot ring) -> batch -> infer -> postprocess -> [annotate] ->
-    sinks. On the GPU path every device buffer is allocated and every kernel compiled here,
-    before the first frame.
+    sources (decode into the slot ring) -> batch -> infer -> postprocess -> [filter] ->
+    [track] -> [analytics] -> [annotate] -> sinks. On the GPU path every device buffer is
+    allocated and every kernel compiled here, before the first frame.
     """
     try:
         info = read_model_info(config.model.path, config.model.layout)
@@ -109,6 +117,9 @@ def build_graph(config: PipelineConfig,
     filters = {i: f for i, source in enumerate(config.sources)
                if (f := SourceFilter.from_config(f"sources[{i}]", source, class_names,
                                                  info.num_classes)) is not None}
+    frame_sizes = {i: probe_frame_size(source.uri) for i, source in enumerate(config.sources)
+                   if not source.is_live or not is_stream_url(source.uri)}
+    regions = analytics_regions(config, class_names, info.num_classes, frame_sizes)
     gpu = create_gpu_context(config, profile_gpu)
     backend = create_backend(config.inference, Path(config.model.path), info, gpu,
                              first_file_source(config))
@@ -119,8 +130,8 @@ def build_graph(config: PipelineConfig,
 
     stop = threading.Event()
     inference = config.inference
-    sizes = sorted({s for s in (probe_frame_size(src.uri) for src in config.sources
-                                if not src.is_live) if s is not None})
+    sizes = sorted({s for i, src in enumerate(config.sources)
+                    if not src.is_live and (s := frame_sizes[i]) is not None})
     largest = max([DEFAULT_FRAME_SIZE, *sizes], key=lambda wh: wh[0] * wh[1])
     slot_bytes = i420_bytes(*largest)
     kinds = [decoder_kind(config, index, gpu) for index in range(len(config.sources))]
@@ -138,7 +149,10 @@ def build_graph(config: PipelineConfig,
         GpuDecodeStage(config.sources[index], gpu.device_id, ring)
         for index, kind in enumerate(kinds)]
     video = config.output.video is not None
-    release = None if video else ring.release  # the sinks release when they read the images
+    http = config.runtime.http
+    preview = PreviewHub(http.preview_fps, class_names) if http is not None else None
+    keep_images = video or preview is not None  # the sinks read the images: they release
+    release = None if keep_images else ring.release
     size = (info.input_height, info.input_width)
     schedule = DetectionSchedule([s.detect_every for s in config.sources],
                                  [s.detect_fps for s in config.sources])
@@ -159,8 +173,18 @@ def build_graph(config: PipelineConfig,
     chain: list[Stage] = [batcher, infer, postprocess]
     if filters:
         chain.append(DetectionFilterStage("filter", filters))
+    trackers = {source.name: settings for source in config.sources
+                if (settings := TrackerSettings.from_config(source)) is not None}
+    if trackers:
+        chain.append(TrackerStage("track", trackers))
+    publisher = create_publisher(config, list(regions))
+    if regions:
+        forget_s = {source.name: source.tracker_lost_s + TRACK_GONE_MARGIN_S
+                    for source in config.sources}
+        chain.append(AnalyticsStage("analytics", regions, class_names, forget_s, publisher))
     if video:
-        chain.append(AnnotateStage("annotate", class_names))
+        chain.append(AnnotateStage("annotate", class_names, regions))
+    events = config.output.events
     sinks = {
         source.name: SinkStage(
             f"sink:{source.name}",
@@ -168,20 +192,67 @@ def build_graph(config: PipelineConfig,
             config.output_path(config.output.jsonl, source.name) if config.output.jsonl else None,
             class_names,
             config.output.video_crf,
-            release_slots=ring.release if video else None,
+            release_slots=ring.release if keep_images else None,
             live=source.is_live,
+            tracked=source.name in trackers,
+            events_path=(config.output_path(events, source.name)
+                         if events and source.name in regions else None),
+            preview=preview,
         )
         for source in config.sources
     }
     graph = Graph(sources, chain, sinks, config.runtime.queue_size, on_batch_done, stop=stop,
-                  ring=ring, release_at_sink=video)
+                  ring=ring, release_at_sink=keep_images)
     graph.add_service(lambda: None, ring.close)
+    if publisher is not None:
+        graph.add_service(publisher.start, publisher.close)
     if pool is not None:
         log.info("decoding in worker processes", workers=len(pool.workers), sources=len(on_cpu),
                  setting="auto" if config.runtime.decode_workers is None else "runtime.decode_workers")
         graph.add_service(pool.start, pool.close)
     graph.gpu = gpu
+    graph.preview = preview
     return graph
+
+
+def analytics_regions(config: PipelineConfig, class_names: list[str] | None, num_classes: int,
+                      frame_sizes: dict[int, tuple[int, int] | None]) -> dict[str, list[Region]]:
+    """Each source's zones and lines (only sources that have some), resolved against the
+    model's classes.
+
+    Args:
+        frame_sizes: source position -> the (width, height) probed from its file, or None;
+            a camera's size is known at its first frame only (the analytics stage checks it
+            then, and leaves a region outside the frame out with an error in the log).
+
+    Raises:
+        ConfigError: a class the model does not have, or a region outside a file's frame.
+    """
+    regions: dict[str, list[Region]] = {}
+    for i, source in enumerate(config.sources):
+        found = [Region.from_config(f"sources[{i}].analytics[{k}]", region, source, class_names,
+                                    num_classes)
+                 for k, region in enumerate(source.analytics or ())]
+        size = frame_sizes.get(i)
+        for region in found if size is not None else ():
+            if (reason := region.frame_error(*size)) is not None:
+                raise ConfigError(f"{reason} of source {source.name!r}")
+        if found:
+            regions[source.name] = found
+    return regions
+
+
+def create_publisher(config: PipelineConfig, sources: list[str]) -> MqttPublisher | None:
+    """The MQTT publisher of the analytics of ``sources`` when ``output.mqtt`` is set, else
+    None (paho-mqtt is imported only then). Not started: ``graph.add_service`` starts it."""
+    if config.output.mqtt is None:
+        return None
+    if not sources:
+        log.warning("output.mqtt is set but no source has analytics: nothing to publish")
+        return None
+    from pipeline.mqtt import MqttPublisher
+
+    return MqttPublisher(config.output.mqtt, sources)
 
 
 def decoder_kind(config: PipelineConfig, index: int, gpu: GpuContext | None) -> str:
@@ -195,6 +266,7 @@ def decoder_kind(config: PipelineConfig, index: int, gpu: GpuContext | None) -> 
         return "cpu"
     reason = ("inference does not run on the GPU" if gpu is None else
               "output.video needs the frames on the host" if config.output.video else
+              "runtime.http's previews need the frames on the host" if config.runtime.http else
               gpu_decode_unavailable_reason())
     if reason is None:
         return "gpu"

@@ -89,7 +89,7 @@ def run_pipeline(config: PipelineConfig) -> int:
     from pipeline.records import BatchDetections
     from stages.infer import BackendUnavailable
 
-    exporter = None
+    exporter = server = None
     if config.runtime.metrics_port is not None:
         from pipeline.prometheus import PrometheusExporter
 
@@ -105,6 +105,11 @@ def run_pipeline(config: PipelineConfig) -> int:
             if exporter is not None:
                 port = exporter.start(graph)
                 log.info("serving Prometheus metrics", url=f"http://0.0.0.0:{port}/metrics")
+            if config.runtime.http is not None:
+                from pipeline.http import HttpServer
+
+                server = HttpServer(config.runtime.http, graph, graph.preview, config)
+                server.start()  # logs "serving the live view" with its URL
         except (ConfigError, DeviceUnavailable, BackendUnavailable) as error:
             print(f"error: {error}", file=sys.stderr)  # what was asked for cannot be had
             return EXIT_USAGE
@@ -124,6 +129,8 @@ def run_pipeline(config: PipelineConfig) -> int:
                 signal.signal(signum, handler)
             if exporter is not None:
                 exporter.stop()
+            if server is not None:
+                server.close()
     elapsed = time.monotonic() - started
     _log_summary(graph, elapsed)
     if interrupts["count"] >= 2:

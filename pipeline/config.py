@@ -9,6 +9,7 @@ and rejects unknown keys, wrong types and bad values with a ``ConfigError`` nami
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import types
@@ -32,6 +33,98 @@ MAX_BATCH_SIZE = 512
 
 def _doc(text: str, **extra: Any) -> dict[str, Any]:
     return {"doc": text, **extra}
+
+
+@dataclass
+class AnalyticsRegionConfig:
+    """A counting zone or line of one source (the source needs ``tracker: bytetrack``).
+
+    An object's place is the bottom centre of its box (where it stands). Only tracks seen in
+    at least ``min_track_frames`` frames count, and a change (entering, leaving, crossing)
+    counts once the object has been on its new side, more than ``margin_px`` from the line
+    or edge, for ``min_frames`` frames in a row: a box jittering on the line counts once.
+    """
+
+    type: Literal["zone", "line"] = field(
+        metadata=_doc("zone: a polygon; objects inside now, enter and exit events with the "
+                      "time spent inside. line: a directed line; in and out crossings."))
+    name: str = field(metadata=_doc("Name unique within the source, used in events, counts "
+                                    "and metrics (letters, digits, '_', '-', '.')."))
+    polygon: list[list[float]] | None = field(
+        default=None,
+        metadata=_doc("zone: its corners [[x, y], ...] (at least 3, frame pixels, inside the "
+                      "frame)."))
+    start: list[float] | None = field(
+        default=None, metadata=_doc("line: its start point [x, y] (frame pixels)."))
+    end: list[float] | None = field(
+        default=None,
+        metadata=_doc("line: its end point [x, y]. Direction: standing on start and looking "
+                      "at end (as the picture is shown), an object crossing from the left to "
+                      "the right counts as in, from the right to the left as out."))
+    classes: list[str | int] | None = field(
+        default=None, metadata=_doc("Count only these classes (names or ids), or null for all."))
+    min_track_frames: int = field(
+        default=3,
+        metadata=_doc("A track counts only once it has been in this many frames (a brief "
+                      "false track never counts).", min=1))
+    min_frames: int = field(
+        default=2,
+        metadata=_doc("Frames in a row an object must be seen on its new side before entering, "
+                      "leaving or crossing counts.", min=1))
+    margin_px: float = field(
+        default=3.0,
+        metadata=_doc("Hysteresis: an object closer than this to the line or to the zone's "
+                      "edge keeps the side it had.", min=0.0))
+
+    @property
+    def points(self) -> list[list[float]]:
+        """The polygon's corners (zone) or [start, end] (line)."""
+        if self.type == "zone":
+            return self.polygon or []
+        return [p for p in (self.start, self.end) if p is not None]
+
+    def check(self, key: str) -> None:
+        """Raise ConfigError unless the region is well formed (``key``: where it sits,
+        ``sources[0].analytics[1]``); that it lies inside the frame is checked once the
+        frame size is known (``outside_frame``)."""
+        if not _NAME_PATTERN.match(self.name):
+            raise ConfigError(f"{key}.name: expected letters, digits, '_', '-' or '.', got "
+                              f"{self.name!r}")
+        if self.classes is not None and not self.classes:
+            raise ConfigError(f"{key}.classes: expected class names or ids, or null for all, "
+                              "got an empty list")
+        if self.type == "zone":
+            for other in ("start", "end"):
+                if getattr(self, other) is not None:
+                    raise ConfigError(f"{key}.{other}: a zone has a polygon, not a start and "
+                                      "an end (or use type: line)")
+            if (self.polygon is None or len(self.polygon) < 3
+                    or any(len(p) != 2 for p in self.polygon)):
+                raise ConfigError(f"{key}.polygon: zone {self.name!r} needs a polygon of at "
+                                  f"least 3 [x, y] points, got {self.polygon!r}")
+            xs, ys = [p[0] for p in self.polygon], [p[1] for p in self.polygon]
+            doubled_area = sum(xs[i - 1] * ys[i] - xs[i] * ys[i - 1] for i in range(len(xs)))
+            if doubled_area == 0:
+                raise ConfigError(f"{key}.polygon: zone {self.name!r} encloses no area (its "
+                                  f"points lie on one line): {self.polygon!r}")
+            return
+        if self.polygon is not None:
+            raise ConfigError(f"{key}.polygon: a line has a start and an end, not a polygon "
+                              "(or use type: zone)")
+        for end in ("start", "end"):
+            point = getattr(self, end)
+            if point is None or len(point) != 2:
+                raise ConfigError(f"{key}.{end}: line {self.name!r} needs an [x, y] {end} "
+                                  f"point, got {point!r}")
+        if self.start == self.end:
+            raise ConfigError(f"{key}.end: line {self.name!r} has zero length (start and end "
+                              f"are both {self.start!r})")
+
+    def outside_frame(self, width: int, height: int) -> list[float] | None:
+        """The first point of the region outside a ``width`` x ``height`` frame (x in
+        0..width, y in 0..height), or None when all are inside."""
+        return next((p for p in self.points
+                     if not (0 <= p[0] <= width and 0 <= p[1] <= height)), None)
 
 
 @dataclass
@@ -105,6 +198,29 @@ class SourceConfig:
         metadata=_doc("Run the detector at most this many times a second of the source's "
                       "timestamps (instead of detect_every), or null.", min=0.01),
     )
+    tracker: Literal["none", "bytetrack"] = field(
+        default="none",
+        metadata=_doc("Track objects across frames: bytetrack gives each detection a "
+                      "tracker_id (ByteTrack of roboflow's trackers package; on frames the "
+                      "detector skips, the tracks' predicted boxes); none: no tracking."),
+    )
+    tracker_new_confidence: float = field(
+        default=0.3,
+        metadata=_doc("bytetrack: a detection scoring at least this starts a new track (and "
+                      "is matched first); weaker ones only continue tracks. Suits the small "
+                      "sample model; detectors with higher scores do better with ~0.6.",
+                      min=0.0, max=1.0),
+    )
+    tracker_lost_s: float = field(
+        default=1.0,
+        metadata=_doc("bytetrack: seconds a track whose object is no longer detected is kept, "
+                      "to give the object its id back when it is found again.", min=0.0),
+    )
+    analytics: list[AnalyticsRegionConfig] | None = field(
+        default=None,
+        metadata=_doc("Counting zones and lines (needs tracker: bytetrack); events go to "
+                      "output.events. null: none."),
+    )
 
     @property
     def is_live(self) -> bool:
@@ -133,6 +249,7 @@ class SourceConfig:
         if self.classes is not None and not self.classes:
             raise ConfigError(f"{key}.classes: expected class names or ids, or null for all, "
                               "got an empty list")
+        self._check_analytics(key)
         where = f"{key}.uri (source {self.name!r})"
         if not self.uri:
             raise ConfigError(f"{where}: expected a file path or a URL, got ''")
@@ -164,6 +281,20 @@ class SourceConfig:
             raise ConfigError(
                 f"{key}.reconnect_max_s: expected a value >= reconnect_initial_s "
                 f"({self.reconnect_initial_s}), got {self.reconnect_max_s}")
+
+    def _check_analytics(self, key: str) -> None:
+        if self.analytics is None:
+            return
+        if self.analytics and self.tracker == "none":
+            raise ConfigError(f"{key}.analytics: zones and lines count tracked objects; set "
+                              f"{key}.tracker: bytetrack")
+        names: set[str] = set()
+        for index, region in enumerate(self.analytics):
+            region.check(f"{key}.analytics[{index}]")
+            if region.name in names:
+                raise ConfigError(f"{key}.analytics[{index}].name: duplicate name "
+                                  f"{region.name!r} in this source's analytics")
+            names.add(region.name)
 
 
 @dataclass
@@ -269,6 +400,15 @@ class OutputConfig:
     video_crf: int = field(
         default=23, metadata=_doc("x264 quality (0 best .. 51 worst).", min=0, max=51)
     )
+    events: str | None = field(
+        default="{source}.events.jsonl",
+        metadata=_doc("JSON Lines file of analytics events (enter, exit, cross_in, cross_out), "
+                      "one per event, for the sources with analytics; null for none."),
+    )
+    mqtt: MqttConfig | None = field(
+        default=None,
+        metadata=_doc("Publish the analytics events and counts to an MQTT broker, or null."),
+    )
 
 
 @dataclass
@@ -280,8 +420,8 @@ class MqttConfig:
                                                   min=1, max=65535))
     username: str | None = field(default=None, metadata=_doc("User name, or null."))
     password: str | None = field(
-        default=None, metadata=_doc("Password, or null; use ${VAR} to keep it out of the file. "
-                                    "Never logged."))
+        default=None, repr=False,
+        metadata=_doc("Password, or null; use ${VAR} to keep it out of the file. Never logged."))
     tls: bool = field(default=False, metadata=_doc("Connect with TLS."))
     ca_file: str | None = field(
         default=None, metadata=_doc("TLS: CA certificate file to trust; null: the system's."))
@@ -295,6 +435,49 @@ class MqttConfig:
         metadata=_doc("Messages kept while the broker is away; beyond that the oldest are "
                       "dropped and counted.", min=1))
     keepalive_s: int = field(default=30, metadata=_doc("MQTT keepalive in seconds.", min=5))
+
+
+@dataclass
+class HttpConfig:
+    """The live view: a read-only HTTP API and a page with every source's preview, state
+    and counters (``pipeline/http.py``)."""
+
+    host: str = field(
+        default="127.0.0.1",
+        metadata=_doc("Address to bind: 127.0.0.1 (this machine only), 0.0.0.0 (every "
+                      "interface) or one of this machine's addresses; anything but loopback "
+                      "needs token."))
+    port: int = field(default=8080, metadata=_doc("TCP port; 0 picks a free one (logged).",
+                                                  min=0, max=65535))
+    token: str | None = field(
+        default=None,
+        metadata=_doc("Token every request must carry (Authorization: Bearer TOKEN; the page "
+                      "asks for it once), or null; required when host is not a loopback "
+                      "address. Use ${VAR} to keep it out of the file. Never logged."))
+    preview_fps: float = field(
+        default=5.0,
+        metadata=_doc("Most pictures a second per source in the previews (JPEG, encoded only "
+                      "while someone watches, never by a pipeline thread).", min=0.1, max=30.0))
+
+    def check(self, key: str) -> None:
+        """Raise ConfigError unless a token is set whenever ``host`` is not loopback, and
+        is not empty (``key``: ``runtime.http``)."""
+        if self.token is not None and not self.token.strip():
+            raise ConfigError(f"{key}.token: expected a non-empty token (an unset variable?), "
+                              "got ''")
+        if self.token is None and not is_loopback(self.host):
+            raise ConfigError(f"{key}.token: required when {key}.host is not a loopback "
+                              f"address (got {self.host!r}); use token: ${{VAR}}")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
 
 
 @dataclass
@@ -326,6 +509,10 @@ class RuntimeConfig:
                       "source, at most the core count less 2, at least 1 (logged). 0: decode "
                       "in threads of the pipeline process.", min=0),
     )
+    http: HttpConfig | None = field(
+        default=None,
+        metadata=_doc("Serve the live view (HTTP API and page: every source's preview, state "
+                      "and counters; GET /api/health), or null for none."))
     staging_slots: int = field(
         default=0,
         metadata=_doc("Host frame slots (frames in flight between decode and the last stage "
@@ -348,6 +535,17 @@ class PipelineConfig:
     def output_path(self, template: str, source: str) -> Path:
         """The path of one output file of ``source`` from its template."""
         return Path(self.output.dir) / template.format(source=source)
+
+    def sources_writing(self, key: str) -> list[SourceConfig]:
+        """The sources that write output ``key`` (one of ``OUTPUT_KEYS``) when it is set:
+        every source, except for ``events``: the sources with analytics."""
+        if key == "events":
+            return [source for source in self.sources if source.analytics]
+        return list(self.sources)
+
+
+# The per-source output files of ``OutputConfig``.
+OUTPUT_KEYS = ("video", "jsonl", "events")
 
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -385,15 +583,27 @@ def _describe(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[tp]
 
 
+def _same_shape(value: Any, tp: Any) -> bool:
+    """Whether ``value`` is a list and ``tp`` a list type, or a mapping and ``tp`` a section."""
+    if isinstance(value, list):
+        return typing.get_origin(tp) is list
+    return isinstance(value, dict) and dataclasses.is_dataclass(tp)
+
+
 def _convert(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the type ``tp`` and return it converted; raise ConfigError."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
+        closest = None
         for option in typing.get_args(tp):
             try:
                 return _convert(value, option, key)
-            except ConfigError:
-                continue
+            except ConfigError as error:
+                # A list or mapping that fails inside (a zone's bad key) keeps that message.
+                if closest is None and _same_shape(value, option):
+                    closest = error
+        if closest is not None:
+            raise closest
     elif origin is Literal:
         if value in typing.get_args(tp):
             return value
@@ -467,11 +677,11 @@ def _check_semantics(config: PipelineConfig, base_dir: Path) -> None:
     for key, path in (("model.path", config.model.path), ("model.class_names", config.model.class_names)):
         if path is not None and not (base_dir / path).is_file():
             raise ConfigError(f"{key}: file not found: {path!r}")
-    for key in ("video", "jsonl"):
+    for key in OUTPUT_KEYS:
         template = getattr(config.output, key)
         if template is None:
             continue
-        if "{source}" not in template and len(config.sources) > 1:
+        if "{source}" not in template and len(config.sources_writing(key)) > 1:
             raise ConfigError(
                 f"output.{key}: with several sources the path must contain {{source}}, got {template!r}"
             )
@@ -482,6 +692,8 @@ def _check_semantics(config: PipelineConfig, base_dir: Path) -> None:
                 f"output.{key}: only {{source}} may be used in the path, got {template!r}"
             ) from None
     _check_output_paths(config, base_dir)
+    if config.runtime.http is not None:
+        config.runtime.http.check("runtime.http")
 
 
 def partial_path(path: Path) -> Path:
@@ -497,9 +709,9 @@ def _check_output_paths(config: PipelineConfig, base_dir: Path) -> None:
         raise ConfigError(f"output.dir: {config.output.dir!r} exists and is not a folder")
     owners: dict[str, str] = {}
     for source in config.sources:
-        for key in ("video", "jsonl"):
+        for key in OUTPUT_KEYS:
             template = getattr(config.output, key)
-            if template is None:
+            if template is None or source not in config.sources_writing(key):
                 continue
             final = Path(os.path.normpath(folder / template.format(source=source.name)))
             for path, what in ((final, f"output.{key} of source {source.name!r}"),
@@ -656,9 +868,12 @@ def describe_schema(cls: type = PipelineConfig, prefix: str = "") -> list[str]:
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         tp = hints[f.name]
-        inner = typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        shown = options[0] if typing.get_origin(tp) in (typing.Union, types.UnionType) and \
+            len(options) == 1 else tp  # X | None is described as X
+        inner = typing.get_args(shown)[0] if typing.get_origin(shown) is list else shown
         if dataclasses.is_dataclass(inner):
-            suffix = "[]" if inner is not tp else ""
+            suffix = "[]" if inner is not shown else ""
             lines.append(f"{key}{suffix}: {f.metadata.get('doc', '')}")
             lines.extend(describe_schema(inner, f"  {key}{suffix}."))
             continue

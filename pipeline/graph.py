@@ -84,6 +84,7 @@ class Graph:
         self.stop_reading = threading.Event()
         self._stop = stop or threading.Event()  # shared with stages that wait on GPU buffers
         self.gpu: Any = None  # the GpuContext on the GPU path (for profiling), else None
+        self.preview: Any = None  # the live view's PreviewHub (runtime.http), else None
         self.ring = ring
         self._on_batch_done = on_batch_done
         self._error: tuple[str, BaseException] | None = None

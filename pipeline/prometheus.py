@@ -20,7 +20,16 @@ pipeline_source_reconnects_total           counter  source: reconnection attempt
 pipeline_queue_depth                       gauge    queue (the stage or sink it feeds): items
 pipeline_frame_latency_seconds             histo    source: capture to sink (``_bucket`` with
                                                     ``le``, ``_sum``, ``_count``)
+pipeline_line_crossings_total              counter  source, line, class, direction (in, out):
+                                                    crossings of a counting line
+pipeline_zone_events_total                 counter  source, zone, class, kind (enter, exit):
+                                                    entries into and exits from a zone
+pipeline_zone_objects                      gauge    source, zone, class: objects inside now
 =========================================  =======  =========================================
+
+The analytics metrics are the counts of the graph's ``AnalyticsStage`` (a running sum of the
+events it emitted, the same numbers as the events file and MQTT); a zone's or line's
+configured classes appear from the start, with zeros, other classes from their first event.
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+from stages.analytics import AnalyticsStage
 
 # Capture-to-sink latency: a few ms (GPU, batch 1) up to seconds (a backlog of file frames).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -100,7 +111,8 @@ class GraphCollector(Collector):
     Args:
         graph: a ``pipeline.graph.Graph``; read through ``stage_metrics`` (name ->
             ``StageMetrics``), ``source_metrics`` (name -> ``SourceMetrics``),
-            ``refresh_source_metrics()`` and ``queue_depths()`` (queue name -> items).
+            ``refresh_source_metrics()``, ``queue_depths()`` (queue name -> items) and, when
+            it has them, the ``AnalyticsStage`` of its ``chain`` (``counts()``).
         latency: the latency histogram to expose with the graph's counters, or None; every
             source of the graph appears in it, with zeros until its first frame.
     """
@@ -158,6 +170,11 @@ class GraphCollector(Collector):
         if self.latency is not None:
             yield self.latency.family(list(graph.source_metrics))
 
+        for stage in getattr(graph, "chain", ()):
+            if isinstance(stage, AnalyticsStage):
+                yield from analytics_families(stage.counts())
+
+
     def _rate(self, name: str, frames: int, now: float) -> float:
         """Frames/s since the oldest sample still at least ``FPS_WINDOW_S`` old."""
         with self._lock:
@@ -167,6 +184,31 @@ class GraphCollector(Collector):
                 history.popleft()
             then, before = history[0]
         return (frames - before) / (now - then) if now > then else 0.0
+
+
+def analytics_families(counts: dict[str, dict[str, Any]]) -> list[Metric]:
+    """The analytics metrics (module docstring) of ``counts``: source name -> its counts as
+    ``stages.analytics.AnalyticsCounts.to_json`` gives them."""
+    crossings = CounterMetricFamily("pipeline_line_crossings",
+                                    "Objects that crossed a counting line, by direction.",
+                                    labels=["source", "line", "class", "direction"])
+    zone_events = CounterMetricFamily("pipeline_zone_events",
+                                      "Objects that entered (enter) or left (exit) a zone.",
+                                      labels=["source", "zone", "class", "kind"])
+    inside = GaugeMetricFamily("pipeline_zone_objects", "Objects inside a zone now.",
+                               labels=["source", "zone", "class"])
+    for source, source_counts in counts.items():
+        for line, directions in source_counts["lines"].items():
+            for direction in ("in", "out"):
+                for cls, value in directions[direction].items():
+                    crossings.add_metric([source, line, cls, direction], value)
+        for zone, kinds in source_counts["zones"].items():
+            for kind, key in (("enter", "entered"), ("exit", "exited")):
+                for cls, value in kinds[key].items():
+                    zone_events.add_metric([source, zone, cls, kind], value)
+            for cls, value in kinds["inside"].items():
+                inside.add_metric([source, zone, cls], value)
+    return [crossings, zone_events, inside]
 
 
 class PrometheusExporter:

@@ -2,19 +2,22 @@
 
 ```
 decode --Frame--> batcher --FrameBatch--> infer --ModelOutputs--> postprocess
-       --BatchDetections--> annotate --> split by source once per batch --> sinks
+       --BatchDetections--> [filter] --> [track] --> [analytics] --> [annotate]
+       --> split by source once per batch --> sinks
 ```
 
 Before the batcher the unit is one decoded ``Frame``. From the batcher on, the unit is the
 batch: ``FrameBatch`` holds the batch's frames as columns (arrays of source, frame index,
 pts, ...), ``BatchDetections`` holds all their detections in flat arrays with per-frame
-offsets, and the per-frame ``Detections`` users see is a view of it. Batch records are
-validated once, in ``__post_init__``, not per frame. Arrays may be NumPy (host) or CuPy
+offsets, and the per-frame ``Detections`` users see is a view of it; tracking adds each
+detection's ``tracker_id``, analytics the batch's ``AnalyticsEvent`` records. Batch records
+are validated once, in ``__post_init__``, not per frame. Arrays may be NumPy (host) or CuPy
 (device) arrays where a docstring says so; the records never import CuPy themselves.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -41,20 +44,26 @@ class Detections:
         xyxy: (n, 4) float32 boxes as x1, y1, x2, y2; host (NumPy) or device (CuPy).
         confidence: (n,) float32 scores in [0, 1], same device as ``xyxy``.
         class_id: (n,) int32 class indices, same device as ``xyxy``.
+        tracker_id: (n,) int64 track ids, same device as ``xyxy`` (-1: not tracked), or None
+            when the source is not tracked.
 
     The layout matches ``supervision.Detections``, so
-    ``sv.Detections(xyxy=d.xyxy, confidence=d.confidence, class_id=d.class_id)`` copies nothing.
+    ``sv.Detections(xyxy=d.xyxy, confidence=d.confidence, class_id=d.class_id,
+    tracker_id=d.tracker_id)`` copies nothing.
     """
 
     xyxy: Any
     confidence: Any
     class_id: Any
+    tracker_id: Any = None
 
     def __post_init__(self) -> None:
         _check_shape("xyxy", self.xyxy, (None, 4))
         n = self.xyxy.shape[0]
         _check_shape("confidence", self.confidence, (n,))
         _check_shape("class_id", self.class_id, (n,))
+        if self.tracker_id is not None:
+            _check_shape("tracker_id", self.tracker_id, (n,))
 
     @classmethod
     def empty(cls) -> Detections:
@@ -72,7 +81,8 @@ class Detections:
         """Select detections with a boolean mask, an index array or a slice."""
         if isinstance(index, (int, np.integer)):
             index = slice(int(index), int(index) + 1)
-        return Detections(self.xyxy[index], self.confidence[index], self.class_id[index])
+        return Detections(self.xyxy[index], self.confidence[index], self.class_id[index],
+                          None if self.tracker_id is None else self.tracker_id[index])
 
 
 @dataclass
@@ -289,6 +299,12 @@ class BatchDetections:
         confidence: (m,) float32 scores.
         class_id: (m,) int32 class indices.
         offsets: (n + 1,) int64, non-decreasing, ``offsets[0] == 0``, ``offsets[n] == m``.
+        tracker_id: (m,) int64 track ids (-1: not tracked: the source has no tracker, or the
+            detection is not part of a confirmed track), or None when no source is tracked.
+            On a frame the detector skipped (``frames.detect``), a tracked source's
+            detections are its tracks' predicted boxes.
+        events: the analytics events of these frames (zone entries and exits, line
+            crossings), in batch order; empty when no source has analytics.
     """
 
     frames: FrameBatch
@@ -296,6 +312,8 @@ class BatchDetections:
     confidence: np.ndarray
     class_id: np.ndarray
     offsets: np.ndarray
+    tracker_id: np.ndarray | None = None
+    events: tuple[AnalyticsEvent, ...] = ()
 
     def __post_init__(self) -> None:
         m, n = self.xyxy.shape[0], len(self.frames)
@@ -303,6 +321,10 @@ class BatchDetections:
         _check_shape("confidence", self.confidence, (m,))
         _check_shape("class_id", self.class_id, (m,))
         _check_shape("offsets", self.offsets, (n + 1,))
+        if self.tracker_id is not None:
+            _check_shape("tracker_id", self.tracker_id, (m,))
+            if self.tracker_id.dtype != np.int64:
+                raise ValueError(f"tracker_id must be int64, got {self.tracker_id.dtype}")
         if int(self.offsets[0]) != 0 or int(self.offsets[-1]) != m or (
                 n and bool((np.diff(self.offsets) < 0).any())):
             raise ValueError(f"offsets must rise from 0 to {m}, got {self.offsets.tolist()}")
@@ -315,7 +337,8 @@ class BatchDetections:
         """The detections of the frame at batch position ``row``: views, no copy."""
         start, end = int(self.offsets[row]), int(self.offsets[row + 1])
         return Detections(self.xyxy[start:end], self.confidence[start:end],
-                          self.class_id[start:end])
+                          self.class_id[start:end],
+                          None if self.tracker_id is None else self.tracker_id[start:end])
 
     @property
     def counts(self) -> np.ndarray:
@@ -331,9 +354,17 @@ class BatchDetections:
         starts = self.offsets[rows]
         # Row numbers of every kept detection, frame by frame, in one vectorised gather.
         detection_rows = np.repeat(starts - offsets[:-1], counts) + np.arange(offsets[-1])
-        return BatchDetections(self.frames.select(rows), self.xyxy[detection_rows],
+        frames = self.frames.select(rows)
+        events = self.events
+        if events:
+            chosen = set(zip(frames.source.tolist(), frames.index.tolist()))
+            ids = {name: i for i, name in enumerate(frames.source_names)}
+            events = tuple(e for e in events if (ids[e.source], e.frame) in chosen)
+        return BatchDetections(frames, self.xyxy[detection_rows],
                                self.confidence[detection_rows], self.class_id[detection_rows],
-                               offsets)
+                               offsets,
+                               None if self.tracker_id is None else self.tracker_id[detection_rows],
+                               events)
 
     def keep(self, mask: np.ndarray) -> BatchDetections:
         """The same frames with only the detections where ``mask`` ((m,) bool host array) is
@@ -341,7 +372,9 @@ class BatchDetections:
         kept_before = np.zeros(len(mask) + 1, np.int64)
         np.cumsum(mask, out=kept_before[1:])
         return BatchDetections(self.frames, self.xyxy[mask], self.confidence[mask],
-                               self.class_id[mask], kept_before[self.offsets])
+                               self.class_id[mask], kept_before[self.offsets],
+                               None if self.tracker_id is None else self.tracker_id[mask],
+                               self.events)
 
     def by_source(self) -> list[tuple[str, BatchDetections]]:
         """The batch split by source (once per batch): (source name, its frames in batch
@@ -363,7 +396,8 @@ class BatchDetections:
         counts[rows] = self.counts
         offsets = np.zeros(len(frames) + 1, np.int64)
         np.cumsum(counts, out=offsets[1:])
-        return BatchDetections(frames, self.xyxy, self.confidence, self.class_id, offsets)
+        return BatchDetections(frames, self.xyxy, self.confidence, self.class_id, offsets,
+                               self.tracker_id, self.events)
 
     @classmethod
     def from_padded(cls, frames: FrameBatch, boxes: np.ndarray, scores: np.ndarray,
@@ -385,17 +419,102 @@ class BatchDetections:
                    offsets)
 
     @classmethod
-    def from_lists(cls, frames: FrameBatch, per_frame: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
-                   ) -> BatchDetections:
+    def from_lists(cls, frames: FrameBatch, per_frame: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                   tracker_ids: list[np.ndarray] | None = None) -> BatchDetections:
         """Concatenate per-frame results (the CPU reference's layout): per frame (xyxy (k, 4)
-        float32, scores (k,) float32, class_ids (k,) int32) host arrays in frame pixels."""
+        float32, scores (k,) float32, class_ids (k,) int32) host arrays in frame pixels, and
+        when given, per frame the (k,) int64 host array of their track ids."""
         counts = [len(scores) for _, scores, _ in per_frame]
         offsets = np.zeros(len(per_frame) + 1, np.int64)
         np.cumsum(counts, out=offsets[1:])
+        tracker_id = None if tracker_ids is None else np.concatenate(
+            [np.empty(0, np.int64), *(np.asarray(t, np.int64) for t in tracker_ids)])
         if not per_frame:
             return cls(frames, np.empty((0, 4), np.float32), np.empty(0, np.float32),
-                       np.empty(0, np.int32), offsets)
+                       np.empty(0, np.int32), offsets, tracker_id)
         return cls(frames,
                    np.concatenate([np.asarray(x, np.float32).reshape(-1, 4) for x, _, _ in per_frame]),
                    np.concatenate([np.asarray(s, np.float32) for _, s, _ in per_frame]),
-                   np.concatenate([np.asarray(c, np.int32) for _, _, c in per_frame]), offsets)
+                   np.concatenate([np.asarray(c, np.int32) for _, _, c in per_frame]), offsets,
+                   tracker_id)
+
+
+# Kinds of analytics event, and whether each happens at a zone or at a line.
+EVENT_KINDS = {"enter": "zone", "exit": "zone", "cross_in": "line", "cross_out": "line"}
+
+
+@dataclass(frozen=True)
+class AnalyticsEvent:
+    """One analytics event: a track entered or left a zone, or crossed a line.
+
+    Attributes:
+        source: the source's name.
+        kind: "enter" or "exit" (a zone), "cross_in" or "cross_out" (a line; in: from the
+            left to the right of start -> end as the picture is shown).
+        region: the name of the zone or line (unique within the source).
+        frame: index of the frame on which the event was confirmed.
+        pts: that frame's presentation time in seconds, or None when unknown.
+        capture_time: that frame's wall-clock capture time (``time.time()``).
+        tracker_id: the track's id (>= 0).
+        class_id: the track's class: for a zone's enter and exit, its class when it entered
+            (so each zone's entries and exits by class add up); for a crossing, its class then.
+        class_name: the class's name, or None when the model has no names.
+        confidence: the detection's score on that frame (the last detected one when the
+            track is predicted or gone).
+        xyxy: the track's box on that frame (its last box when it is gone), frame pixels.
+        dwell_s: for an exit, seconds of the stream's timestamps from the first to the last
+            frame the track was seen inside; None for the other kinds.
+    """
+
+    source: str
+    kind: str
+    region: str
+    frame: int
+    pts: float | None
+    capture_time: float
+    tracker_id: int
+    class_id: int
+    class_name: str | None
+    confidence: float
+    xyxy: tuple[float, float, float, float]
+    dwell_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in EVENT_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(EVENT_KINDS)}, got {self.kind!r}")
+        if (self.dwell_s is not None) != (self.kind == "exit"):
+            raise ValueError(f"dwell_s is set on exits only, got {self.dwell_s!r} on {self.kind}")
+        if self.dwell_s is not None and not (self.dwell_s >= 0 and math.isfinite(self.dwell_s)):
+            raise ValueError(f"dwell_s must be a finite number >= 0, got {self.dwell_s!r}")
+        if self.tracker_id < 0 or self.frame < 0:
+            raise ValueError(f"tracker_id and frame must be >= 0, got {self.tracker_id} and "
+                             f"{self.frame}")
+        if len(self.xyxy) != 4:
+            raise ValueError(f"xyxy must have 4 values, got {len(self.xyxy)}")
+
+    @property
+    def region_type(self) -> str:
+        """"zone" or "line": where the event happened."""
+        return EVENT_KINDS[self.kind]
+
+    def to_json(self) -> dict[str, Any]:
+        """The event as a JSON-ready dict: ``{"source", "capture_time", "pts", "frame",
+        "kind", "zone" or "line" (the name), "tracker_id", "class_id", "class_name",
+        "confidence", "xyxy"}``, and ``"dwell_s"`` on an exit (times rounded to 6 digits,
+        the score to 4, the box to 2; ``class_name`` null when unknown)."""
+        record: dict[str, Any] = {
+            "source": self.source,
+            "capture_time": round(self.capture_time, 6),
+            "pts": self.pts,
+            "frame": self.frame,
+            "kind": self.kind,
+            self.region_type: self.region,
+            "tracker_id": self.tracker_id,
+            "class_id": self.class_id,
+            "class_name": self.class_name,
+            "confidence": round(self.confidence, 4),
+            "xyxy": [round(float(v), 2) for v in self.xyxy],
+        }
+        if self.dwell_s is not None:
+            record["dwell_s"] = round(self.dwell_s, 6)
+        return record

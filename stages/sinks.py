@@ -1,4 +1,5 @@
-"""Sinks: per source, an annotated H.264 MP4 and a JSON Lines file of detections.
+"""Sinks: per source, an annotated H.264 MP4, a JSON Lines file of detections and, for a
+source with analytics, a JSON Lines file of its events.
 
 A sink gets its own source's frames only, in frame order, as ``BatchDetections`` parts (the
 graph splits every batch by source once, with ``BatchDetections.by_source``), and writes
@@ -24,6 +25,7 @@ import numpy as np
 import structlog
 
 from pipeline.config import partial_path
+from pipeline.preview import PreviewHub
 from pipeline.records import BatchDetections, EndOfStream
 from pipeline.stage import Stage
 
@@ -34,18 +36,21 @@ FRAGMENT_S = 2.0  # a live camera's MP4: a keyframe, and so a fragment, this oft
 
 
 def detection_records(xyxy: np.ndarray, confidence: np.ndarray, class_id: np.ndarray,
-                      class_names: list[str] | None = None) -> list[dict[str, Any]]:
+                      class_names: list[str] | None = None,
+                      tracker_id: np.ndarray | None = None) -> list[dict[str, Any]]:
     """Plain dicts for JSON output, one per detection, in row order.
 
     Each is ``{"class_id", "confidence" (rounded to 4 digits), "xyxy" (each rounded to 2
-    digits), "class_name"}``, ``class_name`` only when ``class_names`` is given and the id
-    indexes it. The arrays are converted to Python lists once (``tolist``), not per value.
+    digits), "class_name", "tracker_id"}``, ``class_name`` only when ``class_names`` is
+    given and the id indexes it, ``tracker_id`` only when ``tracker_id`` is given. The arrays
+    are converted to Python lists once (``tolist``), not per value.
 
     Args:
         xyxy: (m, 4) float32 host array, boxes x1, y1, x2, y2 in frame pixels.
         confidence: (m,) float32 host array.
         class_id: (m,) int32 host array.
         class_names: names indexed by class id, or None.
+        tracker_id: (m,) int64 host array (-1: not part of a confirmed track), or None.
     """
     names = class_names or []
     out = []
@@ -58,17 +63,23 @@ def detection_records(xyxy: np.ndarray, confidence: np.ndarray, class_id: np.nda
         if 0 <= cls < len(names):
             record["class_name"] = names[cls]
         out.append(record)
+    if tracker_id is not None:
+        for record, track in zip(out, tracker_id.tolist()):
+            record["tracker_id"] = track
     return out
 
 
-def frame_records(item: BatchDetections,
-                  class_names: list[str] | None = None) -> list[dict[str, Any]]:
+def frame_records(item: BatchDetections, class_names: list[str] | None = None,
+                  tracked: bool = False) -> list[dict[str, Any]]:
     """One JSON-ready dict per frame of ``item``, in batch order: ``{"source", "frame",
     "pts" (None when unknown), "capture_time" (rounded to 6 digits), "detections"}`` with
-    the detections as ``detection_records`` makes them (``[]`` for a frame without any),
-    and ``"detected": false`` on a frame the detector skipped (``detect_every``/``detect_fps``)."""
+    the detections as ``detection_records`` makes them (``[]`` for a frame without any; with
+    their ``tracker_id`` when ``tracked`` and the batch has track ids), and ``"detected":
+    false`` on a frame the detector skipped (``detect_every``/``detect_fps``: with tracking,
+    its detections are the tracks' predicted boxes)."""
     frames = item.frames
-    detections = detection_records(item.xyxy, item.confidence, item.class_id, class_names)
+    detections = detection_records(item.xyxy, item.confidence, item.class_id, class_names,
+                                   item.tracker_id if tracked else None)
     offsets = item.offsets.tolist()
     names = frames.source_names
     records = []
@@ -179,18 +190,24 @@ class JsonlWriter:
 
     A batch part's lines go out in one ``write`` and one flush: a crash loses at most the
     last batch part (the one being written), never a line of an earlier one.
+
+    Args:
+        path: the final path.
+        class_names: names indexed by class id, or None.
+        tracked: the source is tracked: each detection carries its ``tracker_id``.
     """
 
-    def __init__(self, path: Path, class_names: list[str] | None) -> None:
+    def __init__(self, path: Path, class_names: list[str] | None, tracked: bool = False) -> None:
         self.path = path
         self.class_names = class_names
+        self.tracked = tracked
         partial_path(path).parent.mkdir(parents=True, exist_ok=True)
         self._file = open(partial_path(path), "w")
         self.frames = 0
 
     def write(self, item: BatchDetections) -> None:
         """Append one line per frame of ``item``, in batch order, and flush."""
-        records = frame_records(item, self.class_names)
+        records = frame_records(item, self.class_names, self.tracked)
         if not records:
             return
         self._file.write("".join(json.dumps(record, separators=(",", ":")) + "\n"
@@ -206,6 +223,26 @@ class JsonlWriter:
             partial_path(self.path).unlink(missing_ok=True)
 
 
+class EventsWriter(JsonlWriter):
+    """One JSON object per analytics event (``AnalyticsEvent.to_json``), in frame order; a
+    batch part's events go out in one ``write`` and one flush. ``frames`` counts the frames
+    seen (with or without events), ``events`` the lines written."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, None)
+        self.events = 0
+
+    def write(self, item: BatchDetections) -> None:
+        """Append one line per event of ``item`` (if any) and flush."""
+        self.frames += len(item)
+        if not item.events:
+            return
+        self._file.write("".join(json.dumps(event.to_json(), separators=(",", ":")) + "\n"
+                                 for event in item.events))
+        self._file.flush()
+        self.events += len(item.events)
+
+
 class SinkStage(Stage):
     """Writes one source's frames to its outputs, one batch part at a time.
 
@@ -216,6 +253,8 @@ class SinkStage(Stage):
         class_names: names indexed by class id, or None.
         crf: x264 quality.
         live: the source is a live camera: its MP4 is fragmented (``VideoWriter``).
+        tracked: the source is tracked: its JSONL detections carry ``tracker_id``.
+        events_path: the analytics events JSONL path, or None.
         release_slots: called once per batch part, after all its frames were written, with
             ``item.frames.slot`` ((k,) int32 host array: the slot-ring slots of the part's k
             frames; -1 for a frame that holds none, which the callable must ignore), so the
@@ -227,29 +266,35 @@ class SinkStage(Stage):
     def __init__(self, name: str, video_path: Path | None, jsonl_path: Path | None,
                  class_names: list[str] | None, crf: int = 23,
                  release_slots: Callable[[np.ndarray], None] | None = None,
-                 live: bool = False) -> None:
+                 live: bool = False, tracked: bool = False,
+                 events_path: Path | None = None, preview: PreviewHub | None = None) -> None:
         super().__init__(name)
-        self.live = live
-        self.video_path, self.jsonl_path = video_path, jsonl_path
+        self.live, self.tracked = live, tracked
+        self.video_path, self.jsonl_path, self.events_path = video_path, jsonl_path, events_path
         self.class_names, self.crf = class_names, crf
         self.release_slots = release_slots
-        self.writers: list[VideoWriter | JsonlWriter] = []
+        self.preview = preview
+        self.writers: list[VideoWriter | JsonlWriter | EventsWriter] = []
         self.complete = False
 
     def open(self) -> None:
-        for path in (self.video_path, self.jsonl_path):
+        for path in (self.video_path, self.jsonl_path, self.events_path):
             if path is not None:  # an older run's outputs must not pass for this run's
                 path.unlink(missing_ok=True)
                 partial_path(path).unlink(missing_ok=True)
         if self.video_path is not None:
             self.writers.append(VideoWriter(self.video_path, self.crf, fragmented=self.live))
         if self.jsonl_path is not None:
-            self.writers.append(JsonlWriter(self.jsonl_path, self.class_names))
+            self.writers.append(JsonlWriter(self.jsonl_path, self.class_names, self.tracked))
+        if self.events_path is not None:
+            self.writers.append(EventsWriter(self.events_path))
 
     def process(self, item: BatchDetections) -> Iterable[BatchDetections]:
         """Write a batch part (this source's frames only, in frame order) to every output,
         then release its slots."""
         try:
+            if self.preview is not None:  # before the slots go back: it may copy a picture
+                self.preview.offer_part(item, annotated=self.video_path is not None)
             for writer in self.writers:
                 writer.write(item)
         finally:
@@ -260,6 +305,8 @@ class SinkStage(Stage):
     def end_of_stream(self, eos: EndOfStream) -> Iterable[EndOfStream]:
         # A source that failed leaves its outputs under their .partial names.
         self.complete = eos.error is None
+        if self.preview is not None:
+            self.preview.end(eos.source, eos.error)
         return ()
 
     def close(self) -> None:

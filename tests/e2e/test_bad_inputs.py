@@ -176,6 +176,29 @@ CASES = [
          "model.class_names: 5 names in '{five_names}', but the model has 80 classes"),
     Case("no sources", lambda c, m: c.update(sources=[]), USAGE,
          "sources: expected at least one source, got an empty list"),
+    # -- analytics: the frame size is known from the file (a camera's: at its first frame) --
+    Case("a zone of two points", source(tracker="bytetrack", analytics=[
+        {"type": "zone", "name": "dock", "polygon": [[0, 0], [10, 10]]}]), USAGE,
+         "sources[0].analytics[0].polygon: zone 'dock' needs a polygon of at least 3 [x, y] "
+         "points, got [[0.0, 0.0], [10.0, 10.0]]"),
+    Case("a line of zero length", source(tracker="bytetrack", analytics=[
+        {"type": "line", "name": "gate", "start": [10, 10], "end": [10, 10]}]), USAGE,
+         "sources[0].analytics[0].end: line 'gate' has zero length (start and end are both "
+         "[10.0, 10.0])"),
+    Case("an unknown class in a zone", source(tracker="bytetrack", analytics=[
+        {"type": "line", "name": "gate", "start": [0, 60], "end": [300, 60],
+         "classes": ["car", "unicorn"]}]), USAGE,
+         "sources[0].analytics[0].classes: the model has no class 'unicorn' (its classes: "
+         "person, bicycle"),
+    Case("a zone outside the frame", source(tracker="bytetrack", analytics=[
+        {"type": "line", "name": "gate", "start": [0, 60], "end": [300, 60]},
+        {"type": "zone", "name": "dock", "polygon": [[0, 0], [400, 0], [400, 100]]}]), USAGE,
+         "sources[0].analytics[1].polygon: zone 'dock' has the point [400, 0] outside the "
+         "320x136 frame of source 'cam'"),
+    Case("analytics without tracking", source(analytics=[
+        {"type": "line", "name": "gate", "start": [0, 60], "end": [300, 60]}]), USAGE,
+         "sources[0].analytics: zones and lines count tracked objects; set "
+         "sources[0].tracker: bytetrack"),
     # -- sources that cannot be read: exit 1, one line naming the source -----------------
     Case("not a video", source(uri="text"), FAILED,
          "error: source cam: cannot open {text}: Invalid data found when processing input"),

@@ -170,3 +170,124 @@ def test_credentials_never_appear_in_config_errors(files: Path) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(data)
     assert "hunter2" not in str(info.value) and "gopher://***@cam/x" in str(info.value)
+
+
+# -- tracking and analytics ---------------------------------------------------------------
+
+ZONE = {"type": "zone", "name": "dock", "polygon": [[0, 0], [100, 0], [100, 80]],
+        "classes": ["person"]}
+LINE = {"type": "line", "name": "gate", "start": [0, 50], "end": [200, 50]}
+
+
+def with_analytics(*regions: dict, tracker: str = "bytetrack", **output: object) -> dict:
+    data = base()
+    data["sources"][0].update(tracker=tracker, analytics=[dict(r) for r in regions])
+    if output:
+        data["output"] = output
+    return data
+
+
+def test_analytics_regions_are_parsed_with_defaults(files: Path) -> None:
+    config = parse_config(with_analytics(ZONE, LINE))
+    source = config.sources[0]
+    assert source.tracker == "bytetrack" and source.tracker_lost_s == 1.0
+    zone, line = source.analytics
+    assert (zone.type, zone.name, zone.polygon, zone.classes) == \
+        ("zone", "dock", [[0.0, 0.0], [100.0, 0.0], [100.0, 80.0]], ["person"])
+    assert (line.points, line.classes, line.min_track_frames, line.min_frames) == \
+        ([[0.0, 50.0], [200.0, 50.0]], None, 3, 2)
+    assert config.output.events == "{source}.events.jsonl" and config.output.mqtt is None
+    assert parse_config(base()).sources[0].tracker == "none"
+
+
+def test_mqtt_output_is_a_section(files: Path) -> None:
+    config = parse_config(with_analytics(LINE, mqtt={"host": "broker", "port": 8883, "tls": True}))
+    assert (config.output.mqtt.host, config.output.mqtt.port, config.output.mqtt.tls) == \
+        ("broker", 8883, True)
+    with pytest.raises(ConfigError, match=r"output.mqtt.hots: unknown key; allowed keys here: "
+                                          r"host, port"):
+        parse_config(with_analytics(LINE, mqtt={"hots": "broker"}))
+
+
+BAD_REGIONS = [
+    # (region, text the message must contain)
+    ({**ZONE, "polygon": [[0, 0], [10, 10]]},
+     "sources[0].analytics[0].polygon: zone 'dock' needs a polygon of at least 3 [x, y] points, "
+     "got [[0.0, 0.0], [10.0, 10.0]]"),
+    ({**ZONE, "polygon": [[0, 0], [10, 10], [20, 20]]},
+     "sources[0].analytics[0].polygon: zone 'dock' encloses no area"),
+    ({**ZONE, "polygon": None}, "sources[0].analytics[0].polygon: zone 'dock' needs a polygon"),
+    ({**ZONE, "start": [0, 0]}, "sources[0].analytics[0].start: a zone has a polygon, not a start"),
+    ({**LINE, "end": [0, 50]},
+     "sources[0].analytics[0].end: line 'gate' has zero length (start and end are both "
+     "[0.0, 50.0])"),
+    ({**LINE, "end": None}, "sources[0].analytics[0].end: line 'gate' needs an [x, y] end point"),
+    ({**LINE, "start": [1, 2, 3]}, "sources[0].analytics[0].start: line 'gate' needs an [x, y]"),
+    ({**LINE, "polygon": [[0, 0], [1, 0], [1, 1]]},
+     "sources[0].analytics[0].polygon: a line has a start and an end, not a polygon"),
+    ({**LINE, "type": "circle"},
+     "sources[0].analytics[0].type: expected one of 'zone', 'line', got 'circle'"),
+    ({**LINE, "strat": [0, 0]}, "sources[0].analytics[0].strat: unknown key; allowed keys here: "
+                                "type, name, polygon, start, end"),
+    ({**LINE, "start": [0, "a"]}, "sources[0].analytics[0].start[1]: expected a number, got 'a'"),
+    ({**LINE, "name": "my gate"}, "sources[0].analytics[0].name: expected letters, digits"),
+    ({**LINE, "classes": []}, "sources[0].analytics[0].classes: expected class names or ids"),
+    ({**LINE, "min_frames": 0}, "sources[0].analytics[0].min_frames: expected a value >= 1, got 0"),
+    ({**LINE, "margin_px": -1}, "sources[0].analytics[0].margin_px: expected a value >= 0.0"),
+]
+
+
+@pytest.mark.parametrize(("region", "message"), BAD_REGIONS,
+                         ids=[m.split(": ", 1)[1][:40] for _, m in BAD_REGIONS])
+def test_bad_analytics_regions_name_key_and_value(files: Path, region: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(with_analytics(region))
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_analytics_need_a_tracker_and_unique_names(files: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^sources\[0\].analytics: zones and lines count "
+                                          r"tracked objects; set sources\[0\].tracker: "
+                                          r"bytetrack$"):
+        parse_config(with_analytics(LINE, tracker="none"))
+    with pytest.raises(ConfigError, match=r"sources\[0\].analytics\[1\].name: duplicate name "
+                                          r"'gate' in this source's analytics"):
+        parse_config(with_analytics(LINE, {**ZONE, "name": "gate"}))
+    with pytest.raises(ConfigError, match=r"sources\[0\].tracker: expected one of 'none', "
+                                          r"'bytetrack', got 'sort'"):
+        parse_config(with_analytics(LINE, tracker="sort"))
+
+
+def test_events_paths_take_part_in_the_collision_checks(files: Path) -> None:
+    """Only sources with analytics write events; their files may not be another output."""
+    data = with_analytics(LINE, events="{source}.jsonl")
+    with pytest.raises(ConfigError, match=r"output.events: output.events of source 'cam1' "
+                                          r"would be '.*cam1.jsonl', which is also output.jsonl"):
+        parse_config(data)
+    data = with_analytics(LINE, events="all-events.jsonl")
+    data["sources"].append({"name": "cam2", "uri": "clip.mp4"})  # no analytics: no events
+    assert parse_config(data).sources_writing("events") == [parse_config(data).sources[0]]
+    data["sources"][1].update(tracker="bytetrack", analytics=[LINE])
+    with pytest.raises(ConfigError, match=r"output.events: with several sources the path must "
+                                          r"contain \{source\}"):
+        parse_config(data)
+    data = with_analytics(LINE)
+    data["sources"].append({"name": "cam1.events", "uri": "clip.mp4"})  # its jsonl: cam1's events
+    with pytest.raises(ConfigError, match=r"which is also output.events of source 'cam1'"):
+        parse_config(data)
+
+
+def test_schema_lists_the_keys_of_regions_and_mqtt() -> None:
+    text = "\n".join(describe_schema())
+    for key in ("sources[].analytics[]:", "sources[].analytics[].polygon", "sources[].tracker ",
+                "output.events", "output.mqtt:", "output.mqtt.host", "output.mqtt.topic_prefix"):
+        assert key in text, key
+
+
+def test_the_analytics_example_config_is_valid(samples, repo_root: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(repo_root)
+    config = load_config("configs/analytics.yaml")
+    (source,) = config.sources
+    assert source.tracker == "bytetrack" and [r.type for r in source.analytics] == ["line", "zone"]

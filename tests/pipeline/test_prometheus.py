@@ -195,3 +195,49 @@ def test_a_taken_port_is_a_clear_error() -> None:
         with pytest.raises(OSError, match=f"runtime.metrics_port: cannot serve metrics on "
                                           f"127.0.0.1:{port}"):
             exporter.start(FakeGraph(["gate"], ["a"]))
+
+
+def test_analytics_counts_are_exported_by_source_region_class_and_direction() -> None:
+    """The counts of the graph's analytics stage after the synthetic trajectories of
+    tests/stages/test_analytics.py (whose events are known by construction)."""
+    from stages.analytics import AnalyticsStage
+    from tests.stages.test_analytics import (
+        DOCK,
+        FORGET_S,
+        FRAMES,
+        GATE,
+        NAMES,
+        TRACKS,
+        frame_rows,
+        region,
+        run,
+    )
+
+    graph = FakeGraph(["analytics"], ["cam"])
+    stage = AnalyticsStage("analytics", {"cam": [region(GATE), region(DOCK)]}, NAMES,
+                           {"cam": FORGET_S})
+    graph.chain = [stage]
+    exporter = PrometheusExporter(0, "127.0.0.1")
+    port = exporter.start(graph)
+    try:
+        before = scrape(port)
+        assert value(before, "pipeline_zone_objects", source="cam", zone="dock", **{"class": "person"}) == 0
+        assert not [name for name, _ in before if name == "pipeline_line_crossings_total"]
+        run(stage, frame_rows(TRACKS, 13))  # frames 0-12: track 10 is inside the dock again
+        samples = scrape(port)
+        crossings = {(labels["line"], labels["class"], labels["direction"]): v
+                     for (name, raw), v in samples.items() if name == "pipeline_line_crossings_total"
+                     for labels in [dict(raw)]}
+        assert crossings == {("gate", "bicycle", "in"): 1, ("gate", "person", "in"): 1,
+                             ("gate", "car", "out"): 1, ("gate", "bicycle", "out"): 0,
+                             ("gate", "person", "out"): 0, ("gate", "car", "in"): 0}
+        person = {"source": "cam", "zone": "dock", "class": "person"}
+        assert value(samples, "pipeline_zone_events_total", kind="enter", **person) == 3
+        assert value(samples, "pipeline_zone_events_total", kind="exit", **person) == 1
+        assert value(samples, "pipeline_zone_objects", **person) == 2  # tracks 10 and 11
+        run(stage, frame_rows(TRACKS, FRAMES)[13:])
+        samples = scrape(port)
+        assert value(samples, "pipeline_zone_objects", **person) == 0
+        assert value(samples, "pipeline_zone_events_total", kind="exit", **person) == 3
+    finally:
+        exporter.stop()

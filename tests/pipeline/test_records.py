@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.records import BatchDetections, Detections, FrameBatch
+from pipeline.records import AnalyticsEvent, BatchDetections, Detections, FrameBatch
 from tests.support.batches import batch_detections, frame_batch, grey_image, make_frame
 
 
@@ -205,3 +205,69 @@ def test_from_lists_concatenates_and_casts() -> None:
 def test_from_lists_of_an_empty_batch() -> None:
     batch = BatchDetections.from_lists(frame_batch([], source_names=("a",)), [])
     assert len(batch) == 0 and batch.offsets.tolist() == [0] and batch.xyxy.shape == (0, 4)
+
+
+# -- track ids and analytics events -------------------------------------------------------
+
+def tracked(batch: BatchDetections) -> BatchDetections:
+    """``batch`` with track id 100 + row for every detection."""
+    return replace(batch, tracker_id=100 + np.arange(len(batch.xyxy), dtype=np.int64))
+
+
+def event(source: str, frame: int, kind: str = "cross_in", track: int = 1) -> AnalyticsEvent:
+    return AnalyticsEvent(source, kind, "gate", frame, frame / 25, 1000.0 + frame, track, 2,
+                          "car", 0.5, (1.0, 2.0, 3.0, 4.0))
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (np.zeros(6, np.int64), r"tracker_id must have shape \(7\), got \(6,\)"),
+    (np.zeros(7, np.int32), "tracker_id must be int64, got int32"),
+])
+def test_tracker_id_is_validated(value: np.ndarray, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        replace(interleaved(), tracker_id=value)
+
+
+def test_tracker_ids_follow_their_detections_through_views_select_keep_and_split() -> None:
+    batch = tracked(interleaved())
+    assert batch[4].tracker_id.tolist() == [103, 104, 105]
+    assert batch[4][1:].tracker_id.tolist() == [104, 105] and interleaved()[4].tracker_id is None
+    assert batch.select(np.array([4, 0])).tracker_id.tolist() == [103, 104, 105, 100, 101]
+    kept = batch.keep(batch.confidence > 0.45)
+    assert kept.tracker_id.tolist() == [100, 101, 102, 103, 104]
+    parts = dict(batch.by_source())
+    assert parts["a"].tracker_id.tolist() == [100, 101, 106]
+    assert parts["b"].tracker_id.tolist() == [102, 103, 104, 105]
+    assert parts["c"].tracker_id.tolist() == []
+    assert interleaved().select(np.array([0])).tracker_id is None
+
+
+def test_events_follow_their_frames_through_select_and_split() -> None:
+    events = (event("a", 0), event("b", 1, "cross_out"), event("a", 2, track=7),
+              event("a", 5))  # frame a5 is not in the batch
+    batch = replace(interleaved(), events=events)
+    parts = dict(batch.by_source())
+    assert parts["a"].events == (events[0], events[2])
+    assert parts["b"].events == (events[1],) and parts["c"].events == ()
+    assert batch.select(np.array([5, 4])).events == (events[1], events[2])
+    assert batch.keep(np.zeros(7, bool)).events == events  # the same frames
+
+
+def test_analytics_event_json_and_validation() -> None:
+    exit_event = AnalyticsEvent("cam", "exit", "dock", 12, None, 1000.1234567, 4, 0, None,
+                                0.876543, (1.234, 2.0, 3.0, 4.0), 1.5)
+    assert exit_event.region_type == "zone"
+    assert exit_event.to_json() == {
+        "source": "cam", "capture_time": 1000.123457, "pts": None, "frame": 12, "kind": "exit",
+        "zone": "dock", "tracker_id": 4, "class_id": 0, "class_name": None,
+        "confidence": 0.8765, "xyxy": [1.23, 2.0, 3.0, 4.0], "dwell_s": 1.5}
+    crossing = event("cam", 3).to_json()
+    assert crossing["line"] == "gate" and "zone" not in crossing and "dwell_s" not in crossing
+    for change, message in [({"kind": "entered"}, "kind must be one of enter, exit"),
+                            ({"dwell_s": 1.0}, "dwell_s is set on exits only"),
+                            ({"kind": "exit"}, "dwell_s is set on exits only"),
+                            ({"kind": "exit", "dwell_s": -1.0}, "dwell_s must be a finite"),
+                            ({"tracker_id": -1}, "tracker_id and frame must be >= 0"),
+                            ({"xyxy": (1.0, 2.0)}, "xyxy must have 4 values")]:
+        with pytest.raises(ValueError, match=message):
+            replace(event("cam", 3), **change)

@@ -78,3 +78,52 @@ def test_a_batch_without_detections_is_passed_on_untouched() -> None:
 
 def test_class_colours_differ() -> None:
     assert len({class_colour_yuv(c) for c in range(80)}) > 60
+
+
+def test_a_tracked_detection_is_labelled_with_its_track_id() -> None:
+    from dataclasses import replace
+
+    plain, tracked, untracked = (batch_detections([(make_frame("a", 0, grey_image(WIDTH, HEIGHT)),
+                                                    [(100, 80, 220, 200, 0.9, 2)])])
+                                 for _ in range(3))
+    tracked = replace(tracked, tracker_id=np.array([17], np.int64))
+    untracked = replace(untracked, tracker_id=np.array([-1], np.int64))
+    for batch in (plain, tracked, untracked):
+        AnnotateStage("ann", NAMES).process(batch)
+    images = [i420_planes(b.frames.images[0], WIDTH, HEIGHT)[0] for b in (plain, tracked,
+                                                                         untracked)]
+    np.testing.assert_array_equal(images[0], images[2])  # -1: no id shown
+    changed = np.argwhere(images[0] != images[1])
+    assert len(changed) and changed[:, 0].max() < 80  # only the label above the box differs
+
+
+def test_zones_and_lines_are_drawn_with_their_counts() -> None:
+    from dataclasses import replace
+
+    from pipeline.config import AnalyticsRegionConfig, SourceConfig
+    from pipeline.records import AnalyticsEvent
+    from stages.analytics import Region
+    from stages.annotate import LINE_BGR, ZONE_BGR, yuv_of_bgr
+
+    source = SourceConfig("a", "a.mp4")
+    regions = [Region.from_config("z", AnalyticsRegionConfig(
+                   "zone", "dock", polygon=[[40, 120], [140, 120], [140, 220], [40, 220]]),
+                   source, NAMES, 4),
+               Region.from_config("l", AnalyticsRegionConfig(
+                   "line", "gate", start=[180, 160], end=[300, 160]), source, NAMES, 4),
+               Region.from_config("o", AnalyticsRegionConfig(
+                   "line", "off", start=[0, 10], end=[900, 10]), source, NAMES, 4)]
+    batch = batch_detections([(make_frame("a", i, grey_image(WIDTH, HEIGHT)), []) for i in range(3)])
+    crossing = AnalyticsEvent("a", "cross_in", "gate", 1, None, 0.0, 5, 2, "car", 0.5,
+                              (0.0, 0.0, 1.0, 1.0))
+    batch = replace(batch, events=(crossing,))
+    AnnotateStage("ann", NAMES, {"a": regions}).process(batch)
+    first, second, third = (i420_planes(image, WIDTH, HEIGHT) for image in batch.frames.images)
+    assert first[0][170, 40] == yuv_of_bgr(ZONE_BGR)[0]   # the zone's left edge
+    assert first[1][85, 20] == yuv_of_bgr(ZONE_BGR)[1]
+    assert first[0][160, 240] == yuv_of_bgr(LINE_BGR)[0]  # the line, and its arrow downwards
+    assert first[0][170, 240] == yuv_of_bgr(LINE_BGR)[0] and first[0][170, 200] == 128
+    assert (first[0][10, 160:] == 128).all()  # "off" reaches beyond the frame: not drawn
+    label = np.s_[130:161, 180:320]  # the line's label, above its start
+    assert (first[0][label] != second[0][label]).any()  # "in 0" became "in 1" on frame 1
+    np.testing.assert_array_equal(second[0], third[0])  # and stays

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.records import BatchDetections, EndOfStream, Frame
+from pipeline.records import AnalyticsEvent, BatchDetections, EndOfStream, Frame
 from stages.sinks import (
     JsonlWriter,
     SinkStage,
@@ -221,3 +222,34 @@ def test_detection_records_name_classes_only_when_known(class_id: int, names: li
 def test_detection_records_of_no_detections() -> None:
     assert detection_records(np.empty((0, 4), np.float32), np.empty(0, np.float32),
                              np.empty(0, np.int32), ["person"]) == []
+
+
+def crossing(frame: int, track: int) -> AnalyticsEvent:
+    return AnalyticsEvent("cam", "cross_in", "gate", frame, frame / 25, CAPTURE + frame, track, 0,
+                          "person", 0.75, (1.0, 2.0, 3.0, 4.0))
+
+
+@pytest.mark.parametrize(("end", "left"), [
+    (EndOfStream("cam", 6), {"cam.events.jsonl"}),
+    (EndOfStream("cam", 6, error="lost"), {"cam.events.partial.jsonl"}),
+])
+def test_events_are_written_one_per_line_and_renamed_when_complete(
+        tmp_path: Path, end: EndOfStream, left: set[str]) -> None:
+    (tmp_path / "cam.events.jsonl").write_text("older run\n")
+    path = tmp_path / "cam.events.jsonl"
+    sink = SinkStage("sink:cam", None, None, ["person"], events_path=path)
+    sink.open()
+    frames = [make_frame("cam", i, grey_image(16, 16)) for i in range(6)]
+    first = replace(batch_detections([(f, []) for f in frames[:3]]),
+                    events=(crossing(1, 4), crossing(2, 5)))
+    second = batch_detections([(f, []) for f in frames[3:]])  # no events: nothing written
+    third = replace(batch_detections([(frames[5], [])]), events=(crossing(5, 6),))
+    for part in (first, second, third):
+        sink.process(part)
+    sink.end_of_stream(end)
+    sink.close()
+    assert {p.name for p in tmp_path.iterdir()} == left
+    lines = (tmp_path / left.pop()).read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        crossing(1, 4).to_json(), crossing(2, 5).to_json(), crossing(5, 6).to_json()]
+    assert json.loads(lines[0])["line"] == "gate"

@@ -15,6 +15,9 @@ from pathlib import Path
 import av
 import numpy as np
 
+from tests.support.browser import chromium_missing, headless_page, require_chromium  # noqa: F401
+from tests.support.mosquitto import MosquittoBroker, require_mosquitto  # noqa: F401
+
 SERVER_SCRIPT = Path(__file__).with_name("rtsp_server.py")
 SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's, where the gi GStreamer bindings live
 GST_CHECK = """

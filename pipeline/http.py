@@ -1,0 +1,587 @@
+"""The live view: a read-only HTTP API and page in the pipeline process (``runtime.http``).
+
+=======================================  ==================================================
+route                                    answer
+=======================================  ==================================================
+``GET /``                                the page: every source with its live picture,
+                                         state and counters (``pipeline/web/index.html``)
+``GET /api/health``                      ``{"status": "ok" | "degraded", "reasons": [...],
+                                         "sources": {name: state}}`` (200 either way)
+``GET /api/sources``                     ``{"sources": [source, ...]}`` in config order
+``GET /api/sources/{name}``              one source (below); 404 for an unknown name
+``GET /api/sources/{name}/snapshot.jpg`` its latest annotated frame as JPEG (header
+                                         ``X-Picture``: the picture's number); 503 when it
+                                         has none yet (starting, decoded on the GPU)
+``GET /api/sources/{name}/stream.mjpg``  ``multipart/x-mixed-replace`` JPEGs of its frames,
+                                         at most ``preview_fps`` a second; ends with the
+                                         source
+``POST /login``                          form field ``token``: sets the page's cookie
+=======================================  ==================================================
+
+A source: ``{"name", "uri" (credentials shown as ***), "live", "state", "frames", "fps"
+(over the last ~5 s), "dropped", "reconnects", "last_frame_age_s" (since the capture of the
+latest frame that reached its sink; null before the first), "latency_ms": {"p50", "p99"},
+"error", "picture": {"width", "height"} or null, "viewers", "counts"}`` (``counts``: its
+zones' and lines' counts, as ``AnalyticsCounts.to_json``, for a source with analytics).
+States: ``starting`` (no frame yet), ``running``, ``stalled`` (live, no frame for
+``stale_after_s``, or none since the view started that long ago), ``reconnecting`` (lost;
+its stream or its decode worker is being restarted), ``ended``, ``failed``. A camera decoded
+in a worker process reports its reconnections with its next frame only: while it is down it
+shows as ``stalled``.
+
+Health is ``degraded`` when a source failed, is reconnecting, or is live and stalled, or
+when a queue was full in every sample for ``FULL_FOR_S`` while the graph has a live source
+(the pipeline is not keeping up: a live source's frames are being dropped; a queue full for
+an instant is a burst, and with files only a full queue is back-pressure, by design).
+
+Security: bound to 127.0.0.1 by default. ``token`` is required whenever ``host`` is not a
+loopback address; when set, every route but ``POST /login`` wants ``Authorization: Bearer
+TOKEN`` or the cookie ``POST /login`` sets (what the page uses: an ``<img>`` cannot send a
+header); a missing or wrong one is a 401. Responses never contain credentials: URIs and
+errors are redacted, and every text response is also scrubbed of the sources' passwords and
+the token.
+
+Threads: uvicorn runs in one daemon thread (its own event loop); JSON routes run in
+Starlette's thread pool, JPEG encoding too (``PreviewHub.jpeg``: OpenCV releases the GIL),
+never in a pipeline thread. A monitor thread samples the graph's counters twice a second
+(frame rates, reconnection times).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import html
+import ipaddress
+import json
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import structlog
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pipeline.config import PipelineConfig, redact_url
+from pipeline.preview import PreviewHub
+from stages.analytics import AnalyticsStage
+
+log = structlog.get_logger("http")
+
+PAGE = Path(__file__).with_name("web") / "index.html"
+COOKIE = "streamdet_session"
+SAMPLE_S = 0.5  # the monitor's period
+FPS_WINDOW_S = 5.0
+STALE_AFTER_S = 10.0
+FULL_FOR_S = 2.0  # a queue full in every sample this long makes the health degraded
+SNAPSHOT_WAIT_S = 2.0  # a snapshot with no fresh picture waits this long for one
+START_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 5.0
+BOUNDARY = "frame"
+
+
+class HttpSettings(Protocol):
+    """What the server reads of ``runtime.http`` (``pipeline.config.HttpConfig``)."""
+
+    host: str
+    port: int
+    token: str | None
+    preview_fps: float
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def check_settings(settings: HttpSettings, key: str = "runtime.http") -> None:
+    """Raise ValueError (one line naming the key) unless ``settings`` may be served: a
+    token is set whenever ``host`` is not loopback, and it is not empty."""
+    if settings.token is not None and not settings.token.strip():
+        raise ValueError(f"{key}.token: expected a non-empty token (an unset variable?), got ''")
+    if settings.token is None and not is_loopback(settings.host):
+        raise ValueError(f"{key}.token: required when {key}.host is not a loopback address "
+                         f"(got {settings.host!r}); use token: ${{VAR}}")
+
+
+def secrets_of(config: PipelineConfig, token: str | None) -> list[str]:
+    """The strings no response may contain: each source URI's user info and password
+    (also percent-decoded) and password-like query values, and the token, each also as JSON
+    and HTML escape them; longest first, those shorter than 4 characters left out (they
+    would mangle numbers; ``redact_url`` hides them in URIs)."""
+    found = {token} if token else set()
+    for source in config.sources:
+        parts = urlsplit(source.uri)
+        if "@" in parts.netloc:
+            info = parts.netloc.rsplit("@", 1)[0]
+            found.update({info, unquote(info)})
+            if ":" in info:
+                password = info.split(":", 1)[1]
+                found.update({password, unquote(password)})
+        for name, values in parse_qs(parts.query).items():
+            if name.lower() in ("password", "passwd", "pwd", "pass", "token", "auth", "key",
+                                "secret"):
+                found.update(values)
+    found |= {json.dumps(s)[1:-1] for s in found} | {html.escape(s) for s in found}
+    return sorted((s for s in found if len(s) >= 4), key=len, reverse=True)
+
+
+@dataclass
+class _Sampled:
+    """The monitor's view of one source: (monotonic time, frames out) samples, and when its
+    reconnection or restart counters last grew."""
+
+    history: deque[tuple[float, int]] = field(default_factory=deque)
+    reconnects: int = 0
+    restarts: int = 0
+    reconnected_at: float | None = None
+    restarted_at: float | None = None
+
+
+class SourceMonitor:
+    """Reads a running graph's per-source and per-queue counters (as ``pipeline.prometheus``
+    does) and the preview hub's activity, and derives rates, states and health.
+
+    Args:
+        graph: a ``pipeline.graph.Graph`` (``sources``, ``source_metrics``, ``chain``,
+            ``sinks``, ``refresh_source_metrics()``, ``queue_depths()``).
+        hub: the hub the sinks report to.
+        config: the run's configuration (URIs, live flags, queue size).
+        stale_after_s: a live source with no frame this long is ``stalled``.
+    """
+
+    def __init__(self, graph: Any, hub: PreviewHub, config: PipelineConfig,
+                 stale_after_s: float = STALE_AFTER_S) -> None:
+        self.graph, self.hub, self.config = graph, hub, config
+        self.stale_after_s = stale_after_s
+        self.names = [source.name for source in config.sources]
+        self._uris = {s.name: redact_url(s.uri) for s in config.sources}
+        self._live = {s.name: s.is_live for s in config.sources}
+        self._stages = {stage.name: stage for stage in graph.sources}
+        self._sampled = {name: _Sampled() for name in self.names}
+        size = config.runtime.queue_size
+        chain = list(graph.chain)
+        self._capacity = {chain[0].name: size * len(graph.sources),
+                          **{stage.name: size for stage in chain[1:]},
+                          **{sink.name: size for sink in graph.sinks.values()}}
+        # queue -> when it was first seen full in the samples since, or None: not full now
+        self._full_since: dict[str, float | None] = {}
+        self._started = time.monotonic()
+        self._lock = threading.Lock()
+
+    def sample(self) -> None:
+        """Take one sample of every source's counters (the monitor thread, twice a second)."""
+        self.graph.refresh_source_metrics()
+        now = time.monotonic()
+        with self._lock:
+            for name, sampled in self._sampled.items():
+                metrics, stage = self.graph.source_metrics[name], self._stages.get(name)
+                restarts = int(getattr(stage, "restarts", 0))
+                reconnects = metrics.reconnects - restarts
+                if reconnects > sampled.reconnects:
+                    sampled.reconnected_at = now
+                if restarts > sampled.restarts:
+                    sampled.restarted_at = now
+                sampled.reconnects, sampled.restarts = reconnects, restarts
+                sampled.history.append((now, metrics.frames_out))
+                while len(sampled.history) > 2 and now - sampled.history[1][0] >= FPS_WINDOW_S:
+                    sampled.history.popleft()
+        depths = self.graph.queue_depths()
+        with self._lock:
+            for queue, capacity in self._capacity.items():
+                if depths.get(queue, 0) < capacity:
+                    self._full_since[queue] = None
+                elif self._full_since.get(queue) is None:
+                    self._full_since[queue] = now
+
+    def fps(self, name: str) -> float:
+        """Frames/s reaching ``name``'s sink over the last ~``FPS_WINDOW_S`` seconds."""
+        with self._lock:
+            history = self._sampled[name].history
+            if len(history) < 2:
+                return 0.0
+            (then, before), (now, frames) = history[0], history[-1]
+        return (frames - before) / (now - then) if now > then else 0.0
+
+    def state(self, name: str) -> str:
+        """One of the states of the module docstring."""
+        metrics, activity = self.graph.source_metrics[name], self.hub.activity(name)
+        if metrics.error or activity.error:
+            return "failed"
+        if activity.ended:
+            return "ended"
+        with self._lock:
+            sampled = self._sampled[name]
+            lost_at = max((t for t in (sampled.reconnected_at, sampled.restarted_at)
+                           if t is not None), default=None)
+        last = activity.last_frame_at
+        if lost_at is not None and (last is None or last < lost_at):
+            return "reconnecting"
+        since = self._started if last is None else last
+        if self._live[name] and time.monotonic() - since > self.stale_after_s:
+            return "stalled"
+        return "starting" if last is None else "running"
+
+    def source(self, name: str, counts: dict[str, dict[str, Any]] | None = None
+               ) -> dict[str, Any]:
+        """The JSON of one source (module docstring); ``counts``: ``self.counts()`` when
+        the caller has it already."""
+        metrics, activity = self.graph.source_metrics[name], self.hub.activity(name)
+        age = (None if activity.last_capture_time is None
+               else round(max(0.0, time.time() - activity.last_capture_time), 3))
+        return {
+            "name": name,
+            "uri": self._uris[name],
+            "live": self._live[name],
+            "state": self.state(name),
+            "frames": metrics.frames_out,
+            "fps": round(self.fps(name), 2),
+            "dropped": metrics.dropped,
+            "reconnects": metrics.reconnects,
+            "last_frame_age_s": age,
+            "latency_ms": {"p50": metrics.latency_percentile(50),
+                           "p99": metrics.latency_percentile(99)},
+            "error": metrics.error or activity.error,
+            "picture": ({"width": activity.width, "height": activity.height}
+                        if activity.picture_seq else None),
+            "viewers": self.hub.viewers(name),
+            "counts": (self.counts() if counts is None else counts).get(name),
+        }
+
+    def counts(self) -> dict[str, dict[str, Any]]:
+        """Source name -> its analytics counts, for the sources with analytics."""
+        found: dict[str, dict[str, Any]] = {}
+        for stage in self.graph.chain:
+            if isinstance(stage, AnalyticsStage):
+                found.update(stage.counts())
+        return found
+
+    def health(self) -> dict[str, Any]:
+        """``{"status", "reasons", "sources": {name: state}}`` (module docstring)."""
+        reasons, states = [], {}
+        for name in self.names:
+            states[name] = state = self.state(name)
+            metrics = self.graph.source_metrics[name]
+            if state == "failed":
+                reasons.append(f"source {name} failed: "
+                               f"{metrics.error or self.hub.activity(name).error}")
+            elif state == "reconnecting":
+                with self._lock:
+                    sampled = self._sampled[name]
+                    restarting = (sampled.restarted_at or 0) >= (sampled.reconnected_at or 0)
+                reasons.append(f"source {name}: its decode worker is restarting" if restarting
+                               else f"source {name} is reconnecting "
+                                    f"(attempt {sampled.reconnects})")
+            elif state == "stalled":
+                last = self.hub.activity(name).last_frame_at
+                since = self._started if last is None else last
+                reasons.append(f"source {name}: no frame for {time.monotonic() - since:.0f} s"
+                               + (" (none yet)" if last is None else ""))
+        if any(self._live.values()):
+            now = time.monotonic()
+            with self._lock:
+                full = {queue: since for queue, since in self._full_since.items()
+                        if since is not None and now - since >= FULL_FOR_S}
+            for queue, since in full.items():
+                reasons.append(f"queue {queue} has been full for {now - since:.0f} s "
+                               f"({self._capacity[queue]} items)")
+        return {"status": "degraded" if reasons else "ok", "reasons": reasons,
+                "sources": states}
+
+
+class _TokenGate:
+    """ASGI middleware: every request but ``POST /login`` needs the token (a bearer header
+    or the session cookie); others get a 401 (the login form for the page)."""
+
+    def __init__(self, app: ASGIApp, server: HttpServer) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or self.server.authorised(Request(scope))
+                or (scope["path"] == "/login" and scope["method"] == "POST")):
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] == "/" and scope["method"] in ("GET", "HEAD"):
+            response: Response = self.server.login_page(status_code=401)
+        else:
+            response = self.server.json({"error": "missing or wrong token"}, 401,
+                                        {"WWW-Authenticate": 'Bearer realm="streamdet"'})
+        await response(scope, receive, send)
+
+
+class HttpServer:
+    """Serves the live view of a running graph (module docstring).
+
+    Usage::
+
+        server = HttpServer(config.runtime.http, graph, hub, config)
+        port = server.start()      # right after build_graph, before graph.run()
+        try:
+            graph.run()
+        finally:
+            server.close()
+
+    Args:
+        settings: ``runtime.http``: host, port (0: a free one), token, preview_fps.
+        graph: the ``pipeline.graph.Graph`` to show.
+        hub: the ``PreviewHub`` its sinks report to (``offer_part``, ``end``).
+        config: the run's configuration.
+        stale_after_s: a live source with no frame this long is ``stalled`` (degraded).
+
+    Raises:
+        ValueError: the settings may not be served (``check_settings``).
+    """
+
+    def __init__(self, settings: HttpSettings, graph: Any, hub: PreviewHub,
+                 config: PipelineConfig, stale_after_s: float = STALE_AFTER_S) -> None:
+        check_settings(settings)
+        self.settings, self.graph, self.hub, self.config = settings, graph, hub, config
+        self.monitor = SourceMonitor(graph, hub, config, stale_after_s)
+        self.port: int | None = None
+        self._token = settings.token
+        self._session = (None if settings.token is None else hmac.new(
+            settings.token.encode(), b"streamdet live view session", hashlib.sha256).hexdigest())
+        self._secrets = secrets_of(config, settings.token)
+        self._period_s = max(1.0 / settings.preview_fps, hub.period_s)  # the slower of both
+        self._page_text = PAGE.read_text()
+        self._closing = threading.Event()
+        self._server: uvicorn.Server | None = None
+        self._threads: list[threading.Thread] = []
+        self.app = _TokenGate(Starlette(routes=[
+            Route("/", self._page, methods=["GET"]),
+            Route("/login", self._login, methods=["POST"]),
+            Route("/api/health", self._health, methods=["GET"]),
+            Route("/api/sources", self._sources, methods=["GET"]),
+            Route("/api/sources/{name}", self._source, methods=["GET"]),
+            Route("/api/sources/{name}/snapshot.jpg", self._snapshot, methods=["GET"]),
+            Route("/api/sources/{name}/stream.mjpg", self._stream, methods=["GET"]),
+        ]), self)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> int:
+        """Bind, start serving from a daemon thread, and return the port bound.
+
+        Raises:
+            OSError: the address cannot be bound (the message names it).
+            RuntimeError: the server did not start within ``START_TIMEOUT_S``.
+        """
+        host, port = self.settings.host, self.settings.port
+        sock = None
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            sock = socket.socket(family, kind, proto)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+        except OSError as error:
+            if sock is not None:
+                sock.close()
+            reason = error.strerror or str(error)
+            raise OSError(error.errno, f"runtime.http: cannot serve on {host}:{port}: "
+                                       f"{reason}") from None
+        self.port = sock.getsockname()[1]
+        self._server = server = uvicorn.Server(uvicorn.Config(
+            self.app, log_config=None, access_log=False, lifespan="off", http="h11",
+            ws="none", server_header=False, timeout_graceful_shutdown=2))
+        self.monitor.sample()
+        self._threads = [
+            threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="http:server",
+                             daemon=True),
+            threading.Thread(target=self._sample_loop, name="http:monitor", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not server.started:
+            if not self._threads[0].is_alive() or time.monotonic() > deadline:
+                self.close()
+                sock.close()
+                raise RuntimeError(f"runtime.http: the server on {host}:{self.port} did not "
+                                   "start")
+            time.sleep(0.01)
+        log.info("serving the live view", url=self.url)
+        return self.port
+
+    @property
+    def url(self) -> str:
+        """The page's URL (a wildcard host shown as 127.0.0.1)."""
+        host = self.settings.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else (
+            f"[{host}]" if ":" in host else host)
+        return f"http://{host}:{self.port}/"
+
+    def close(self) -> None:
+        """Stop serving (open streams end within a picture period); idempotent."""
+        self._closing.set()
+        if self._server is not None:
+            self._server.should_exit = True
+        for thread in self._threads:
+            thread.join(CLOSE_TIMEOUT_S)
+        if any(t.is_alive() for t in self._threads):
+            log.warning("the live view's server did not stop in time: left behind")
+        self._threads = []
+
+    def _sample_loop(self) -> None:
+        while not self._closing.wait(SAMPLE_S):
+            try:
+                self.monitor.sample()
+            except Exception as error:  # noqa: BLE001 - the view must not stop the run
+                log.error("sampling the graph failed", error=f"{type(error).__name__}: {error}")
+
+    # -- helpers -------------------------------------------------------------------------
+    def authorised(self, request: Request) -> bool:
+        """Whether ``request`` carries the token (always, when none is configured)."""
+        if self._token is None:
+            return True
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(),
+                                                              self._token.encode()):
+            return True
+        cookie = request.cookies.get(COOKIE, "")
+        return bool(cookie) and hmac.compare_digest(cookie.encode(), self._session.encode())
+
+    def scrub(self, text: str) -> str:
+        """``text`` with every secret of ``secrets_of`` replaced by ``***``."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def json(self, data: Any, status_code: int = 200,
+             headers: dict[str, str] | None = None) -> Response:
+        """A JSON response, scrubbed, never cached."""
+        body = self.scrub(json.dumps(data, separators=(",", ":")))
+        return Response(body, status_code, {"Cache-Control": "no-store", **(headers or {})},
+                        media_type="application/json")
+
+    def login_page(self, status_code: int = 401, wrong: bool = False) -> HTMLResponse:
+        """The small form that sets the session cookie (``POST /login``)."""
+        note = "<p>Wrong token.</p>" if wrong else ""
+        return HTMLResponse(
+            "<!doctype html><title>streamdet: live view</title><h1>streamdet</h1>"
+            f"{note}<form method=post action=login><label>Token <input type=password "
+            "name=token autofocus></label> <button>Open</button></form>",
+            status_code, {"WWW-Authenticate": 'Bearer realm="streamdet"',
+                          "Cache-Control": "no-store"})
+
+    def _known(self, request: Request) -> str | None:
+        name = request.path_params["name"]
+        return name if name in self.monitor.names else None
+
+    def _unknown(self, request: Request) -> Response:
+        return self.json({"error": f"no source named {request.path_params['name']!r}"}, 404)
+
+    # -- routes --------------------------------------------------------------------------
+    def _page(self, request: Request) -> Response:
+        cards = "\n".join(self._card(name) for name in self.monitor.names)
+        text = (self._page_text.replace("{{SOURCES}}", cards)
+                .replace("{{PERIOD_MS}}", str(round(1000 * self._period_s))))
+        return HTMLResponse(self.scrub(text), headers={"Cache-Control": "no-store"})
+
+    def _card(self, name: str) -> str:
+        source = self.monitor.source(name)
+        quoted = html.escape(name)
+        stats = "".join(f"<dt>{label}</dt><dd data-field={key}>-</dd>" for label, key in (
+            ("fps", "fps"), ("frames", "frames"), ("dropped", "dropped"),
+            ("reconnects", "reconnects"), ("last frame", "age"), ("latency p50/p99", "latency")))
+        return (f'<section class=source data-source="{quoted}" data-state="{source["state"]}">'
+                f'<h2><span>{quoted}</span><span class="state {source["state"]}">'
+                f'{source["state"]}</span></h2>'
+                f'<div class=uri>{html.escape(source["uri"])}</div>'
+                f'<div class=frame><img alt="{quoted}"><span class=placeholder>no picture '
+                f'yet</span></div><dl>{stats}</dl><div class=counts data-field=counts></div>'
+                f'<div class=error data-field=error></div></section>')
+
+    async def _login(self, request: Request) -> Response:
+        form = parse_qs((await request.body()).decode("utf-8", "replace"))
+        given = (form.get("token") or [""])[0]
+        if self._token is None:
+            return RedirectResponse("./", 303)
+        if not hmac.compare_digest(given.encode(), self._token.encode()):
+            return self.login_page(401, wrong=True)
+        response = RedirectResponse("./", 303)
+        response.set_cookie(COOKIE, self._session or "", httponly=True, samesite="strict")
+        return response
+
+    def _health(self, request: Request) -> Response:
+        return self.json(self.monitor.health())
+
+    def _sources(self, request: Request) -> Response:
+        counts = self.monitor.counts()
+        return self.json({"sources": [self.monitor.source(n, counts)
+                                      for n in self.monitor.names]})
+
+    def _source(self, request: Request) -> Response:
+        name = self._known(request)
+        return self._unknown(request) if name is None else self.json(self.monitor.source(name))
+
+    async def _snapshot(self, request: Request) -> Response:
+        name = self._known(request)
+        if name is None:
+            return self._unknown(request)
+        fresh = self.hub.wanted(name)
+        before = self.hub.activity(name).picture_seq
+        self.hub.request(name)
+        if not fresh:  # what it kept may be old: wait a moment for a newer picture
+            deadline = time.monotonic() + SNAPSHOT_WAIT_S
+            while time.monotonic() < deadline and not self._closing.is_set():
+                activity = self.hub.activity(name)
+                if activity.picture_seq > before or activity.ended or activity.error:
+                    break
+                await asyncio.sleep(0.02)
+        picture = await run_in_threadpool(self.hub.jpeg, name)
+        if picture is None:
+            return self.json({"error": f"source {name!r} has no picture yet"}, 503,
+                             {"Retry-After": "1"})
+        seq, data = picture
+        return Response(data, media_type="image/jpeg",
+                        headers={"Cache-Control": "no-store", "X-Picture": str(seq)})
+
+    async def _stream(self, request: Request) -> Response:
+        name = self._known(request)
+        if name is None:
+            return self._unknown(request)
+        return StreamingResponse(
+            self._parts(name), media_type=f"multipart/x-mixed-replace; boundary={BOUNDARY}",
+            headers={"Cache-Control": "no-store"})
+
+    async def _parts(self, name: str) -> AsyncIterator[bytes]:
+        """The MJPEG parts of ``name``: each new picture once, at most ``preview_fps`` a
+        second, until the source ended (after its last picture) or the server closes."""
+        poll_s = min(0.05, self._period_s / 4)
+        sent, sent_at = 0, float("-inf")
+        activity = self.hub.activity(name)
+        if not self.hub.wanted(name) and not (activity.ended or activity.error):
+            sent = activity.picture_seq  # kept for an earlier viewer: maybe long ago
+        with self.hub.watching(name):
+            while not self._closing.is_set():
+                await asyncio.sleep(max(0.0, sent_at + self._period_s - time.monotonic()))
+                activity = self.hub.activity(name)
+                if activity.picture_seq == sent:
+                    if activity.ended or activity.error:
+                        return
+                    await asyncio.sleep(poll_s)
+                    continue
+                picture = await run_in_threadpool(self.hub.jpeg, name)
+                if picture is None:
+                    await asyncio.sleep(poll_s)
+                    continue
+                sent, data = picture
+                sent_at = time.monotonic()
+                yield (f"--{BOUNDARY}\r\nContent-Type: image/jpeg\r\nContent-Length: "
+                       f"{len(data)}\r\nX-Picture: {sent}\r\n\r\n").encode() + data + b"\r\n"

@@ -1,0 +1,308 @@
+"""Tracking and analytics end to end on bikes.mp4 with the real model (CPU): track ids are
+stable against a reference built here from the boxes alone, the events file agrees with the
+final counts and the Prometheus metrics, and frames the detector skips carry the tracks'
+predictions."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from pipeline.build import build_graph
+from pipeline.config import parse_config
+from pipeline.prometheus import PrometheusExporter
+from stages.analytics import AnalyticsStage
+from tests.e2e.conftest import pipeline_config, records
+from tests.pipeline.test_prometheus import scrape
+from tests.support import free_port
+
+WIDTH, HEIGHT = 640, 272  # bikes.mp4
+ANALYTICS = [
+    {"type": "line", "name": "middle", "start": [320, 0], "end": [320, HEIGHT]},
+    {"type": "zone", "name": "right", "polygon": [[320, 0], [WIDTH, 0], [WIDTH, HEIGHT],
+                                                  [320, HEIGHT]]},
+    {"type": "zone", "name": "people", "polygon": [[0, 0], [WIDTH, 0], [WIDTH, HEIGHT],
+                                                   [0, HEIGHT]], "classes": ["person"]},
+]
+MAIN_OBJECT_FRAMES = 20  # a chain this long (0.8 s) is one of the clip's main objects
+STABLE_SHARE = 0.9
+
+
+def iou(a: list[float], b: list[float]) -> float:
+    x1, y1, x2, y2 = max(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), min(a[3], b[3])
+    inter = max(0.0, x2 - x1) * max(0.0, y2 - y1)
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def iou_chains(lines: list[dict]) -> list[list[dict]]:
+    """Detections chained frame to frame: each joins the chain of the detection of the same
+    class in the previous frame that overlaps it most, with IoU > 0.5 (each at most once)."""
+    chains: list[list[dict]] = []
+    previous: list[tuple[dict, int]] = []  # (detection, its chain) in the previous frame
+    for line in lines:
+        current, taken = [], set()
+        for detection in line["detections"]:
+            best, best_iou = None, 0.5
+            for k, (before, _) in enumerate(previous):
+                overlap = iou(before["xyxy"], detection["xyxy"])
+                if k not in taken and before["class_id"] == detection["class_id"] \
+                        and overlap > best_iou:
+                    best, best_iou = k, overlap
+            if best is None:
+                chains.append([])
+                chain = len(chains) - 1
+            else:
+                taken.add(best)
+                chain = previous[best][1]
+            chains[chain].append(detection)
+            current.append((detection, chain))
+        previous = current
+    return chains
+
+
+class FakePublisher:
+    """Stands in for ``pipeline.mqtt.MqttPublisher`` (same interface), keeping what it gets."""
+
+    made: list[FakePublisher] = []
+
+    def __init__(self, config: Any, sources: list[str]) -> None:
+        self.config, self.sources = config, sources
+        self.calls: list[str] = []
+        self.events: list[tuple[str, dict]] = []
+        self.counts: list[tuple[str, dict]] = []
+        FakePublisher.made.append(self)
+
+    def start(self) -> None:
+        self.calls.append("start")
+
+    def publish_event(self, source: str, event: dict) -> None:
+        self.events.append((source, event))
+
+    def publish_counts(self, source: str, counts: dict) -> None:
+        self.counts.append((source, counts))
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+@pytest.fixture(scope="module")
+def analytics_run(samples, tmp_path_factory) -> dict[str, Any]:
+    """bikes.mp4 with tracking, a line and two zones, built and run in this process as the
+    command line does it (``runtime.metrics_port`` served by ``PrometheusExporter``), the
+    metrics scraped once the run ended; ``output.mqtt`` goes to a ``FakePublisher``."""
+    out = tmp_path_factory.mktemp("analytics")
+    config = parse_config(pipeline_config(
+        samples, out, [{"name": "bikes", "uri": str(samples.bikes), "tracker": "bytetrack",
+                        "analytics": ANALYTICS}],
+        inference={"batch_size": 4}, runtime={"metrics_port": free_port()},
+        output={"mqtt": {"host": "broker.invalid"}}))
+    exporter = PrometheusExporter(config.runtime.metrics_port, "127.0.0.1")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "pipeline.mqtt",
+                      types.SimpleNamespace(MqttPublisher=FakePublisher))
+        FakePublisher.made.clear()
+        graph = build_graph(config)
+    (publisher,) = FakePublisher.made
+    port = exporter.start(graph)
+    try:
+        with capture_logs() as logs:
+            graph.run()
+        metrics = scrape(port)
+    finally:
+        exporter.stop()
+    (stage,) = [s for s in graph.chain if isinstance(s, AnalyticsStage)]
+    logged = [entry["counts"] for entry in logs if entry["event"] == "analytics counts"]
+    return {"records": records(out / "bikes.jsonl"),
+            "events": records(out / "bikes.events.jsonl"),
+            "counts": stage.counts()["bikes"], "logged": logged, "metrics": metrics,
+            "publisher": publisher, "config": config}
+
+
+def test_main_objects_keep_one_track_id(analytics_run: dict[str, Any]) -> None:
+    lines = analytics_run["records"]
+    assert len(lines) == 250
+    assert all("tracker_id" in d for line in lines for d in line["detections"])
+    main = [chain for chain in iou_chains(lines) if len(chain) >= MAIN_OBJECT_FRAMES]
+    assert len(main) >= 2, [len(c) for c in iou_chains(lines)]
+    for chain in main:
+        ids = Counter(d["tracker_id"] for d in chain if d["tracker_id"] >= 0)
+        assert ids, chain[0]
+        track_id, frames = ids.most_common(1)[0]
+        assert frames >= STABLE_SHARE * len(chain), (chain[0]["class_name"], len(chain), ids)
+
+
+def fold(events: list[dict]) -> dict[str, Any]:
+    """The counts the events add up to, as ``AnalyticsCounts.to_json`` lays them out (only
+    classes that have events)."""
+    zones: dict = defaultdict(lambda: {"entered": Counter(), "exited": Counter()})
+    lines: dict = defaultdict(lambda: {"in": Counter(), "out": Counter()})
+    for event in events:
+        cls = event["class_name"]
+        if "zone" in event:
+            zones[event["zone"]]["entered" if event["kind"] == "enter" else "exited"][cls] += 1
+        else:
+            lines[event["line"]]["in" if event["kind"] == "cross_in" else "out"][cls] += 1
+    return {"zones": {name: {"inside": dict(k["entered"] - k["exited"]), "entered": dict(k["entered"]),
+                             "exited": dict(k["exited"])} for name, k in zones.items()},
+            "lines": {name: {d: dict(k[d]) for d in ("in", "out")} for name, k in lines.items()}}
+
+
+def nonzero(counts: dict[str, Any]) -> dict[str, Any]:
+    """``counts`` without its zeros (a region's configured classes start at 0)."""
+    return {kind: {name: {what: {c: n for c, n in by_class.items() if n}
+                          for what, by_class in region.items()}
+                   for name, region in regions.items() if any(any(v.values()) for v in region.values())}
+            for kind, regions in counts.items()}
+
+
+def test_events_agree_with_the_final_counts_and_the_metrics(analytics_run: dict[str, Any]) -> None:
+    events, counts = analytics_run["events"], analytics_run["counts"]
+    kinds = Counter(e["kind"] for e in events)
+    assert kinds["enter"] and kinds["exit"] and kinds["cross_in"] + kinds["cross_out"], kinds
+    assert nonzero(fold(events)) == nonzero(counts)
+    assert analytics_run["logged"] == [counts]  # logged when the source ended
+    metrics = analytics_run["metrics"]
+    for name, region in counts["lines"].items():
+        for direction in ("in", "out"):
+            for cls, n in region[direction].items():
+                key = ("pipeline_line_crossings_total", tuple(sorted(
+                    {"source": "bikes", "line": name, "class": cls, "direction": direction}.items())))
+                assert metrics[key] == n
+    for name, region in counts["zones"].items():
+        for cls in region["inside"]:
+            labels = {"source": "bikes", "zone": name, "class": cls}
+            assert metrics["pipeline_zone_objects", tuple(sorted(labels.items()))] == \
+                region["inside"][cls]
+            for kind, key in (("enter", "entered"), ("exit", "exited")):
+                sample = ("pipeline_zone_events_total", tuple(sorted({**labels, "kind": kind}.items())))
+                assert metrics[sample] == region[key][cls]
+
+
+def test_events_match_the_frames_they_happened_on(analytics_run: dict[str, Any]) -> None:
+    """Every event names a frame of the records, with its pts; an entry or crossing is the
+    box of a detection of that frame with the event's track id; a track's entries into and
+    exits from a zone alternate, entry first; a person-only zone sees only persons."""
+    by_frame = {line["frame"]: line for line in analytics_run["records"]}
+    events = analytics_run["events"]
+    assert [e["frame"] for e in events] == sorted(e["frame"] for e in events)
+    inside: dict[tuple[str, int], bool] = defaultdict(bool)
+    for event in events:
+        line = by_frame[event["frame"]]
+        assert event["pts"] == line["pts"] and event["source"] == "bikes"
+        if event["kind"] != "exit":
+            assert any(d["tracker_id"] == event["tracker_id"] and d["xyxy"] == event["xyxy"]
+                       for d in line["detections"]), event
+        if "zone" in event:
+            key = (event["zone"], event["tracker_id"])
+            assert inside[key] == (event["kind"] == "exit"), event
+            inside[key] = not inside[key]
+            assert (event["dwell_s"] >= 0) == (event["kind"] == "exit") if "dwell_s" in event \
+                else event["kind"] == "enter"
+            if event["zone"] == "people":
+                assert event["class_name"] == "person"
+
+
+def test_skipped_frames_carry_the_tracks_predictions(samples, tmp_path: Path) -> None:
+    """detect_every 3: each frame in between shows, at its predicted place, every track the
+    detector had confirmed on the frame before (less those that left the picture)."""
+    out = tmp_path / "out"
+    config = parse_config(pipeline_config(
+        samples, out, [{"name": "bikes", "uri": str(samples.bikes), "tracker": "bytetrack",
+                        "detect_every": 3}], inference={"batch_size": 4}))
+    build_graph(config).run()
+    lines = records(out / "bikes.jsonl")
+    assert len(lines) == 250
+    last_detected: dict[int, list[float]] = {}
+    same, overlapping, predicted = 0, 0, 0
+    for line in lines:
+        if line.get("detected", True):
+            assert line["frame"] % 3 == 0
+            last_detected = {d["tracker_id"]: d["xyxy"] for d in line["detections"]
+                             if d["tracker_id"] >= 0}
+            continue
+        shown = {d["tracker_id"]: d["xyxy"] for d in line["detections"]}
+        assert set(shown) <= set(last_detected), line["frame"]
+        same += set(shown) == set(last_detected)
+        for track_id, box in shown.items():
+            predicted += 1
+            overlapping += iou(box, last_detected[track_id]) > 0.5
+    skipped = 250 - len(range(0, 250, 3))
+    assert same >= 0.9 * skipped and predicted > 100
+    assert overlapping >= 0.9 * predicted  # near where the object was a frame or two before
+
+
+def test_mqtt_gets_every_event_and_the_counts(analytics_run: dict[str, Any]) -> None:
+    """With ``output.mqtt``, the publisher (``pipeline.mqtt.MqttPublisher``'s interface) is
+    made for the sources with analytics, started and closed with the run, and given every
+    event of the events file and, last, the final counts."""
+    publisher = analytics_run["publisher"]
+    assert publisher.config is analytics_run["config"].output.mqtt
+    assert publisher.sources == ["bikes"] and publisher.calls == ["start", "close"]
+    assert publisher.events == [("bikes", event) for event in analytics_run["events"]]
+    assert {source for source, _ in publisher.counts} == {"bikes"}
+    assert publisher.counts[-1][1] == analytics_run["counts"]
+    # Once at the start, then only after batches that had events (one per batch at most).
+    assert 2 <= len(publisher.counts) <= 1 + len({e["frame"] for e in analytics_run["events"]})
+
+
+def test_events_reach_a_real_broker_across_its_restart(samples, tmp_path: Path) -> None:
+    """output.mqtt to a real mosquitto that is stopped for 3 s mid-run and started again: the
+    pipeline loses no frame, and a subscriber receives every event of the events file, in
+    order (a QoS 1 resend may repeat one: counted once), and the final counts, retained."""
+    import json
+    import threading
+    import time
+
+    from tests.pipeline.test_mqtt import Subscriber
+    from tests.support.mosquitto import MosquittoBroker, require_mosquitto
+
+    require_mosquitto()
+    broker = MosquittoBroker(tmp_path / "broker")
+    broker.start()
+    subscriber = Subscriber(broker, client_id="analytics-test")
+    try:
+        out = tmp_path / "out"
+        config = parse_config(pipeline_config(
+            samples, out, [{"name": "bikes", "uri": str(samples.bikes), "tracker": "bytetrack",
+                            "analytics": ANALYTICS, "pace_fps": 25}],
+            inference={"batch_size": 4},
+            output={"mqtt": {"host": "127.0.0.1", "port": broker.port}}))
+        graph = build_graph(config)
+        outage: list[float] = []
+
+        def stop_and_start() -> None:
+            time.sleep(3)
+            broker.stop()
+            outage.append(time.time())
+            time.sleep(3)
+            broker.start()
+            outage.append(time.time())
+
+        thread = threading.Thread(target=stop_and_start)
+        thread.start()
+        graph.run()
+        thread.join()
+        frames, events = records(out / "bikes.jsonl"), records(out / "bikes.events.jsonl")
+        assert [r["frame"] for r in frames] == list(range(250))
+        assert any(outage[0] <= e["capture_time"] <= outage[1] for e in events), \
+            "no event happened while the broker was down"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            received = list(dict.fromkeys(subscriber.payloads("streamdet/bikes/events")))
+            if len(received) >= len(events):
+                break
+            time.sleep(0.2)
+        assert [json.loads(p) for p in received] == events
+        (stage,) = [s for s in graph.chain if isinstance(s, AnalyticsStage)]
+        assert json.loads(subscriber.last("streamdet/bikes/counts")) == stage.counts()["bikes"]
+        assert subscriber.last("streamdet/availability") == "offline"  # closed at the end
+    finally:
+        subscriber.close()
+        broker.kill()
