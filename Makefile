@@ -16,9 +16,10 @@ $(BIN)/python:
 setup: $(BIN)/python
 	$(BIN)/python -m pip install -q -e .
 
-# The tests also build TensorRT engines on the CPU with TensorRT-RTX (about 258 MB).
+# The tests also build TensorRT engines on the CPU with TensorRT-RTX (about 258 MB), and
+# test tracking, analytics, MQTT and the live view (their extras).
 setup-test: $(BIN)/python
-	$(BIN)/python -m pip install -q -e ".[dev,tensorrt]"
+	$(BIN)/python -m pip install -q -e ".[dev,tensorrt,analytics,live]"
 
 samples: setup
 	$(BIN)/python -m samples.fetch

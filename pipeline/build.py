@@ -103,6 +103,7 @@ def build_graph(config: PipelineConfig,
     [track] -> [analytics] -> [annotate] -> sinks. On the GPU path every device buffer is
     allocated and every kernel compiled here, before the first frame.
     """
+    check_extras(config)
     try:
         info = read_model_info(config.model.path, config.model.layout)
     except ValueError as error:
@@ -253,6 +254,25 @@ def create_publisher(config: PipelineConfig, sources: list[str]) -> MqttPublishe
     from pipeline.mqtt import MqttPublisher
 
     return MqttPublisher(config.output.mqtt, sources)
+
+
+def check_extras(config: PipelineConfig) -> None:
+    """Raise ``ConfigError`` (one line) when a feature the config asks for needs a package of
+    an extra that is not installed: the base install is what the CPU demo needs."""
+    import importlib.util
+
+    wants = [(f"sources[{i}].tracker", "trackers", "analytics")
+             for i, s in enumerate(config.sources) if s.tracker != "none"]
+    wants += [(f"sources[{i}].analytics", "supervision", "analytics")
+              for i, s in enumerate(config.sources) if s.analytics]
+    if config.output.mqtt is not None:
+        wants.append(("output.mqtt", "paho", "analytics"))
+    if config.runtime.http is not None:
+        wants += [("runtime.http", "starlette", "live"), ("runtime.http", "uvicorn", "live")]
+    for key, module, extra in wants:
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{key}: needs the Python package {module!r}, which is not "
+                              f"installed: pip install 'streamdet[{extra}]'")
 
 
 def decoder_kind(config: PipelineConfig, index: int, gpu: GpuContext | None) -> str:
