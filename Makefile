@@ -17,9 +17,9 @@ setup: $(BIN)/python
 	$(BIN)/python -m pip install -q -e .
 
 # The tests also build TensorRT engines on the CPU with TensorRT-RTX (about 258 MB), and
-# test tracking, analytics, MQTT and the live view (their extras).
+# test tracking, analytics, MQTT, the live view and the Ray cluster mode (their extras).
 setup-test: $(BIN)/python
-	$(BIN)/python -m pip install -q -e ".[dev,tensorrt,analytics,live]"
+	$(BIN)/python -m pip install -q -e ".[dev,tensorrt,analytics,live,ray]"
 
 samples: setup
 	$(BIN)/python -m samples.fetch

@@ -8,7 +8,8 @@
 #   # throughput alone in about 5 minutes (compile cache in assets/engines already warm):
 #   BUDGET_S=285 THROUGHPUT_RESERVE_S=0 SECONDS_PER_RUN=3 bash benchmarks/gpu_check.sh throughput
 #
-# Steps: tests (pytest -m gpu), nms, preprocess, overlap, throughput. Needs CuPy, Numba,
+# Steps: tests (pytest -m gpu), nms, preprocess, overlap, throughput, and multigpu (not in the
+# default set: needs 2 GPUs, e.g. nvidia-h200-x2). Needs CuPy, Numba,
 # torch, torchvision, onnx2torch, PyAV and the assets (python -m samples.fetch, and
 # python -m samples.yolov8 for throughput) on that machine.
 #
@@ -25,6 +26,11 @@
 # camera counts, each camera live at 30 frames/s; default 32,64,100; "none" for none),
 # SECONDS_PER_RUN (each measurement's window, default 4), THROUGHPUT_ARGS (more flags, e.g.
 # "--decode cpu,gpu,cpu-threads --decode-workers 8 --no-naive").
+#
+# multigpu: benchmarks.multi_gpu, the same runs on 1 and on 2 GPUs (runtime.gpus, one process
+# per GPU): MULTI_CAMERAS (unpaced, default 100), MULTI_PACED (paced counts, default 16,32,64),
+# SECONDS_PER_RUN, MULTI_ARGS (more flags). It gets the time left as --budget-s:
+#   BUDGET_S=570 bash benchmarks/gpu_check.sh multigpu
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 BUDGET_S=${BUDGET_S:-570}
@@ -83,6 +89,13 @@ for step in "${steps[@]}"; do
                 --cameras "${CAMERAS:-1,8,32,64,100}" --paced "${PACED:-32,64,100}" \
                 --seconds "${SECONDS_PER_RUN:-4}" \
                 --budget-s "$((limit - 20))" --out "$OUT/throughput.md" ${THROUGHPUT_ARGS:-} ;;
+        multigpu)
+            limit=$(( $(left) - 15 ))
+            # shellcheck disable=SC2086
+            run_step multigpu "$limit" python3 -m benchmarks.multi_gpu --gpus 1,2 \
+                --cameras "${MULTI_CAMERAS:-100}" --paced "${MULTI_PACED:-16,32,64}" \
+                --seconds "${SECONDS_PER_RUN:-5}" --budget-s "$((limit - 20))" \
+                --out "$OUT/multigpu.md" ${MULTI_ARGS:-} ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done
@@ -91,8 +104,8 @@ for step in "${steps[@]}"; do
     [ "$step" = tests ] && { grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed" \
         "$OUT/tests.log" | tail -n 40; continue; }
     echo "---- $step"
-    if [ "$step" = throughput ] && [ -s "$OUT/throughput.md" ]; then
-        cat "$OUT/throughput.md"
+    if [ "$step" = throughput ] || [ "$step" = multigpu ] && [ -s "$OUT/$step.md" ]; then
+        cat "$OUT/$step.md"
     else
         tail -n 30 "$OUT/$step.log"
     fi

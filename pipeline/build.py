@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import av
 import structlog
 
-from pipeline.config import ConfigError, PipelineConfig, is_stream_url
+from pipeline.config import ConfigError, PipelineConfig, SourceConfig, is_stream_url
 from pipeline.gpu import GpuContext, gpu_unavailable_reason
 from pipeline.graph import Graph
 from pipeline.preview import PreviewHub
@@ -103,6 +103,8 @@ def build_graph(config: PipelineConfig,
     [track] -> [analytics] -> [annotate] -> sinks. On the GPU path every device buffer is
     allocated and every kernel compiled here, before the first frame.
     """
+    from pipeline.control import SourceControl  # it builds sources with this module
+
     check_extras(config)
     try:
         info = read_model_info(config.model.path, config.model.layout)
@@ -185,25 +187,11 @@ def build_graph(config: PipelineConfig,
         chain.append(AnalyticsStage("analytics", regions, class_names, forget_s, publisher))
     if video:
         chain.append(AnnotateStage("annotate", class_names, regions))
-    events = config.output.events
-    sinks = {
-        source.name: SinkStage(
-            f"sink:{source.name}",
-            config.output_path(config.output.video, source.name) if video else None,
-            config.output_path(config.output.jsonl, source.name) if config.output.jsonl else None,
-            class_names,
-            config.output.video_crf,
-            release_slots=ring.release if keep_images else None,
-            live=source.is_live,
-            tracked=source.name in trackers,
-            events_path=(config.output_path(events, source.name)
-                         if events and source.name in regions else None),
-            preview=preview,
-        )
-        for source in config.sources
-    }
+    sinks = {source.name: build_sink(config, source, class_names, ring, keep_images,
+                                     source.name in trackers, source.name in regions, preview)
+             for source in config.sources}
     graph = Graph(sources, chain, sinks, config.runtime.queue_size, on_batch_done, stop=stop,
-                  ring=ring, release_at_sink=keep_images)
+                  ring=ring, release_at_sink=keep_images, stop_when=config.runtime.stop_when)
     graph.add_service(lambda: None, ring.close)
     if publisher is not None:
         graph.add_service(publisher.start, publisher.close)
@@ -213,7 +201,41 @@ def build_graph(config: PipelineConfig,
         graph.add_service(pool.start, pool.close)
     graph.gpu = gpu
     graph.preview = preview
+    graph.control = SourceControl(
+        config, graph, ring, pool, class_names, info.num_classes,
+        lambda cfg, source, tracked, has_analytics: build_sink(
+            cfg, source, class_names, ring, keep_images, tracked, has_analytics, preview),
+        probe_frame_size, track_gone_margin_s=TRACK_GONE_MARGIN_S)
     return graph
+
+
+def build_sink(config: PipelineConfig, source: SourceConfig, class_names: list[str] | None,
+               ring: SlotRing, keep_images: bool, tracked: bool, has_analytics: bool,
+               preview: PreviewHub | None) -> SinkStage:
+    """The sink of one source: its outputs as ``config.output`` names them.
+
+    Args:
+        keep_images: the sinks read the frames' images (video or previews): the sink then
+            returns the slots to ``ring``.
+        tracked: the source is tracked (its records carry ``tracker_id``).
+        has_analytics: the source has zones or lines (its events are written).
+    """
+    output = config.output
+    return SinkStage(
+        f"sink:{source.name}",
+        config.output_path(output.video, source.name) if output.video is not None else None,
+        config.output_path(output.jsonl, source.name) if output.jsonl else None,
+        class_names,
+        output.video_crf,
+        release_slots=ring.release if keep_images else None,
+        live=source.is_live,
+        tracked=tracked,
+        events_path=(config.output_path(output.events, source.name)
+                     if output.events and has_analytics else None),
+        preview=preview,
+        segment_s=output.segment_s,  # live sources only (SinkStage ignores it for files)
+        keep_hours=output.keep_hours,
+    )
 
 
 def analytics_regions(config: PipelineConfig, class_names: list[str] | None, num_classes: int,

@@ -45,6 +45,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="override a configuration key, e.g. --set inference.batch_size=8 "
                              "or --set sources[0].uri=rtsp://...; repeatable")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--ray", metavar="auto|ADDRESS|local",
+                        help="run one pipeline per GPU as Ray actors across the Ray cluster: "
+                             "auto joins the cluster of this machine, ADDRESS another "
+                             "(ray://head:10001), local starts one here; needs the ray extra")
     parser.add_argument("--help-config", action="store_true",
                         help="list every configuration key with its default and meaning")
     return parser.parse_args(argv)
@@ -59,6 +63,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: --config is required (for example: --config configs/file.yaml)",
               file=sys.stderr)
         return EXIT_USAGE
+    if args.ray is not None:
+        from pipeline.ray_cluster import ray_missing
+
+        if (missing := ray_missing()) is not None:
+            print(f"error: {missing}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as error:
@@ -71,6 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "build-engine":
             return build_engine(config)
+        if args.ray is not None or runtime.gpus is not None or runtime.pipelines is not None:
+            from pipeline.cluster import run_cluster
+
+            return run_cluster(config, args.ray)
         return run_pipeline(config)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -30,6 +30,10 @@ class ConfigError(ValueError):
 # (at 1080p, 512 frames are 1.6 GB per batch set).
 MAX_BATCH_SIZE = 512
 
+# The shortest output.segment_s: a segment holds at least a few fragments (a keyframe every
+# 2 s), and a folder does not fill with a file every few seconds.
+SEGMENT_MIN_S = 10.0
+
 
 def _doc(text: str, **extra: Any) -> dict[str, Any]:
     return {"doc": text, **extra}
@@ -221,6 +225,14 @@ class SourceConfig:
         metadata=_doc("Counting zones and lines (needs tracker: bytetrack); events go to "
                       "output.events. null: none."),
     )
+    start_frame: int = field(
+        default=0,
+        metadata=_doc("Resume at this frame: a file decodes and skips the frames before it "
+                      "(their numbers are kept, nothing before it is written), a stream numbers "
+                      "its frames from it. The cluster supervisor sets it when it moves a source "
+                      "(runtime.gpus, runtime.pipelines, --ray): the frame after the source's "
+                      "last written record.", min=0),
+    )
 
     @property
     def is_live(self) -> bool:
@@ -409,6 +421,38 @@ class OutputConfig:
         default=None,
         metadata=_doc("Publish the analytics events and counts to an MQTT broker, or null."),
     )
+    segment_s: float | None = field(
+        default=None,
+        metadata=_doc("Live sources: start new files (video, detections and events together) "
+                      "whenever the capture time passes a multiple of this many seconds "
+                      "since the Unix epoch (900: at :00, :15, :30 and :45), each named with "
+                      "its first frame's UTC time (cam.mp4 -> cam.20261130T231500Z.mp4) and "
+                      "renamed from its .partial name when the next one starts; at least 10. "
+                      "null: one file per source. File sources are never segmented (their "
+                      "outputs follow the file and end with it).",
+                      min=SEGMENT_MIN_S),
+    )
+    keep_hours: float | None = field(
+        default=None,
+        metadata=_doc("With segment_s: delete a live source's segments (only files with its "
+                      "segment names, finished or .partial) last written more than this many "
+                      "hours ago (at least one segment), at start and at every new segment. "
+                      "null: keep everything."),
+    )
+
+    def check(self) -> None:
+        """Raise ConfigError unless ``keep_hours`` comes with ``segment_s`` and keeps at
+        least one segment."""
+        if self.keep_hours is None:
+            return
+        if self.segment_s is None:
+            raise ConfigError(f"output.keep_hours: deletes old segments, so it needs "
+                              f"output.segment_s; got keep_hours {self.keep_hours:g} and "
+                              f"segment_s null")
+        if self.keep_hours * 3600 < self.segment_s:
+            raise ConfigError(f"output.keep_hours: expected at least one segment "
+                              f"({self.segment_s:g} s = {self.segment_s / 3600:.4g} h), got "
+                              f"{self.keep_hours:g}")
 
 
 @dataclass
@@ -513,6 +557,37 @@ class RuntimeConfig:
         default=None,
         metadata=_doc("Serve the live view (HTTP API and page: every source's preview, state "
                       "and counters; GET /api/health), or null for none."))
+    stop_when: Literal["all_ended", "files_ended", "never"] = field(
+        default="all_ended",
+        metadata=_doc("When the run ends by itself: all_ended: once every source ended (a "
+                      "camera ends only by failing for good, so a run with cameras goes on "
+                      "until Ctrl-C or SIGTERM, its files finalised as each ends); "
+                      "files_ended: once every file source ended, stopping the cameras then "
+                      "too; never: only on Ctrl-C or SIGTERM (sources are added and removed "
+                      "through the HTTP API)."))
+    gpus: list[int] | Literal["all"] | None = field(
+        default=None,
+        metadata=_doc("Run one pipeline process per GPU listed ([0, 1]; all: every GPU of this "
+                      "machine), each with its own decode workers and a share of the sources "
+                      "by load (width x height x frame rate); a process that dies has its "
+                      "sources moved to the others (files resume after their last written "
+                      "record) and is restarted with backoff. null: one pipeline in this "
+                      "process (inference.gpu_id)."),
+    )
+    pipelines: int | None = field(
+        default=None,
+        metadata=_doc("Like gpus, without GPUs: this many pipeline processes share the sources "
+                      "(the CPU path, or inference.device as configured, all on "
+                      "inference.gpu_id). With --ray: the number of actors (default: the GPUs "
+                      "of the Ray cluster, else 2). null: one pipeline (or one per GPU of "
+                      "gpus).", min=1),
+    )
+    max_restarts: int = field(
+        default=3,
+        metadata=_doc("gpus, pipelines, --ray: times a pipeline process or Ray actor that died "
+                      "is restarted (after a backoff); its sources move to the others at "
+                      "once.", min=0),
+    )
     staging_slots: int = field(
         default=0,
         metadata=_doc("Host frame slots (frames in flight between decode and the last stage "
@@ -692,8 +767,18 @@ def _check_semantics(config: PipelineConfig, base_dir: Path) -> None:
                 f"output.{key}: only {{source}} may be used in the path, got {template!r}"
             ) from None
     _check_output_paths(config, base_dir)
+    config.output.check()
     if config.runtime.http is not None:
         config.runtime.http.check("runtime.http")
+    runtime = config.runtime
+    if runtime.gpus is not None and runtime.pipelines is not None:
+        raise ConfigError(f"runtime.pipelines: set runtime.gpus (one pipeline per GPU) or "
+                          f"runtime.pipelines, not both (got gpus {runtime.gpus!r}, pipelines "
+                          f"{runtime.pipelines})")
+    if isinstance(runtime.gpus, list):
+        if not runtime.gpus or len(set(runtime.gpus)) != len(runtime.gpus) or min(runtime.gpus) < 0:
+            raise ConfigError(f"runtime.gpus: expected distinct GPU numbers >= 0 (or all, or "
+                              f"null), got {runtime.gpus!r}")
 
 
 def partial_path(path: Path) -> Path:
@@ -721,6 +806,25 @@ def _check_output_paths(config: PipelineConfig, base_dir: Path) -> None:
                 if other != what:
                     raise ConfigError(f"output.{key}: {what} would be {str(path)!r}, which is "
                                       f"also {other}")
+
+
+def build_section(cls: type, data: dict[str, Any], key: str) -> Any:
+    """One section of the file (``SourceConfig`` at ``sources[3]``, say) from its mapping,
+    checked key by key as ``parse_config`` checks it.
+
+    Raises:
+        ConfigError: a one-line message naming the key.
+    """
+    return _build(cls, data, key)
+
+
+def check_config(config: PipelineConfig, base_dir: Path = Path(".")) -> None:
+    """The checks across keys ``parse_config`` makes (names, files, output paths).
+
+    Raises:
+        ConfigError: a one-line message naming the key.
+    """
+    _check_semantics(config, base_dir)
 
 
 def parse_config(data: Any, base_dir: Path = Path(".")) -> PipelineConfig:

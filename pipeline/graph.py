@@ -18,8 +18,13 @@ everything queued drains and every sink finalises; ``abort()`` (second Ctrl-C) s
 Live sources never hold the graph up: their lanes, in front of the first stage and of their
 sink, drop the oldest waiting item when full (returning its frame slots to the ring), so a
 frame's capture-to-sink latency stays below (frames the queues can hold) x (time per frame of
-the slowest stage). The run ends when every source ended; when all file sources are done, the
-live ones are stopped too.
+the slowest stage).
+
+When the run ends by itself is ``stop_when`` (``runtime.stop_when``): ``all_ended`` once every
+source ended, ``files_ended`` once every file source ended (the cameras are stopped then),
+``never`` only on ``request_stop``. Until then sources can be added (``add_source``) and
+removed (``remove_source``) while the others run: the first stage's queue has a ``control``
+lane, closed only when the run ends, so the chain never sees its input close in between.
 """
 
 from __future__ import annotations
@@ -44,10 +49,17 @@ JOIN_TIMEOUT_S = 10.0
 # within its read timeout; its thread is a daemon and holds no output open).
 SOURCE_ABORT_WAIT_S = 1.0
 REPORT_INTERVAL_S = 60.0  # a "source stats" log line per source this often
+CONTROL_LANE = "control"  # the first queue's lane that stays open until the run ends
+STOP_WHEN = ("all_ended", "files_ended", "never")
 
 
 class PipelineError(RuntimeError):
     """A stage failed; the message names it and the cause is chained."""
+
+
+class SourceConflict(RuntimeError):
+    """A source cannot be added or removed now (a name in use, an unknown name, the run
+    ending); the message says why."""
 
 
 class Graph:
@@ -65,6 +77,7 @@ class Graph:
             from a live lane give their slots back to it. None when frames own their images.
         release_at_sink: the sinks return their parts' slots (they are the last readers of
             the host images); dropped sink-lane parts then return theirs here.
+        stop_when: ``all_ended``, ``files_ended`` or ``never`` (module docstring).
     """
 
     def __init__(
@@ -77,14 +90,29 @@ class Graph:
         stop: threading.Event | None = None,
         ring: SlotRing | None = None,
         release_at_sink: bool = False,
+        stop_when: str = "all_ended",
     ) -> None:
         if not chain:
             raise ValueError("the graph needs at least one stage between sources and sinks")
-        self.sources, self.chain, self.sinks = sources, chain, sinks
+        if stop_when not in STOP_WHEN:
+            raise ValueError(f"stop_when: expected one of {STOP_WHEN}, got {stop_when!r}")
+        self.sources, self.chain, self.sinks = list(sources), chain, dict(sinks)
+        self.stop_when = stop_when
+        self.queue_size = queue_size
+        # Sources come and go while the run goes on: these change under _sources_lock, and
+        # the dicts other threads read are replaced, never changed in place.
+        # Re-entrant: request_stop may run in a signal handler on the thread holding it.
+        self._sources_lock = threading.RLock()
+        self._accepting = True  # sources may still be added
+        self._running = False
+        self._source_threads: dict[str, threading.Thread] = {}
+        self._sink_threads: dict[str, threading.Thread] = {}
+        self._source_stops = {source.name: threading.Event() for source in sources}
         self.stop_reading = threading.Event()
         self._stop = stop or threading.Event()  # shared with stages that wait on GPU buffers
         self.gpu: Any = None  # the GpuContext on the GPU path (for profiling), else None
         self.preview: Any = None  # the live view's PreviewHub (runtime.http), else None
+        self.control: Any = None  # the pipeline.control.SourceControl, when built from a config
         self.ring = ring
         self._on_batch_done = on_batch_done
         self._error: tuple[str, BaseException] | None = None
@@ -95,25 +123,15 @@ class Graph:
         self._dropped = {source.name: 0 for source in sources}  # frames, per source
         self._dropped_lock = threading.Lock()
         self._inboxes = [StageQueue(stage.name, self._stop) for stage in chain]
+        self._inboxes[0].add_lane(CONTROL_LANE, 1)
         for source in sources:
-            if source.live:
-                self._inboxes[0].add_lane(source.name, queue_size, "drop_oldest",
-                                          on_drop=self._drop_frame)
-            else:
-                self._inboxes[0].add_lane(source.name, queue_size, "block")
+            self._add_source_lane(source)
         for upstream, inbox in zip(chain, self._inboxes[1:]):
             inbox.add_lane(upstream.name, queue_size)
-        self._sink_inboxes = {}
-        live = {source.name: source.live for source in sources}
+        self._sink_inboxes: dict[str, StageQueue] = {}
         self._release_at_sink = release_at_sink
-        for name, sink in sinks.items():
-            inbox = StageQueue(sink.name, self._stop)
-            # A slow sink of a live source drops its oldest part rather than stall the chain.
-            if live.get(name):
-                inbox.add_lane(chain[-1].name, queue_size, "drop_oldest", on_drop=self._drop_part)
-            else:
-                inbox.add_lane(chain[-1].name, queue_size, "block")
-            self._sink_inboxes[name] = inbox
+        for source in sources:
+            self._sink_inboxes[source.name] = self._make_sink_inbox(source)
         self._threads: list[threading.Thread] = []
         self._services: list[tuple[Callable[[], None], Callable[[], None]]] = []
 
@@ -134,10 +152,94 @@ class Graph:
         they have ended (also after a failure), in reverse order of adding."""
         self._services.append((start, close))
 
+    def _add_source_lane(self, source: SourceStage) -> None:
+        if source.live:
+            self._inboxes[0].add_lane(source.name, self.queue_size, "drop_oldest",
+                                      on_drop=self._drop_frame)
+        else:
+            self._inboxes[0].add_lane(source.name, self.queue_size, "block")
+
+    def _make_sink_inbox(self, source: SourceStage) -> StageQueue:
+        inbox = StageQueue(self.sinks[source.name].name, self._stop)
+        # A slow sink of a live source drops its oldest part rather than stall the chain.
+        if source.live:
+            inbox.add_lane(self.chain[-1].name, self.queue_size, "drop_oldest",
+                           on_drop=self._drop_part)
+        else:
+            inbox.add_lane(self.chain[-1].name, self.queue_size, "block")
+        return inbox
+
     # -- control -------------------------------------------------------------------------
     def request_stop(self) -> None:
         """Stop reading sources; what is queued still drains and outputs are finalised."""
         self.stop_reading.set()
+        with self._sources_lock:
+            stops = list(self._source_stops.values())
+        for stop in stops:
+            stop.set()
+        self._close_control()
+
+    def _close_control(self) -> None:
+        """No source can be added any more: the chain ends once the sources' lanes end."""
+        with self._sources_lock:
+            if not self._accepting:
+                return
+            self._accepting = False
+        self._inboxes[0].close(CONTROL_LANE)
+
+    def add_source(self, source: SourceStage, sink: Stage) -> None:
+        """Add a source and its sink to the running graph (any thread): the sink is opened,
+        then both threads start. The stages in the chain must know the source already
+        (``pipeline.control``).
+
+        Raises:
+            SourceConflict: its name is in use (also by a source removed in this run: its
+                outputs would be overwritten), or the run is ending.
+        """
+        with self._sources_lock:
+            if not self._accepting or not self._running:
+                raise SourceConflict("the run is ending: no source can be added")
+            if source.name in self._source_stops:
+                raise SourceConflict(f"source name {source.name!r} is already used in this run")
+            self.sinks = {**self.sinks, source.name: sink}
+            self._source_stops[source.name] = threading.Event()
+            self.stage_metrics = {**self.stage_metrics, sink.name: StageMetrics(sink.name)}
+            self.source_metrics = {**self.source_metrics,
+                                   source.name: SourceMetrics(source.name)}
+            with self._dropped_lock:
+                self._dropped[source.name] = 0
+            self._sink_of = {**self._sink_of, sink.name: source.name}
+            self._sink_inboxes = {**self._sink_inboxes, source.name: self._make_sink_inbox(source)}
+            self._add_source_lane(source)
+            self.sources = [*self.sources, source]
+            try:
+                sink.open()
+            except BaseException:
+                self._inboxes[0].close(source.name)
+                raise
+            self._start_sink(source.name, sink)
+            self._start_source(source)
+        log.info("source added", source=source.name, live=source.live)
+
+    def remove_source(self, name: str) -> None:
+        """Stop reading source ``name`` (any thread): what it queued still drains, then its
+        outputs are finalised, as for a file that ended. Returns at once.
+
+        Raises:
+            SourceConflict: no running source has that name.
+        """
+        with self._sources_lock:
+            stop = self._source_stops.get(name)
+            thread = self._source_threads.get(name)
+        if stop is None or thread is None or not thread.is_alive():
+            raise SourceConflict(f"no running source named {name!r}")
+        stop.set()
+        log.info("source removed: its outputs are being finalised", source=name)
+
+    def source_done(self, name: str) -> bool:
+        """Whether source ``name``'s sink thread has ended (its outputs are final)."""
+        thread = self._sink_threads.get(name)
+        return thread is not None and not thread.is_alive()
 
     def abort(self) -> None:
         """Stop every thread as soon as possible."""
@@ -171,7 +273,7 @@ class Graph:
     def _run_source(self, source: SourceStage) -> None:
         inbox = self._inboxes[0]
         try:
-            for item in source.frames(self.stop_reading):
+            for item in source.frames(self._source_stops[source.name]):
                 if isinstance(item, EndOfStream) and item.error:
                     self.source_metrics[source.name].error = item.error
                 inbox.put(source.name, item)
@@ -202,6 +304,10 @@ class Graph:
                     outputs: Iterable[Any] = stage.on_idle()
                 elif isinstance(item, EndOfStream):
                     outputs = stage.end_of_stream(item)
+                    if sink_source is not None:  # its source's last item: finalise now
+                        self._emit_all(outputs, emit)
+                        self._emit_all(stage.finish(), emit)
+                        break
                 else:
                     outputs = stage.process(item)
                 waited = self._emit_all(outputs, emit)
@@ -284,9 +390,6 @@ class Graph:
                 self._close_quietly(started)
             raise PipelineError(f"stage {failed} failed to start: {error}") from error
 
-        for source in self.sources:
-            self._threads.append(threading.Thread(
-                target=self._run_source, args=(source,), name=f"source:{source.name}", daemon=True))
         for i, stage in enumerate(self.chain):
             if i + 1 < len(self.chain):
                 queue = self._inboxes[i + 1]
@@ -294,60 +397,79 @@ class Graph:
                 close = (lambda q=queue, n=stage.name: q.close(n))
             else:
                 emit = self._route
-                close = (lambda n=stage.name: [q.close(n) for q in self._sink_inboxes.values()])
+                close = (lambda n=stage.name: [q.close(n) for q in self._sink_inboxes_final()])
             self._threads.append(threading.Thread(
                 target=self._run_stage, args=(stage, self._inboxes[i], emit, close),
                 name=f"stage:{stage.name}", daemon=True))
-        for name, sink in self.sinks.items():
-            self._threads.append(threading.Thread(
-                target=self._run_stage,
-                args=(sink, self._sink_inboxes[name], lambda item: 0.0, lambda: None),
-                name=f"sink:{sink.name}", daemon=True))
         for thread in self._threads:
             thread.start()
+        with self._sources_lock:
+            self._running = True
+            for source in self.sources:
+                self._start_sink(source.name, self.sinks[source.name])
+            for source in self.sources:
+                self._start_source(source)
         self._join()
         self.refresh_source_metrics()
         if self._error is not None:
             node, error = self._error
             raise PipelineError(f"{node}: {type(error).__name__}: {error}") from error
 
+    def _start_sink(self, name: str, sink: Stage) -> None:
+        thread = threading.Thread(
+            target=self._run_stage,
+            args=(sink, self._sink_inboxes[name], lambda item: 0.0, lambda: None),
+            name=f"sink:{sink.name}", daemon=True)
+        self._sink_threads = {**self._sink_threads, name: thread}
+        thread.start()
+
+    def _start_source(self, source: SourceStage) -> None:
+        thread = threading.Thread(target=self._run_source, args=(source,),
+                                  name=f"source:{source.name}", daemon=True)
+        self._source_threads = {**self._source_threads, source.name: thread}
+        thread.start()
+
+    def _sink_inboxes_final(self) -> list[StageQueue]:
+        """Every sink's queue, once no source can be added any more (the last chain stage
+        closes them when it ends, which is only after the control lane closed)."""
+        with self._sources_lock:
+            return list(self._sink_inboxes.values())
+
     def refresh_source_metrics(self) -> None:
         """Bring ``source_metrics``' drop and reconnection counters up to date (any thread)."""
         with self._dropped_lock:
             dropped = dict(self._dropped)
-        for source in self.sources:
-            metrics = self.source_metrics[source.name]
+        metrics_of = self.source_metrics
+        for source in list(self.sources):
+            metrics = metrics_of[source.name]
             metrics.dropped = dropped[source.name] + source.dropped
             metrics.reconnects = source.reconnects
 
     def queue_depths(self) -> dict[str, int]:
         """Items waiting now in front of each stage and sink, by its name."""
         return {queue.name: queue.depth()
-                for queue in [*self._inboxes, *self._sink_inboxes.values()]}
+                for queue in [*self._inboxes, *list(self._sink_inboxes.values())]}
 
     def _join(self) -> None:
         # Join with short timeouts so the main thread keeps handling signals (Ctrl-C).
         started = time.monotonic()
         next_report = started + REPORT_INTERVAL_S
-        file_threads = [t for t, s in zip(self._threads, self.sources) if not s.live]
-        mixed = bool(file_threads) and any(s.live for s in self.sources)
         while not self._stop.is_set():
-            alive = [t for t in self._threads if t.is_alive()]
+            threads = self._all_threads()
+            alive = [t for t in threads if t.is_alive()]
             if not alive:
                 break
             alive[0].join(0.1)
-            if (mixed and not self.stop_reading.is_set()
-                    and not any(t.is_alive() for t in file_threads)):
-                log.info("every file source is done: stopping the live sources")
-                self.request_stop()
+            self._check_stop_when()
             if time.monotonic() >= next_report:
                 next_report += REPORT_INTERVAL_S
                 self.refresh_source_metrics()
-                for metrics in self.source_metrics.values():
+                for metrics in list(self.source_metrics.values()):
                     log.info("source stats", **metrics.summary(time.monotonic() - started))
+        self._close_control()
         deadline = time.monotonic() + JOIN_TIMEOUT_S
-        sources = self._threads[:len(self.sources)]
-        for thread in self._threads:
+        sources = list(self._source_threads.values())
+        for thread in self._all_threads():
             wait = deadline - time.monotonic()
             if thread in sources and self._stop.is_set():
                 wait = min(wait, SOURCE_ABORT_WAIT_S)
@@ -355,8 +477,33 @@ class Graph:
         blocked = [t.name for t in sources if t.is_alive()]
         if blocked:
             log.warning("sources still blocked reading: left behind", threads=blocked)
-        stuck = [t.name for t in self._threads if t.is_alive() and t not in sources]
+        stuck = [t.name for t in self._all_threads() if t.is_alive() and t not in sources]
         if stuck:
             log.error("threads did not stop in time", threads=stuck, timeout_s=JOIN_TIMEOUT_S)
             if self._error is None:
                 self._error = ("graph", TimeoutError(f"threads did not stop: {', '.join(stuck)}"))
+
+    def _all_threads(self) -> list[threading.Thread]:
+        with self._sources_lock:
+            return [*self._source_threads.values(), *self._threads,
+                    *self._sink_threads.values()]
+
+    def _check_stop_when(self) -> None:
+        """End the run by itself when ``stop_when`` says so (the join loop, ten times a
+        second)."""
+        if self.stop_when == "never" or not self._accepting:
+            return
+        with self._sources_lock:
+            reading = {source.name: (source.live, self._source_threads[source.name].is_alive())
+                       for source in self.sources}
+        if self.stop_when == "all_ended":
+            if not any(alive for _, alive in reading.values()):
+                self._close_control()
+        elif any(not live for live, _ in reading.values()):  # files_ended
+            if not any(alive for live, alive in reading.values() if not live):
+                if any(alive for live, alive in reading.values() if live):
+                    log.info("every file source is done: stopping the live sources "
+                             "(runtime.stop_when: files_ended)")
+                self.request_stop()
+        elif not any(alive for _, alive in reading.values()):  # no file source: as all_ended
+            self._close_control()

@@ -15,6 +15,15 @@ route                                    answer
 ``GET /api/sources/{name}/stream.mjpg``  ``multipart/x-mixed-replace`` JPEGs of its frames,
                                          at most ``preview_fps`` a second; ends with the
                                          source
+``POST /api/sources``                    body: one ``sources[]`` entry as JSON; adds it to
+                                         the running pipeline (``pipeline.control``): 201
+                                         and the source; 400 ``{"error"}`` with the config
+                                         file's one-line message; 409 for a name used in
+                                         this run or a run that is ending
+``DELETE /api/sources/{name}``           stops it and finalises its outputs: 200 ``{"name",
+                                         "state": "removed", "frames"}`` once they are final
+                                         (waits up to ``REMOVE_WAIT_S``), else 202 with
+                                         ``"state": "removing"``; 404 unknown, 409 ended
 ``POST /login``                          form field ``token``: sets the page's cookie
 =======================================  ==================================================
 
@@ -23,7 +32,8 @@ A source: ``{"name", "uri" (credentials shown as ***), "live", "state", "frames"
 latest frame that reached its sink; null before the first), "latency_ms": {"p50", "p99"},
 "error", "picture": {"width", "height"} or null, "viewers", "counts"}`` (``counts``: its
 zones' and lines' counts, as ``AnalyticsCounts.to_json``, for a source with analytics).
-States: ``starting`` (no frame yet), ``running``, ``stalled`` (live, no frame for
+States: ``starting`` (no frame yet), ``running``, ``removing`` (``DELETE`` asked, outputs
+being finalised; the source leaves the list once they are), ``stalled`` (live, no frame for
 ``stale_after_s``, or none since the view started that long ago), ``reconnecting`` (lost;
 its stream or its decode worker is being restarted), ``ended``, ``failed``. A camera decoded
 in a worker process reports its reconnections with its next frame only: while it is down it
@@ -62,6 +72,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Protocol
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -74,7 +85,8 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response, Stream
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pipeline.config import PipelineConfig, redact_url
+from pipeline.config import ConfigError, PipelineConfig, SourceConfig, redact_url
+from pipeline.graph import SourceConflict
 from pipeline.preview import PreviewHub
 from stages.analytics import AnalyticsStage
 
@@ -87,6 +99,7 @@ FPS_WINDOW_S = 5.0
 STALE_AFTER_S = 10.0
 FULL_FOR_S = 2.0  # a queue full in every sample this long makes the health degraded
 SNAPSHOT_WAIT_S = 2.0  # a snapshot with no fresh picture waits this long for one
+REMOVE_WAIT_S = 30.0  # a DELETE waits this long for the outputs to be final (then 202)
 START_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 5.0
 BOUNDARY = "frame"
@@ -171,11 +184,13 @@ class SourceMonitor:
                  stale_after_s: float = STALE_AFTER_S) -> None:
         self.graph, self.hub, self.config = graph, hub, config
         self.stale_after_s = stale_after_s
+        # Sources are added and removed while the view runs: these are replaced, never
+        # changed in place, under _lock.
         self.names = [source.name for source in config.sources]
         self._uris = {s.name: redact_url(s.uri) for s in config.sources}
         self._live = {s.name: s.is_live for s in config.sources}
-        self._stages = {stage.name: stage for stage in graph.sources}
         self._sampled = {name: _Sampled() for name in self.names}
+        self.removing: set[str] = set()
         size = config.runtime.queue_size
         chain = list(graph.chain)
         self._capacity = {chain[0].name: size * len(graph.sources),
@@ -186,13 +201,36 @@ class SourceMonitor:
         self._started = time.monotonic()
         self._lock = threading.Lock()
 
+    def add(self, source: SourceConfig) -> None:
+        """Show a source added while the pipeline runs (after the graph took it)."""
+        with self._lock:
+            self.names = [*self.names, source.name]
+            self._uris = {**self._uris, source.name: redact_url(source.uri)}
+            self._live = {**self._live, source.name: source.is_live}
+            self._sampled = {**self._sampled, source.name: _Sampled()}
+            size = self.config.runtime.queue_size
+            first = self.graph.chain[0].name
+            self._capacity = {**self._capacity, first: self._capacity[first] + size,
+                              self.graph.sinks[source.name].name: size}
+
+    def forget(self, name: str) -> None:
+        """Stop showing a removed source (its outputs are final)."""
+        with self._lock:
+            self.names = [n for n in self.names if n != name]
+            self._sampled = {n: s for n, s in self._sampled.items() if n != name}
+            self.removing = self.removing - {name}
+            sink = self.graph.sinks[name].name
+            self._capacity = {q: c for q, c in self._capacity.items() if q != sink}
+            self._full_since.pop(sink, None)
+
     def sample(self) -> None:
         """Take one sample of every source's counters (the monitor thread, twice a second)."""
         self.graph.refresh_source_metrics()
         now = time.monotonic()
+        stages = {stage.name: stage for stage in self.graph.sources}
         with self._lock:
             for name, sampled in self._sampled.items():
-                metrics, stage = self.graph.source_metrics[name], self._stages.get(name)
+                metrics, stage = self.graph.source_metrics[name], stages.get(name)
                 restarts = int(getattr(stage, "restarts", 0))
                 reconnects = metrics.reconnects - restarts
                 if reconnects > sampled.reconnects:
@@ -225,6 +263,8 @@ class SourceMonitor:
         metrics, activity = self.graph.source_metrics[name], self.hub.activity(name)
         if metrics.error or activity.error:
             return "failed"
+        if name in self.removing:
+            return "removing"
         if activity.ended:
             return "ended"
         with self._lock:
@@ -369,7 +409,9 @@ class HttpServer:
             Route("/login", self._login, methods=["POST"]),
             Route("/api/health", self._health, methods=["GET"]),
             Route("/api/sources", self._sources, methods=["GET"]),
+            Route("/api/sources", self._add, methods=["POST"]),
             Route("/api/sources/{name}", self._source, methods=["GET"]),
+            Route("/api/sources/{name}", self._remove, methods=["DELETE"]),
             Route("/api/sources/{name}/snapshot.jpg", self._snapshot, methods=["GET"]),
             Route("/api/sources/{name}/stream.mjpg", self._stream, methods=["GET"]),
         ]), self)
@@ -441,6 +483,9 @@ class HttpServer:
         while not self._closing.wait(SAMPLE_S):
             try:
                 self.monitor.sample()
+                for name in list(self.monitor.removing):  # a DELETE answered 202
+                    if self.graph.source_done(name):
+                        self.monitor.forget(name)
             except Exception as error:  # noqa: BLE001 - the view must not stop the run
                 log.error("sampling the graph failed", error=f"{type(error).__name__}: {error}")
 
@@ -529,6 +574,56 @@ class HttpServer:
     def _source(self, request: Request) -> Response:
         name = self._known(request)
         return self._unknown(request) if name is None else self.json(self.monitor.source(name))
+
+    async def _add(self, request: Request) -> Response:
+        control = getattr(self.graph, "control", None)
+        if control is None:
+            return self.json({"error": "this pipeline cannot add sources"}, 501)
+        try:
+            data = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as error:
+            return self.json({"error": f"request body: expected a JSON object of a source's "
+                                       f"keys ({error})"}, 400)
+        try:
+            source: SourceConfig = await run_in_threadpool(control.add, data)
+        except ConfigError as error:
+            self._learn_secrets(data)  # a rejected body's password is not echoed either
+            return self.json({"error": str(error)}, 400)
+        except SourceConflict as error:
+            return self.json({"error": str(error)}, 409)
+        self._learn_secrets(data)
+        self.monitor.add(source)
+        return self.json(self.monitor.source(source.name), 201)
+
+    async def _remove(self, request: Request) -> Response:
+        name = self._known(request)
+        control = getattr(self.graph, "control", None)
+        if name is None:
+            return self._unknown(request)
+        if control is None:
+            return self.json({"error": "this pipeline cannot remove sources"}, 501)
+        try:
+            await run_in_threadpool(control.remove, name)
+        except SourceConflict as error:
+            return self.json({"error": f"{error} (it ended)"}, 409)
+        with self.monitor._lock:
+            self.monitor.removing = self.monitor.removing | {name}
+        deadline = time.monotonic() + REMOVE_WAIT_S
+        while not self.graph.source_done(name) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if not self.graph.source_done(name):
+            return self.json({"name": name, "state": "removing"}, 202)
+        frames = self.graph.source_metrics[name].frames_out
+        self.monitor.forget(name)
+        return self.json({"name": name, "state": "removed", "frames": frames})
+
+    def _learn_secrets(self, data: Any) -> None:
+        """Add the credentials in a POSTed source's URI to what responses are scrubbed of."""
+        uri = data.get("uri") if isinstance(data, dict) else None
+        if isinstance(uri, str):
+            probe = SimpleNamespace(sources=[SimpleNamespace(uri=uri)])
+            found = set(self._secrets) | set(secrets_of(probe, None))  # type: ignore[arg-type]
+            self._secrets = sorted(found, key=len, reverse=True)
 
     async def _snapshot(self, request: Request) -> Response:
         name = self._known(request)

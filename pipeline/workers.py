@@ -107,7 +107,8 @@ def worker_main(worker: int, sources: list[tuple[int, SourceConfig, int]], shm_n
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(log_format, log_level)
     ring = SlotRing.attach(shm_name, slots, slot_bytes, free)
-    stop = threading.Event()
+    stop = threading.Event()  # the whole worker stops
+    stops = {source_id: threading.Event() for source_id, _, _ in sources}  # one source stops
     send_lock = threading.Lock()
 
     def send(message: tuple) -> None:
@@ -118,7 +119,7 @@ def worker_main(worker: int, sources: list[tuple[int, SourceConfig, int]], shm_n
         decoder = DecodeStage(config, ring, stop, first_index, threads_per_source)
         reported = (0, 0)
         try:
-            for item in decoder.frames(stop):
+            for item in decoder.frames(stops[source_id]):
                 if isinstance(item, EndOfStream):
                     send((STATS, source_id, decoder.reconnects, decoder.dropped))
                     send((END, source_id, item.frames, item.error))
@@ -136,21 +137,39 @@ def worker_main(worker: int, sources: list[tuple[int, SourceConfig, int]], shm_n
         finally:
             decoder.close()
 
-    threads = [threading.Thread(target=decode, args=source, name=f"decode:{source[1].name}",
-                                daemon=True) for source in sources]
-    for thread in threads:
+    threads: list[threading.Thread] = []
+
+    def start(source: tuple[int, SourceConfig, int]) -> None:
+        stops.setdefault(source[0], threading.Event())
+        if stop.is_set():
+            stops[source[0]].set()
+        thread = threading.Thread(target=decode, args=source, name=f"decode:{source[1].name}",
+                                  daemon=True)
+        threads.append(thread)
         thread.start()
+
+    def stop_all() -> None:
+        stop.set()
+        for event in list(stops.values()):
+            event.set()
+
+    for source in sources:
+        start(source)
     try:
-        while any(t.is_alive() for t in threads):
+        while any(t.is_alive() for t in threads) or conn.poll():
             if not conn.poll(POLL_S):
                 continue
             message = conn.recv()
             if message[0] == "free":
                 ring.release(message[1])
             elif message[0] == "stop":
-                stop.set()
+                stop_all()
+            elif message[0] == "add":  # a source added while the pipeline runs
+                start(message[1:])
+            elif message[0] == "stop_source":  # a source removed while the pipeline runs
+                stops.setdefault(message[1], threading.Event()).set()
     except (EOFError, OSError):
-        stop.set()  # the pipeline died: stop decoding and exit
+        stop_all()  # the pipeline died: stop decoding and exit
     for thread in threads:
         thread.join(JOIN_TIMEOUT_S)
     ring.close_view()
@@ -186,16 +205,17 @@ class WorkerSource(SourceStage):
         return self.worker_reconnects + self.restarts
 
     def frames(self, stop_reading: threading.Event) -> Iterator[Frame | EndOfStream]:
-        """The frames the worker decoded, then the end marker; a graceful stop asks the
-        workers to end their sources (what they already sent still comes)."""
+        """The frames the worker decoded, then the end marker; ``stop_reading`` (a graceful
+        stop, or this source removed) asks its worker to end it (what the worker already
+        sent still comes)."""
         while True:
             if stop_reading.is_set():  # checked before every item: a busy inbox is never empty
-                self.pool.request_stop()
+                self.pool.stop_source(self.source_id)
             try:
                 item = self.inbox.get(timeout=POLL_S)
             except queue.Empty:
                 if stop_reading.is_set():
-                    self.pool.request_stop()
+                    self.pool.stop_source(self.source_id)
                     if not self.pool.running:  # never started, or gone: nothing will come
                         yield EndOfStream(self.name, self.pool.next_index[self.source_id])
                         return
@@ -222,6 +242,7 @@ class _Worker:
     frames_since_start: int = 0  # frames received from the current process
     failed_starts: int = 0  # processes in a row that died before delivering a frame
     restart_at: float | None = None
+    added: set[int] = field(default_factory=set)  # source ids sent to the running process
 
 
 class DecodeWorkerPool:
@@ -249,6 +270,7 @@ class DecodeWorkerPool:
                        for source_id, cfg in sources}
         self.next_index = {source_id: 0 for source_id, _ in sources}
         self.ended: set[int] = set()
+        self._ending: set[int] = set()  # asked to stop (``stop_source``)
         self.aborted = threading.Event()
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -308,6 +330,49 @@ class DecodeWorkerPool:
             if worker.conn is not None:
                 worker.conn.close()
 
+    def add_source(self, source_id: int, config: SourceConfig, first_index: int = 0
+                   ) -> WorkerSource:
+        """One more source (added while the pipeline runs) for the worker with the fewest
+        sources still running; it shares that worker's slots. Returns its graph source;
+        decoding starts with ``start_source`` (any thread; the receiver must be running)."""
+        from stages.decode import probe_frame_count
+
+        stage = WorkerSource(source_id, config, self, probe_frame_count(config))
+        with self._lock:
+            worker = min(self.workers, key=lambda w: (
+                sum(sid not in self.ended for sid in w.sources), w.number))
+            self.names = {**self.names, source_id: config.name}
+            self.configs = {**self.configs, source_id: config}
+            self.stages = {**self.stages, source_id: stage}
+            self.next_index[source_id] = first_index
+            worker.sources = [*worker.sources, source_id]
+        log.info("source decoded by worker", source=config.name, worker=worker.number)
+        return stage
+
+    def start_source(self, source_id: int) -> None:
+        """Start decoding a source given by ``add_source``: in its worker's process, or in a
+        new process when that one had ended."""
+        worker = next(w for w in self.workers if source_id in w.sources)
+        config, first_index = self.configs[source_id], self.next_index[source_id]
+        with worker.send_lock:
+            if worker.restart_at is not None:
+                pass  # restarting: the new process gets it
+            elif worker.conn is None:  # its process ended (and was seen to): start another
+                worker.restart_at = time.monotonic()
+            else:  # (if it is exiting just now, _exited starts it again at once)
+                worker.added.add(source_id)
+                self._send_locked(worker, ("add", source_id, config, first_index))
+
+    def stop_source(self, source_id: int) -> None:
+        """Ask the worker of ``source_id`` to end it (a graceful stop, or the source was
+        removed; idempotent, any thread)."""
+        with self._lock:
+            if source_id in self._ending or source_id in self.ended:
+                return
+            self._ending.add(source_id)
+        worker = next(w for w in self.workers if source_id in w.sources)
+        self._send(worker, ("stop_source", source_id))
+
     def kill_worker(self, number: int) -> int:
         """SIGKILL one worker (tests: a crash). Returns its pid."""
         pid = self.workers[number].process.pid
@@ -322,7 +387,9 @@ class DecodeWorkerPool:
             with self._lock:
                 free = [slot for slot in worker.slots if slot not in worker.in_pipeline]
                 sources = [(sid, self.configs[sid], self.next_index[sid])
-                           for sid in worker.sources if sid not in self.ended]
+                           for sid in worker.sources
+                           if sid not in self.ended and sid not in self._ending]
+                worker.added = set()
             ours, theirs = self._context.Pipe()
             runtime = self.config.runtime
             process = self._context.Process(
@@ -362,9 +429,13 @@ class DecodeWorkerPool:
         while not self.aborted.is_set():
             live = {w.conn: w for w in self.workers if w.conn is not None and w.restart_at is None}
             sentinels = {w.process.sentinel: w for w in self.workers
-                         if w.process is not None and w.restart_at is None}
+                         if w.process is not None and w.conn is not None
+                         and w.restart_at is None}
             if not live and not any(w.restart_at for w in self.workers):
-                return  # every worker ended
+                if self._stopping.is_set():
+                    return  # every worker ended
+                time.sleep(POLL_S)  # a source may still be added (``add_source``)
+                continue
             if not live and not sentinels:  # only restarts pending
                 time.sleep(POLL_S)
             for ready in wait([*live, *sentinels], timeout=POLL_S) if live or sentinels else ():
@@ -377,7 +448,11 @@ class DecodeWorkerPool:
             now = time.monotonic()
             for worker in self.workers:
                 if worker.restart_at is not None and now >= worker.restart_at:
-                    if self._stopping.is_set():
+                    with self._lock:
+                        wanted = [sid for sid in worker.sources
+                                  if sid not in self.ended and sid not in self._ending]
+                    self._end_stopped(worker)
+                    if self._stopping.is_set() or not wanted:
                         self._end_sources(worker, "stopped while its decode worker restarted")
                         worker.restart_at, worker.conn = None, None
                     else:
@@ -425,8 +500,14 @@ class DecodeWorkerPool:
             if worker.conn is not None:
                 worker.conn.close()
             worker.conn = None
+        self._end_stopped(worker)  # asked to stop: ended, not restarted
+        pending = [sid for sid in pending if sid not in self._ending]
         if not pending:
             worker.restart_at = None
+            return
+        if code == 0 and set(pending) <= worker.added:
+            # It ended its sources and exited as a source was being added: start it again.
+            worker.restart_at = time.monotonic()
             return
         if self._stopping.is_set():
             self._end_sources(worker, f"its decode worker exited (code {code}) while stopping")
@@ -452,6 +533,16 @@ class DecodeWorkerPool:
                   exit_code=code, sources=[self.names[sid] for sid in pending],
                   retry_in_s=round(delay, 2), restarts=worker.restarts)
 
+    def _end_stopped(self, worker: _Worker) -> None:
+        """End (without error) the sources of ``worker`` that were asked to stop and have
+        not ended: its process is gone, nothing more of them will come."""
+        with self._lock:
+            stopped = [sid for sid in worker.sources
+                       if sid in self._ending and sid not in self.ended]
+            self.ended.update(stopped)
+        for sid in stopped:
+            self.stages[sid].inbox.put(EndOfStream(self.names[sid], self.next_index[sid]))
+
     def _end_sources(self, worker: _Worker, reason: str, failed: bool = False) -> None:
         """End the sources of ``worker`` that have not ended: with ``reason`` as their error
         when ``failed``, or for a file cut short outside a stop."""
@@ -461,5 +552,6 @@ class DecodeWorkerPool:
         for sid in pending:
             stage = self.stages[sid]
             error = reason if failed else (
-                None if stage.live or self._stopping.is_set() else reason)
+                None if stage.live or self._stopping.is_set() or sid in self._ending
+                else reason)
             stage.inbox.put(EndOfStream(stage.name, self.next_index[sid], error))

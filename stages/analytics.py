@@ -446,6 +446,15 @@ class AnalyticsStage(Stage):
     def open(self) -> None:
         import supervision  # noqa: F401 - a second to import: before the first frame
 
+    def add_source(self, source: str, regions: list[Region], class_names: list[str] | None,
+                   forget_s: float) -> None:
+        """Count the zones and lines of one more source (added while the pipeline runs,
+        before its first frame; any thread)."""
+        analytics = SourceAnalytics(source, list(regions), class_names, forget_s)
+        with self._lock:
+            self._sources = {**self._sources, source: analytics}
+            self._counts = {**self._counts, source: AnalyticsCounts(regions, class_names)}
+
     def counts(self) -> dict[str, dict[str, Any]]:
         """Every source's counts now (``AnalyticsCounts.to_json``); any thread."""
         with self._lock:

@@ -168,6 +168,12 @@ class AnnotateStage(Stage):
         self._counts = {source: AnalyticsCounts(found, class_names)
                         for source, found in self.regions.items()}
 
+    def add_source(self, source: str, regions: list[Region]) -> None:
+        """Draw the zones and lines of one more source (added while the pipeline runs; any
+        thread)."""
+        self._counts = {**self._counts, source: AnalyticsCounts(regions, self.class_names)}
+        self.regions = {**self.regions, source: regions}
+
     def process(self, item: BatchDetections) -> Iterable[BatchDetections]:
         """Draw frame ``row``'s zones and lines (with the counts after that frame's events),
         then its detections (``item[row]``), on ``item.frames.images[row]`` ((height * 3 //

@@ -75,6 +75,13 @@ class DetectionSchedule:
         self.every, self.period = every, [None if f is None else 1.0 / f for f in fps]
         self._due: list[float | None] = [None] * len(every)
 
+    def add(self, every: int, fps: float | None) -> None:
+        """Schedule one more source (the next source id; added while the pipeline runs, before
+        its first frame)."""
+        self._due.append(None)
+        self.period.append(None if fps is None else 1.0 / fps)
+        self.every.append(every)
+
     @property
     def skips_frames(self) -> bool:
         """Whether any source skips frames."""
@@ -117,7 +124,9 @@ class BatcherStage(Stage):
                  ring: Any = None, stop: Any = None,
                  schedule: DetectionSchedule | None = None) -> None:
         super().__init__(name)
-        self.schedule = schedule if schedule is not None and schedule.skips_frames else None
+        self._schedule = schedule or DetectionSchedule([1] * len(source_names),
+                                                       [None] * len(source_names))
+        self.schedule = self._schedule if self._schedule.skips_frames else None
         self.input_height, self.input_width = input_size
         self.batch_size = batch_size
         self.batch_timeout_s = batch_timeout_ms / 1000
@@ -128,6 +137,18 @@ class BatcherStage(Stage):
         self._first_arrival = 0.0
         self._letterboxes: dict[tuple[int, int], Letterbox] = {}
         self._legacy_done: Any = None
+
+    def add_source(self, name: str, detect_every: int = 1, detect_fps: float | None = None
+                   ) -> int:
+        """Take frames of one more source (added while the pipeline runs, before its first
+        frame; any thread). Returns its source id."""
+        self._schedule.add(detect_every, detect_fps)
+        if self._schedule.skips_frames:
+            self.schedule = self._schedule
+        names = (*self.source_names, name)
+        self.source_ids = {**self.source_ids, name: len(names) - 1}
+        self.source_names = names
+        return len(names) - 1
 
     @property
     def poll_interval_s(self) -> float | None:  # type: ignore[override]

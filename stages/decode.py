@@ -147,7 +147,8 @@ class DecodeStage(SourceStage):
         source: the source's configuration.
         ring: the slot ring frames are decoded into, or None (frames own their images).
         abort: the graph's abort event (stops a wait for a free slot).
-        first_index: resume here (a decode worker restarted after a crash): a file skips
+        first_index: resume here (a decode worker restarted after a crash; at least
+            ``source.start_frame``, where a moved source resumes): a file skips
             the frames before it (decoded, not sent); a live stream numbers its frames on
             from it.
         decoder_threads: FFmpeg decoding threads for this source, or 0 for FFmpeg's default
@@ -163,7 +164,7 @@ class DecodeStage(SourceStage):
                  decoder_threads: int = 0) -> None:
         super().__init__(source.name)
         self.source = source
-        self.first_index = first_index
+        self.first_index = max(first_index, source.start_frame)  # a moved source resumes
         self.decoder_threads = decoder_threads
         self.ring = ring
         self.abort = abort or threading.Event()  # the graph's abort: stop waiting for a slot

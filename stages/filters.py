@@ -86,6 +86,10 @@ class DetectionFilterStage(Stage):
         super().__init__(name)
         self.filters = filters
 
+    def add_source(self, source_id: int, source_filter: SourceFilter) -> None:
+        """Filter one more source (added while the pipeline runs; any thread)."""
+        self.filters = {**self.filters, source_id: source_filter}
+
     def process(self, item: BatchDetections) -> Iterable[BatchDetections]:
         source_of_row = np.repeat(item.frames.source, item.counts)
         keep = np.ones(len(source_of_row), bool)

@@ -9,12 +9,28 @@ Each output is written under a temporary ``.partial`` name and renamed to its fi
 when its source's stream ended (also after a graceful stop): a file with the final name is
 always complete, playable and from the latest run (older ones are removed when the sink
 opens); a ``.partial`` file says the run was cut short, and is removed when it holds nothing.
+
+Crash safety: every MP4 is fragmented (a fragment per keyframe, every ``FRAGMENT_S`` of
+video) and every JSONL part is flushed, so a killed process leaves ``.partial`` files that
+hold its work up to then: the MP4 plays up to its last complete fragment, and the JSONL has a
+record for each of its frames (a part's lines are written before its video).
+
+Segments (``segment_s``, live sources only): the outputs of a live source are cut together,
+at the first frame whose capture time reaches the next multiple of ``segment_s`` since the
+Unix epoch, into files named by ``segment_path`` (``cam.mp4`` ->
+``cam.20261130T231500Z.mp4``, the UTC time of the segment's first frame: names sort in time
+order). A segment is renamed from its ``.partial`` name when the next one starts (or the
+source ends), so a finished segment is complete; ``keep_hours`` deletes the segments of this
+source's outputs (and only those names) last written longer ago than that.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import time
 from collections.abc import Callable, Iterable
 from fractions import Fraction
 from pathlib import Path
@@ -27,12 +43,15 @@ import structlog
 from pipeline.config import partial_path
 from pipeline.preview import PreviewHub
 from pipeline.records import BatchDetections, EndOfStream
+from pipeline.resume import cut_torn_line
 from pipeline.stage import Stage
 
 log = structlog.get_logger("sinks")
 
 DEFAULT_RATE = Fraction(25)
-FRAGMENT_S = 2.0  # a live camera's MP4: a keyframe, and so a fragment, this often
+FRAGMENT_S = 2.0  # every MP4: a keyframe, and so a fragment, this often (of video time)
+SEGMENT_STAMP = "%Y%m%dT%H%M%SZ"  # a segment's first frame, UTC: sorts as text in time order
+_SEGMENT_STAMP_PATTERN = r"\d{8}T\d{6}Z"
 
 
 def detection_records(xyxy: np.ndarray, confidence: np.ndarray, class_id: np.ndarray,
@@ -106,18 +125,20 @@ class VideoWriter:
     has exactly as many frames as were written. A frame of another size than the first is
     scaled to it.
 
-    A file source's MP4 is written with its index in front (``faststart``). A live camera's
-    (``fragmented``) is a fragmented MP4: an empty index first, then one fragment per
-    keyframe, a keyframe every ``FRAGMENT_S`` seconds. Its bytes reach the file as it goes, a
-    killed process leaves a file that plays up to its last fragment, and the muxer keeps no
-    per-frame index in memory (a plain MP4 holds one entry per frame until it is closed: the
-    slow memory growth of a camera recorded for hours).
+    The MP4 is fragmented: an empty index first, then one fragment per keyframe, a keyframe
+    every ``FRAGMENT_S`` seconds of video (``FRAGMENT_S`` x the rate frames). Its bytes reach
+    the file as it goes, so a killed process leaves a file that plays up to its last complete
+    fragment; it loses at most the open fragment and the frames inside x264 (its lookahead:
+    about 10 frames at ``veryfast``). The muxer keeps no per-frame index in memory (a plain
+    MP4 holds one entry per frame until it is closed: the slow memory growth of a camera
+    recorded for hours). A complete file ends with a fragment index (``mfra``): browsers show
+    its duration and seek in it when the server answers range requests, as static file
+    servers do.
     """
 
-    def __init__(self, path: Path, crf: int, fragmented: bool = False) -> None:
+    def __init__(self, path: Path, crf: int) -> None:
         self.path = path
         self.crf = crf
-        self.fragmented = fragmented
         self._container: av.container.OutputContainer | None = None
         self._stream: av.video.stream.VideoStream | None = None
         self.frames = 0
@@ -159,14 +180,13 @@ class VideoWriter:
     def _open(self, width: int, height: int, rate: Fraction | None) -> None:
         partial_path(self.path).parent.mkdir(parents=True, exist_ok=True)
         # A fragment goes to the file when it is complete, not when 32 KB have gathered.
-        options = ({"movflags": "frag_keyframe+empty_moov+default_base_moof",
-                    "flush_packets": "1"} if self.fragmented else {"movflags": "+faststart"})
+        options = {"movflags": "frag_keyframe+empty_moov+default_base_moof",
+                   "flush_packets": "1"}
         self._container = av.open(str(partial_path(self.path)), "w", format="mp4",
                                   options=options)
         rate = rate or DEFAULT_RATE
         stream = self._container.add_stream("libx264", rate=rate)
-        if self.fragmented:
-            stream.codec_context.gop_size = max(1, round(FRAGMENT_S * rate))
+        stream.codec_context.gop_size = max(1, round(FRAGMENT_S * rate))
         stream.width, stream.height = width, height
         stream.pix_fmt = "yuv420p"
         stream.time_base = 1 / rate
@@ -185,6 +205,30 @@ class VideoWriter:
             os.replace(partial_path(self.path), self.path)
 
 
+def segment_path(path: Path, start: float) -> Path:
+    """The file of output ``path``'s segment whose first frame was captured at ``start``
+    (Unix time, to the second, UTC): ``cam.mp4`` -> ``cam.20261130T231500Z.mp4``,
+    ``cam.events.jsonl`` -> ``cam.events.20261130T231500Z.jsonl``."""
+    stamp = time.strftime(SEGMENT_STAMP, time.gmtime(math.floor(start)))
+    return path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+
+
+def segment_files(path: Path) -> list[Path]:
+    """The segments of output ``path`` in its folder, finished and ``.partial``, in name
+    order (oldest first): only names ``segment_path`` (and ``partial_path`` of one) makes."""
+    pattern = re.compile(rf"{re.escape(path.stem)}\.{_SEGMENT_STAMP_PATTERN}(\.partial)?"
+                         rf"{re.escape(path.suffix)}")
+    if not path.parent.is_dir():
+        return []
+    return sorted(p for p in path.parent.iterdir() if pattern.fullmatch(p.name) and p.is_file())
+
+
+def resumed_video_path(path: Path, first_frame: int) -> Path:
+    """Where the video of a source resumed at ``first_frame`` goes: ``cam.mp4`` ->
+    ``cam.from-1200.mp4`` (a new file: an MP4 cut by a killed process cannot be appended to)."""
+    return path.with_name(f"{path.stem}.from-{first_frame}{path.suffix}")
+
+
 class JsonlWriter:
     """One JSON object per frame: source, frame index, pts, capture time and detections.
 
@@ -195,14 +239,21 @@ class JsonlWriter:
         path: the final path.
         class_names: names indexed by class id, or None.
         tracked: the source is tracked: each detection carries its ``tracker_id``.
+        append: keep the complete lines of an existing ``.partial`` file (a torn last line
+            is cut) and append to it: a moved source resuming (``pipeline.resume``).
     """
 
-    def __init__(self, path: Path, class_names: list[str] | None, tracked: bool = False) -> None:
+    def __init__(self, path: Path, class_names: list[str] | None, tracked: bool = False,
+                 append: bool = False) -> None:
         self.path = path
         self.class_names = class_names
         self.tracked = tracked
-        partial_path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(partial_path(path), "w")
+        partial = partial_path(path)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        if append and partial.exists():
+            cut_torn_line(partial)
+        self._file = open(partial, "a" if append else "w")
+        self.kept = self._file.tell() > 0  # lines of an earlier run, appended to
         self.frames = 0
 
     def write(self, item: BatchDetections) -> None:
@@ -219,7 +270,7 @@ class JsonlWriter:
         self._file.close()
         if complete:
             os.replace(partial_path(self.path), self.path)
-        elif not self.frames:
+        elif not self.frames and not self.kept:
             partial_path(self.path).unlink(missing_ok=True)
 
 
@@ -228,8 +279,8 @@ class EventsWriter(JsonlWriter):
     batch part's events go out in one ``write`` and one flush. ``frames`` counts the frames
     seen (with or without events), ``events`` the lines written."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path, None)
+    def __init__(self, path: Path, append: bool = False) -> None:
+        super().__init__(path, None, append=append)
         self.events = 0
 
     def write(self, item: BatchDetections) -> None:
@@ -252,23 +303,43 @@ class SinkStage(Stage):
         jsonl_path: detections JSONL path, or None.
         class_names: names indexed by class id, or None.
         crf: x264 quality.
-        live: the source is a live camera: its MP4 is fragmented (``VideoWriter``).
+        live: the source is a live camera (only a live source is segmented).
         tracked: the source is tracked: its JSONL detections carry ``tracker_id``.
         events_path: the analytics events JSONL path, or None.
+        resume_from: the source resumes at this frame (``SourceConfig.start_frame``: it was
+            moved from a pipeline that died): its JSONL and events files are appended to
+            (complete lines kept), and its video goes to a new file, ``NAME.from-FRAME.mp4``
+            (the earlier part stays as the dead pipeline left it). None: a fresh start.
         release_slots: called once per batch part, after all its frames were written, with
             ``item.frames.slot`` ((k,) int32 host array: the slot-ring slots of the part's k
             frames; -1 for a frame that holds none, which the callable must ignore), so the
             pipeline can reuse those host slots: the sink is the last reader of the images.
             Also called when writing failed (the frames are finished with either way).
             None: the sink releases nothing.
+        segment_s: a live source's outputs go to a new segment (``segment_path``) whenever
+            a frame's capture time reaches the next multiple of this many seconds; None (or
+            a source that is not live): one file per output. A segmented sink ignores
+            ``resume_from``: its new segments have new names.
+        keep_hours: with ``segment_s``: delete this output's segments (finished, or
+            ``.partial`` ones a killed run left) last modified more than this many hours ago,
+            when the sink opens and at every new segment; None: keep every one.
+        clock: the time retention measures ages against (Unix seconds).
     """
 
     def __init__(self, name: str, video_path: Path | None, jsonl_path: Path | None,
                  class_names: list[str] | None, crf: int = 23,
                  release_slots: Callable[[np.ndarray], None] | None = None,
                  live: bool = False, tracked: bool = False,
-                 events_path: Path | None = None, preview: PreviewHub | None = None) -> None:
+                 events_path: Path | None = None, preview: PreviewHub | None = None,
+                 resume_from: int | None = None, segment_s: float | None = None,
+                 keep_hours: float | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         super().__init__(name)
+        self.segment_s = segment_s if live else None
+        self.keep_s = keep_hours * 3600 if keep_hours is not None and self.segment_s else None
+        self.clock = clock
+        self._segment_end = -math.inf  # capture time at which the open segment ends
+        self.resume_from = resume_from
         self.live, self.tracked = live, tracked
         self.video_path, self.jsonl_path, self.events_path = video_path, jsonl_path, events_path
         self.class_names, self.crf = class_names, crf
@@ -278,16 +349,35 @@ class SinkStage(Stage):
         self.complete = False
 
     def open(self) -> None:
+        if self.segment_s is not None:
+            self._delete_old_segments()  # a segment's writers open at its first frame
+            return
+        resumed = self.resume_from is not None
+        if self.video_path is not None:
+            if resumed:
+                self.video_path = resumed_video_path(self.video_path, self.resume_from)
+            else:  # the videos of resumed parts of an older run
+                for old in self.video_path.parent.glob(
+                        f"{self.video_path.stem}.from-*{self.video_path.suffix}"):
+                    old.unlink(missing_ok=True)
         for path in (self.video_path, self.jsonl_path, self.events_path):
             if path is not None:  # an older run's outputs must not pass for this run's
                 path.unlink(missing_ok=True)
-                partial_path(path).unlink(missing_ok=True)
-        if self.video_path is not None:
-            self.writers.append(VideoWriter(self.video_path, self.crf, fragmented=self.live))
+                if not resumed or path == self.video_path:  # resumed: append to the records
+                    partial_path(path).unlink(missing_ok=True)
+        # The records of a part are written before its video: whatever a killed run's MP4
+        # holds has its records.
         if self.jsonl_path is not None:
-            self.writers.append(JsonlWriter(self.jsonl_path, self.class_names, self.tracked))
+            self.writers.append(JsonlWriter(self.jsonl_path, self.class_names, self.tracked,
+                                            append=resumed))
         if self.events_path is not None:
-            self.writers.append(EventsWriter(self.events_path))
+            self.writers.append(EventsWriter(self.events_path, append=resumed))
+        if self.video_path is not None:
+            self.writers.append(VideoWriter(self.video_path, self.crf))
+
+    def _paths(self) -> list[Path]:
+        """The configured outputs (final paths, not segments)."""
+        return [p for p in (self.jsonl_path, self.events_path, self.video_path) if p is not None]
 
     def process(self, item: BatchDetections) -> Iterable[BatchDetections]:
         """Write a batch part (this source's frames only, in frame order) to every output,
@@ -295,12 +385,72 @@ class SinkStage(Stage):
         try:
             if self.preview is not None:  # before the slots go back: it may copy a picture
                 self.preview.offer_part(item, annotated=self.video_path is not None)
-            for writer in self.writers:
-                writer.write(item)
+            if self.segment_s is None:
+                for writer in self.writers:
+                    writer.write(item)
+            else:
+                self._write_segmented(item)
         finally:
             if self.release_slots is not None:
                 self.release_slots(item.frames.slot)
         return ()
+
+    def _write_segmented(self, item: BatchDetections) -> None:
+        """Write ``item``, starting a new segment at each frame whose capture time reaches
+        the open segment's end (the part is cut there: its rows go to the two segments)."""
+        times = item.frames.capture_time
+        start = 0
+        while start < len(item):
+            if times[start] >= self._segment_end:
+                self._start_segment(float(times[start]))
+            later = np.flatnonzero(times[start:] >= self._segment_end)
+            end = start + int(later[0]) if len(later) else len(item)
+            part = item if (start, end) == (0, len(item)) else item.select(np.arange(start, end))
+            for writer in self.writers:
+                writer.write(part)
+            start = end
+
+    def _start_segment(self, first: float) -> None:
+        """Finish the open segment (its files get their final names) and open the next,
+        named by ``first``, its first frame's capture time (a second later per name taken)."""
+        assert self.segment_s is not None
+        if self.writers:
+            self._close_writers(complete=True)
+            self.writers = []
+        self._segment_end = (math.floor(first / self.segment_s) + 1) * self.segment_s
+        paths = self._paths()
+        stamp = first
+        while any(segment_path(p, stamp).exists() or partial_path(segment_path(p, stamp)).exists()
+                  for p in paths):  # an earlier run's segment of the same second
+            stamp += 1
+        if self.jsonl_path is not None:
+            self.writers.append(JsonlWriter(segment_path(self.jsonl_path, stamp),
+                                            self.class_names, self.tracked))
+        if self.events_path is not None:
+            self.writers.append(EventsWriter(segment_path(self.events_path, stamp)))
+        if self.video_path is not None:
+            self.writers.append(VideoWriter(segment_path(self.video_path, stamp), self.crf))
+        self._delete_old_segments()
+
+    def _delete_old_segments(self) -> None:
+        """Delete the segments of this sink's outputs modified more than ``keep_hours`` ago
+        (``segment_files``: nothing else in the folder), except the open one's."""
+        if self.keep_s is None:
+            return
+        now = self.clock()
+        open_files = {path for w in self.writers for path in (w.path, partial_path(w.path))}
+        for output in self._paths():
+            for old in segment_files(output):
+                if old in open_files:
+                    continue
+                try:
+                    age_s = now - old.stat().st_mtime
+                except FileNotFoundError:
+                    continue
+                if age_s > self.keep_s:
+                    old.unlink(missing_ok=True)
+                    log.info("old segment deleted", sink=self.name, path=str(old),
+                             age_h=round(age_s / 3600, 2))
 
     def end_of_stream(self, eos: EndOfStream) -> Iterable[EndOfStream]:
         # A source that failed leaves its outputs under their .partial names.
@@ -310,12 +460,15 @@ class SinkStage(Stage):
         return ()
 
     def close(self) -> None:
+        self._close_writers(self.complete)
+
+    def _close_writers(self, complete: bool) -> None:
         for writer in self.writers:
-            writer.close(self.complete)
-            if self.complete and writer.path.exists():
+            writer.close(complete)
+            if complete and writer.path.exists():
                 log.info("output written", sink=self.name, path=str(writer.path),
                          frames=writer.frames)
-            elif self.complete:
+            elif complete:
                 log.warning("no output written: no frame came", sink=self.name,
                             path=str(writer.path))
             elif writer.frames:

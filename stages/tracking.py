@@ -158,6 +158,10 @@ class TrackerStage(Stage):
         # the first frame, rather than in its latency.
         import trackers  # noqa: F401
 
+    def add_source(self, source: str, settings: TrackerSettings) -> None:
+        """Track one more source (added while the pipeline runs; any thread)."""
+        self.settings = {**self.settings, source: settings}
+
     def _tracker(self, source: str, rate: Any) -> SourceTracker:
         tracker = self._trackers.get(source)
         if tracker is None:

@@ -124,3 +124,34 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str,
             pytest.fail(f"timed out after {timeout_s} s waiting for {what}"
                         + (f":\n{run.stderr()[-3000:]}" if run else ""))
         time.sleep(0.05)
+
+
+# x264 (preset veryfast) holds this many frames before the first packet comes out: its
+# lookahead (10) and one more. A killed run's MP4 lacks them, as well as its open fragment.
+X264_DELAY_FRAMES = 11
+
+
+def check_killed_recording(video: Path, jsonl: Path, rate: float, batch_size: int) -> int:
+    """After ``kill -9``: the ``.partial`` MP4 ``video`` decodes, to at least the frames
+    written minus one fragment (``FRAGMENT_S`` x ``rate`` frames), the encoder's delay and
+    the part being written, and ``jsonl`` has a record for each decoded frame (video frame k
+    is the k-th record: a part's records are written before its video). Returns the
+    number of decoded frames."""
+    import av
+
+    from stages.sinks import FRAGMENT_S
+
+    written = records(jsonl)
+    with av.open(str(video)) as container:
+        decoded = [frame.time for frame in container.decode(video=0)]
+    fragment = round(FRAGMENT_S * rate)
+    print(f"\nkilled: {len(written)} records, {len(decoded)} frames decode from "
+          f"{video.name} ({fragment} frames per fragment)")
+    assert len(decoded) <= len(written), (len(decoded), len(written))
+    assert len(decoded) >= len(written) - fragment - X264_DELAY_FRAMES - batch_size, \
+        (len(decoded), len(written))
+    # No frame missing inside (times start at x264's B-frame delay, not 0).
+    assert [round((t - decoded[0]) * rate, 3) for t in decoded] == list(range(len(decoded)))
+    frames = [r["frame"] for r in written]
+    assert frames == sorted(set(frames))  # one record per frame, in order
+    return len(decoded)

@@ -127,3 +127,41 @@ def test_no_device_allocation_in_the_steady_state(samples, tmp_path: Path) -> No
     after_20 = [r[1:] for r in reserved if r[0] >= 20]
     assert reserved[-1][0] == 249
     assert len(set(after_20)) == 1, after_20[:3]
+
+
+def test_a_source_added_while_running_gives_the_cpu_detections(samples, tmp_path: Path) -> None:
+    """A clip of another size added while the GPU pipeline runs another one (through
+    ``graph.control``, what ``POST /api/sources`` calls): decoded into the running frame ring,
+    preprocessed with a geometry compiled then, its detections the CPU path's."""
+    import threading
+
+    cpu = run(samples, tmp_path / "cpu", clips=("carphone",), device="cpu")
+    config = parse_config({
+        "sources": [{"name": "bikes", "uri": str(samples.bikes), "pace_fps": 50}],
+        "model": {"path": str(samples.model), "class_names": str(samples.names)},
+        "inference": {"batch_size": 4, "engine_cache": str(ENGINE_CACHE), "device": "cuda",
+                      "backend": "torch", "precision": "fp16"},
+        "output": {"dir": str(tmp_path / "gpu"), "video": None},
+        "runtime": {"progress": False, "stop_when": "never"},
+    })
+    graph = build_graph(config)
+    runner = threading.Thread(target=graph.run, daemon=True)
+    runner.start()
+    try:
+        graph.control.add({"name": "carphone", "uri": str(samples.carphone)})
+        for _ in range(600):
+            if graph.source_done("carphone"):
+                break
+            runner.join(0.1)
+        assert graph.source_done("carphone")
+    finally:
+        graph.request_stop()
+        runner.join(60)
+    assert not runner.is_alive()
+    gpu = [json.loads(line)
+           for line in (tmp_path / "gpu" / "carphone.jsonl").read_text().splitlines()]
+    assert [r["frame"] for r in gpu] == list(range(120))
+    lost, extra = unmatched(cpu, gpu, margin=0.02), unmatched(gpu, cpu, margin=0.02)
+    print(f"added at runtime: {sum(len(r['detections']) for r in cpu)} CPU detections, "
+          f"{len(lost)} unmatched on the GPU, {len(extra)} GPU detections unmatched on the CPU")
+    assert not lost and not extra, (lost[:3], extra[:3])

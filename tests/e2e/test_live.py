@@ -13,7 +13,14 @@ from pipeline.config import parse_config
 from pipeline.graph import Graph
 from pipeline.records import BatchDetections
 from pipeline.stage import Stage
-from tests.e2e.conftest import pipeline_config, records, wait_for
+from stages.sinks import segment_path
+from tests.e2e.conftest import (
+    check_killed_recording,
+    pipeline_config,
+    records,
+    wait_for,
+)
+from tests.support import read_frames
 
 OUTAGE_S = 2.0
 
@@ -121,10 +128,9 @@ def test_live_latency_stays_bounded_with_a_slow_sink(samples, tmp_path: Path,
 def test_a_killed_pipeline_leaves_a_live_camera_s_video_playable(
         samples, tmp_path: Path, rtsp_server, run_pipeline) -> None:
     """A live camera's MP4 is fragmented (a fragment per 2 s keyframe, flushed as it is
-    written): after ``kill -9`` the .partial.mp4 decodes up to its last fragment; a plain MP4
-    would hold no index, and no frame would decode."""
-    import av
-
+    written): after ``kill -9`` the .partial.mp4 decodes up to its last fragment, and each
+    decoded frame has its record; a plain MP4 would hold no index, and no frame would
+    decode."""
     camera = rtsp_server({"cam": "live"})
     config = pipeline_config(samples, tmp_path, [{"name": "cam", "uri": camera.url("cam")}],
                              output={"video": "{source}.mp4"})
@@ -135,6 +141,44 @@ def test_a_killed_pipeline_leaves_a_live_camera_s_video_playable(
     grown = partial.stat().st_size
     assert grown > 1000, grown  # fragments reach the file while the camera runs
     run.kill()  # SIGKILL: nothing is finalised
-    with av.open(str(partial)) as container:
-        decoded = sum(1 for _ in container.decode(video=0))
-    assert decoded >= 25, decoded  # at least the first 2 s fragment
+    decoded = check_killed_recording(partial, tmp_path / "cam.partial.jsonl", 25,
+                                     config["inference"]["batch_size"])
+    assert decoded >= 25  # a fragment at least (x264 may cut one short at a scene change)
+
+
+def test_a_live_camera_s_outputs_rotate_into_complete_segments(
+        samples, tmp_path: Path, rtsp_server, run_pipeline) -> None:
+    """output.segment_s 10 (the shortest allowed): a new video, detections and events file
+    every 10 s of capture time; the finished ones get their final names at once, and
+    together they hold every frame once."""
+    camera = rtsp_server({"cam": "live:5"})  # slow enough for the CPU: few frames dropped
+    config = pipeline_config(
+        samples, tmp_path, [{"name": "cam", "uri": camera.url("cam")}],
+        output={"video": "{source}.mp4", "segment_s": 10})
+    run = run_pipeline(config, tmp_path)
+    finished = lambda: sorted(tmp_path.glob("cam.*Z.mp4"))  # noqa: E731
+    wait_for(lambda: len(finished()) >= 2, 60, "two finished segments", run)
+    # The first two are complete while the camera runs: the MP4 plays to its end.
+    for video in finished()[:2]:
+        assert len(read_frames(video)) == len(records(video.with_suffix(".jsonl"))) > 0, \
+            video.name
+    run.signal()
+    assert run.wait() == 0, run.stderr()[-3000:]
+
+    videos, jsonls = sorted(tmp_path.glob("cam.*.mp4")), sorted(tmp_path.glob("cam.*.jsonl"))
+    assert len(jsonls) >= 3 and not list(tmp_path.glob("*.partial.*"))
+    assert [v.stem for v in videos] == [j.stem for j in jsonls]  # rotated together
+    frames: list[int] = []
+    for video, jsonl in zip(videos, jsonls):
+        segment = records(jsonl)
+        assert len(read_frames(video)) == len(segment), video.name  # complete
+        first = segment[0]["capture_time"]
+        assert jsonl.name == segment_path(tmp_path / "cam.jsonl", first).name
+        end = (first // 10 + 1) * 10  # the next multiple of segment_s
+        assert all(first <= r["capture_time"] < end for r in segment), jsonl.name
+        frames += [r["frame"] for r in segment]
+    (summary,) = run.events("source summary")
+    assert len(frames) == summary["frames"] and frames == sorted(set(frames))  # none twice
+    assert frames[-1] - frames[0] + 1 - len(frames) <= summary["dropped"]  # gaps: drops only
+    print(f"\nsegments: {[len(records(j)) for j in jsonls]} frames, "
+          f"{summary['dropped']} dropped")

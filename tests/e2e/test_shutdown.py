@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import pipeline_config, records, wait_for
+from tests.e2e.conftest import check_killed_recording, pipeline_config, records, wait_for
 from tests.support import read_frames
 
 
@@ -53,3 +53,23 @@ def test_second_signal_aborts_at_once_and_leaves_outputs_partial(samples, tmp_pa
     assert not (tmp_path / "bikes.mp4").exists() and not (tmp_path / "bikes.jsonl").exists()
     assert len(records(tmp_path / "bikes.partial.jsonl")) >= 10
     assert run.events("aborting") and "Traceback" not in run.stderr()
+
+
+def test_a_killed_pipeline_leaves_a_file_source_s_video_playable(samples, tmp_path: Path,
+                                                                  run_pipeline) -> None:
+    """A file source's MP4 is fragmented too (a 2 s keyframe fragment, of video time):
+    after ``kill -9`` mid-file, the .partial.mp4 decodes up to its last fragment and each
+    decoded frame has its record."""
+    config = pipeline_config(samples, tmp_path, [{"name": "bikes", "uri": str(samples.bikes)}],
+                             output={"video": "{source}.mp4"})
+    run = run_pipeline(config, tmp_path)
+    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 120, 90,
+             "120 frames of the file", run)
+    run.kill()  # SIGKILL: nothing is finalised
+    assert not (tmp_path / "bikes.mp4").exists()
+    decoded = check_killed_recording(tmp_path / "bikes.partial.mp4",
+                                     tmp_path / "bikes.partial.jsonl", 25,
+                                     config["inference"]["batch_size"])
+    assert 50 <= decoded < 250
+    lines = records(tmp_path / "bikes.partial.jsonl")
+    assert [r["frame"] for r in lines] == list(range(len(lines)))  # a file drops no frame

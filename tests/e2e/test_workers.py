@@ -114,7 +114,8 @@ def test_a_camera_decoded_in_a_worker_beside_a_file(samples, clip: Path, tmp_pat
 
     sources = [{"name": "cam", "uri": server.url("cam")}, {"name": "street", "uri": str(clip)}]
     config = parse_config(pipeline_config(samples, tmp_path, sources,
-                                          runtime={"decode_workers": 2}))
+                                          runtime={"decode_workers": 2,
+                                                   "stop_when": "files_ended"}))
     graph = build_graph(config, on_batch_done=on_batch_done)
     assert all(isinstance(s, WorkerSource) for s in graph.sources)
     pool = graph.sources[0].pool

@@ -85,6 +85,11 @@ BAD = [
     ("model.path", "nope.onnx", "model.path: file not found: 'nope.onnx'"),
     ("output.video_crf", 60, "output.video_crf: expected a value between 0 and 51, got 60"),
     ("output.jsonl", "{camera}.jsonl", "output.jsonl: only {source} may be used"),
+    ("output.segment_s", 5, "output.segment_s: expected a value >= 10.0, got 5"),
+    ("output.segment_s", "15m", "output.segment_s: expected a number or null, got '15m'"),
+    ("output.keep_hours", 24, "output.keep_hours: deletes old segments, so it needs "
+                              "output.segment_s; got keep_hours 24 and segment_s null"),
+    ("output.keep_hours", "1d", "output.keep_hours: expected a number or null, got '1d'"),
     ("runtime.queue_size", -1, "runtime.queue_size: expected a value >= 1, got -1"),
     ("runtime.log_format", "xml", "runtime.log_format: expected one of 'console', 'json'"),
 ]
@@ -98,6 +103,27 @@ def test_bad_values_name_key_value_and_allowed(files: Path, key: str, value: obj
         parse_config(with_value(key, value))
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("output", "message"), [
+    ({"segment_s": 900, "keep_hours": 0.1},
+     "output.keep_hours: expected at least one segment (900 s = 0.25 h), got 0.1"),
+    ({"segment_s": 900, "keep_hours": -1},
+     "output.keep_hours: expected at least one segment (900 s = 0.25 h), got -1"),
+    ({"segment_s": 900, "keep_hours": 0.25}, None),
+    ({"segment_s": 10}, None),
+])
+def test_keep_hours_keeps_at_least_one_segment(files: Path, output: dict,
+                                               message: str | None) -> None:
+    data = {**base(), "output": output}
+    if message is None:
+        config = parse_config(data)
+        assert (config.output.segment_s, config.output.keep_hours) == (
+            output["segment_s"], output.get("keep_hours"))
+        return
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert str(info.value) == message
 
 
 def test_duplicate_source_names(files: Path) -> None:

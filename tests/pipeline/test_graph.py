@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from pipeline.graph import Graph, PipelineError
+from pipeline.graph import Graph, PipelineError, SourceConflict
 from pipeline.records import BatchDetections, EndOfStream, Frame, FrameBatch
 from pipeline.slots import SlotRing
 from pipeline.stage import SourceStage, Stage
@@ -274,7 +274,8 @@ def test_abort_stops_quickly_even_with_full_queues() -> None:
 def test_slow_sink_of_a_live_source_never_slows_a_file_source() -> None:
     cam, clip = ListSource("cam", 10_000, delay_s=0.001, live=True), ListSource("clip", 100)
     sinks = {"cam": ListSink("sink:cam", delay_s=0.02), "clip": ListSink("sink:clip")}
-    graph = Graph([cam, clip], chain_of(Tag("one")), sinks, 2)  # type: ignore[arg-type]
+    graph = Graph([cam, clip], chain_of(Tag("one")), sinks, 2,  # type: ignore[arg-type]
+                  stop_when="files_ended")
     started = time.monotonic()
     graph.run()  # ends when the file is done: the live source is stopped then
     assert time.monotonic() - started < 2.0  # 100 frames, not paced by the 20 ms/frame sink
@@ -320,3 +321,78 @@ def test_long_runs_report_source_stats_periodically(monkeypatch: pytest.MonkeyPa
     stats = [e for e in logs if e["event"] == "source stats"]
     assert len(stats) >= 2 and stats[-1]["source"] == "cam" and stats[-1]["frames"] > 0
     assert {"dropped", "reconnects", "latency_p99_ms", "fps"} <= set(stats[-1])
+
+
+def run_in_thread(graph: Graph) -> threading.Thread:
+    thread = threading.Thread(target=graph.run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_by_default_cameras_keep_running_after_the_files_ended() -> None:
+    """stop_when all_ended: the file's outputs are final when it ends; the camera goes on
+    until the run is stopped."""
+    cam, clip = ListSource("cam", 100_000, delay_s=0.002, live=True), ListSource("clip", 20)
+    sinks = {"cam": ListSink("sink:cam"), "clip": ListSink("sink:clip")}
+    graph = Graph([cam, clip], chain_of(Tag("one")), sinks, 2)  # type: ignore[arg-type]
+    thread = run_in_thread(graph)
+    deadline = time.monotonic() + 10
+    while not graph.source_done("clip") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert graph.source_done("clip") and sinks["clip"].closed  # finalised as it ended
+    assert sinks["clip"].frames == list(range(20))
+    time.sleep(0.3)
+    assert thread.is_alive() and not sinks["cam"].closed
+    graph.request_stop()
+    thread.join(10)
+    assert not thread.is_alive() and [e.error for e in sinks["cam"].ends] == [None]
+
+
+def test_stop_when_never_runs_on_with_no_source_left_and_takes_new_ones() -> None:
+    clip = ListSource("clip", 5)
+    sinks = {"clip": ListSink("sink:clip")}
+    graph = Graph([clip], chain_of(Tag("one")), sinks, 2,  # type: ignore[arg-type]
+                  stop_when="never")
+    thread = run_in_thread(graph)
+    deadline = time.monotonic() + 10
+    while not graph.source_done("clip") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert thread.is_alive()  # every source ended, and the run goes on
+    late, late_sink = ListSource("late", 7), ListSink("sink:late")
+    graph.chain[0].add_source("late")  # the batcher numbers it (pipeline.control does this)
+    graph.add_source(late, late_sink)
+    with pytest.raises(SourceConflict, match="already used"):
+        graph.add_source(ListSource("clip", 1), ListSink("sink:clip2"))
+    while not graph.source_done("late") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert late_sink.frames == list(range(7)) and late_sink.closed
+    graph.request_stop()
+    thread.join(10)
+    assert not thread.is_alive()
+    with pytest.raises(SourceConflict, match="ending"):
+        graph.add_source(ListSource("after", 1), ListSink("sink:after"))
+
+
+def test_a_removed_source_ends_cleanly_while_another_runs() -> None:
+    cam, clip = ListSource("cam", 100_000, delay_s=0.002, live=True), ListSource(
+        "clip", 100_000, delay_s=0.002)
+    sinks = {"cam": ListSink("sink:cam"), "clip": ListSink("sink:clip")}
+    graph = Graph([cam, clip], chain_of(Tag("one")), sinks, 2)  # type: ignore[arg-type]
+    thread = run_in_thread(graph)
+    time.sleep(0.3)
+    graph.remove_source("clip")
+    deadline = time.monotonic() + 10
+    while not graph.source_done("clip") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    count = len(sinks["clip"].frames)
+    assert 0 < count < 100_000 and sinks["clip"].frames == list(range(count))
+    assert [e.frames for e in sinks["clip"].ends] == [count]
+    with pytest.raises(SourceConflict, match="no running source"):
+        graph.remove_source("clip")
+    before = len(sinks["cam"].frames)
+    time.sleep(0.2)
+    assert len(sinks["cam"].frames) > before and thread.is_alive()
+    graph.request_stop()
+    thread.join(10)
+    assert not thread.is_alive()

@@ -186,6 +186,10 @@ def test_a_non_loopback_bind_requires_the_token(live: LiveView, host: str) -> No
                          "/api/sources/street/stream.mjpg"):
                 assert client.get(path).status_code == 401
                 assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            # Adding and removing sources too: nothing is added or removed without it.
+            assert client.post("/api/sources", json={"name": "x", "uri": "rtsp://h/x"}
+                               ).status_code == 401
+            assert client.delete("/api/sources/street").status_code == 401
             denied = client.get("/api/sources")
             assert denied.json() == {"error": "missing or wrong token"}
             assert denied.headers["www-authenticate"].startswith("Bearer")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from pipeline.records import AnalyticsEvent, BatchDetections, EndOfStream, Frame
 from stages.sinks import (
@@ -21,6 +24,7 @@ from stages.sinks import (
     detection_records,
     frame_records,
     partial_path,
+    segment_path,
 )
 from tests.support import read_frames
 from tests.support.batches import Box, batch_detections, grey_image, make_frame
@@ -253,3 +257,142 @@ def test_events_are_written_one_per_line_and_renamed_when_complete(
     assert [json.loads(line) for line in lines] == [
         crossing(1, 4).to_json(), crossing(2, 5).to_json(), crossing(5, 6).to_json()]
     assert json.loads(lines[0])["line"] == "gate"
+
+
+# Segments: the pictures' capture times are CAPTURE + i (1 s apart) from 2023-11-14 22:13:20.12
+# UTC, a multiple of 4 s: with segment_s 4, frames 0-3, 4-7 and 8-11 make three segments.
+SEGMENT_S = 4.0
+STAMPS = ["20231114T221320Z", "20231114T221324Z", "20231114T221328Z"]
+
+
+def segmented_sink(folder: Path, clock: Any = None, keep_hours: float | None = None,
+                   live: bool = True, segment_s: float | None = SEGMENT_S) -> SinkStage:
+    """A sink of live source ``cam`` writing video, detections and events into ``folder``."""
+    extra = {} if clock is None else {"clock": clock}
+    return SinkStage("sink:cam", folder / "cam.mp4", folder / "cam.jsonl", ["person"],
+                     live=live, events_path=folder / "cam.events.jsonl", segment_s=segment_s,
+                     keep_hours=keep_hours, **extra)
+
+
+def with_events(part: BatchDetections) -> BatchDetections:
+    """``part`` with one line crossing on each of its frames."""
+    return replace(part, events=tuple(crossing(i, i) for i in part.frames.index.tolist()))
+
+
+def names(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+def test_segment_path_inserts_the_utc_time_of_the_first_frame() -> None:
+    assert segment_path(Path("out/cam.mp4"), CAPTURE) == Path("out/cam.20231114T221320Z.mp4")
+    assert segment_path(Path("cam.events.jsonl"), CAPTURE + 59.8) == \
+        Path("cam.events.20231114T221419Z.jsonl")
+    assert partial_path(segment_path(Path("cam.mp4"), CAPTURE)).name == \
+        "cam.20231114T221320Z.partial.mp4"
+
+
+def test_a_live_source_s_outputs_rotate_together_and_each_finished_segment_is_complete(
+        tmp_path: Path, pictures: list[Frame]) -> None:
+    sink = segmented_sink(tmp_path)
+    sink.open()
+    assert names(tmp_path) == set()  # a segment's files appear with its first frame
+    for part in parts(pictures, 5):  # parts cut across the segment ends (4 and 8)
+        sink.process(with_events(part))
+    # The first two segments got their final names when the next one started.
+    finished = {f"{stem}.{s}.{ext}" for s in STAMPS[:2]
+                for stem, ext in (("cam", "mp4"), ("cam", "jsonl"), ("cam.events", "jsonl"))}
+    # The open segment's MP4 appears with the encoder's first packet (x264 holds ~10 frames).
+    running = {f"cam.{STAMPS[2]}.partial.jsonl", f"cam.events.{STAMPS[2]}.partial.jsonl"}
+    assert names(tmp_path) == finished | running
+    sink.end_of_stream(EndOfStream("cam", 12))
+    sink.close()
+    for k, stamp in enumerate(STAMPS):
+        frames = list(range(4 * k, 4 * k + 4))
+        assert [r["frame"] for r in map(json.loads, (tmp_path / f"cam.{stamp}.jsonl")
+                                        .read_text().splitlines())] == frames
+        assert [r["frame"] for r in map(json.loads, (tmp_path / f"cam.events.{stamp}.jsonl")
+                                        .read_text().splitlines())] == frames
+        decoded = read_frames(tmp_path / f"cam.{stamp}.mp4")
+        assert len(decoded) == 4
+        # Each segment is a video of its own: the last one has the wide frames' size.
+        assert (decoded[0].width, decoded[0].height) == ((320, 136) if k == 2 else (176, 144))
+    assert not any(".partial" in n for n in names(tmp_path))
+
+
+@pytest.mark.parametrize(("live", "segment_s"), [(False, SEGMENT_S), (True, None)])
+def test_a_file_source_or_no_segment_s_writes_one_file_per_output(
+        tmp_path: Path, pictures: list[Frame], live: bool, segment_s: float | None) -> None:
+    sink = segmented_sink(tmp_path, live=live, segment_s=segment_s)
+    sink.open()
+    for part in parts(pictures, 5):
+        sink.process(with_events(part))
+    sink.end_of_stream(EndOfStream("cam", 12))
+    sink.close()
+    assert names(tmp_path) == {"cam.mp4", "cam.jsonl", "cam.events.jsonl"}
+    assert len(read_frames(tmp_path / "cam.mp4")) == 12
+
+
+def test_a_cut_short_segmented_run_leaves_only_its_last_segment_partial(
+        tmp_path: Path, pictures: list[Frame]) -> None:
+    sink = segmented_sink(tmp_path)
+    sink.open()
+    for part in parts(pictures[:10], 3):
+        sink.process(part)
+    sink.end_of_stream(EndOfStream("cam", 10, error="lost"))
+    sink.close()
+    assert {n for n in names(tmp_path) if n.endswith(".mp4")} == {
+        f"cam.{STAMPS[0]}.mp4", f"cam.{STAMPS[1]}.mp4", f"cam.{STAMPS[2]}.partial.mp4"}
+    assert len(read_frames(tmp_path / f"cam.{STAMPS[2]}.partial.mp4")) == 2
+
+
+def test_a_segment_name_an_earlier_run_took_moves_on_a_second(
+        tmp_path: Path, pictures: list[Frame]) -> None:
+    taken = tmp_path / f"cam.{STAMPS[0]}.partial.jsonl"  # a killed run's, same second
+    taken.write_text("older run\n")
+    sink = segmented_sink(tmp_path)
+    sink.open()
+    sink.process(parts(pictures[:2], 2)[0])
+    sink.end_of_stream(EndOfStream("cam", 2))
+    sink.close()
+    assert taken.read_text() == "older run\n"
+    assert {"cam.20231114T221321Z.jsonl", "cam.20231114T221321Z.mp4"} <= names(tmp_path)
+
+
+def test_retention_deletes_only_this_source_s_old_segments(
+        tmp_path: Path, pictures: list[Frame]) -> None:
+    now = [time.time()]
+    old = now[0] - 3 * 3600
+    keep = [  # not this source's segments, or not old: never deleted
+        "cam.mp4", "cam.jsonl", "cam.partial.jsonl", "door.20231114T221320Z.mp4",
+        "cam.20231114T221320Z.txt", "cam.2023-11-14.mp4", "notes.txt", "xcam.20231101T000000Z.mp4",
+        "cam.events.20231101T000000Z.mp4", "cam.20231101T00000Z.jsonl"]
+    recent = ["cam.20231101T020000Z.mp4"]  # one hour old: kept with keep_hours 2
+    gone = ["cam.20231101T000000Z.mp4", "cam.20231101T000000Z.jsonl",
+            "cam.events.20231101T000000Z.jsonl", "cam.20231101T001500Z.partial.mp4"]
+    for name in keep + recent + gone:
+        (tmp_path / name).write_text("x")
+        mtime = now[0] - 3600 if name in recent else old
+        os.utime(tmp_path / name, (mtime, mtime))
+    sink = segmented_sink(tmp_path, clock=lambda: now[0], keep_hours=2)
+    with capture_logs() as logs:
+        sink.open()  # deletes at start
+        assert names(tmp_path) == set(keep + recent)
+        # Parts of frames 0-2 (first segment), 3-5 (the second starts at 4), 6-8 (the third
+        # at 8), 1.5 h apart by the clock.
+        for k, part in enumerate(parts(pictures[:9], 3)):
+            sink.process(part)
+            if k == 1:  # the second segment started 1.5 h on: "recent" was 2.5 h old
+                assert recent[0] not in names(tmp_path)
+                assert f"cam.{STAMPS[0]}.mp4" in names(tmp_path)  # 1.5 h old: kept
+            now[0] += 1.5 * 3600
+    sink.end_of_stream(EndOfStream("cam", 9))
+    sink.close()
+    # At the third segment's start, 3 h on, the first two (written "3 h ago") went too; the
+    # open one never goes.
+    ours = [f"{stem}.{s}.{ext}" for s in STAMPS[:2]
+            for stem, ext in (("cam", "mp4"), ("cam", "jsonl"), ("cam.events", "jsonl"))]
+    deleted = [Path(e["path"]).name for e in logs if e["event"] == "old segment deleted"]
+    assert all(e["log_level"] == "info" for e in logs if e["event"] == "old segment deleted")
+    assert sorted(deleted) == sorted(gone + recent + ours)
+    assert names(tmp_path) == set(keep) | {
+        f"cam.{STAMPS[2]}.mp4", f"cam.{STAMPS[2]}.jsonl", f"cam.events.{STAMPS[2]}.jsonl"}

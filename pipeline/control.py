@@ -1,0 +1,192 @@
+"""Sources added and removed while the pipeline runs (the HTTP API's ``POST /api/sources``
+and ``DELETE /api/sources/{name}``).
+
+An added source is validated exactly as a ``sources[]`` entry of the YAML file is (the same
+one-line messages, its key ``sources[N]`` where N is its position among every source this
+run has had), then against the running pipeline: its name must not have been used in this
+run (its outputs would overwrite the earlier source's), a file's frames must fit the frame
+slots sized at start, and a tracker or zones need the stages that run them (present when a
+configured source uses them). ``${VAR}`` references are not expanded in a request (a request
+must not read the server's environment).
+
+Then every stage that keeps per-source state learns of it (batcher, filter, tracker,
+analytics, annotate), the graph opens its sink and starts its thread, and only then does its
+decode start: in the decode worker with the fewest running sources (sharing that worker's
+slots), or in a thread of this process without workers. Removing a source stops its reading;
+what it queued drains and its outputs are finalised as for a file that ended. The other
+sources are not touched either way: no frame of theirs waits or is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from pipeline.config import ConfigError, PipelineConfig, SourceConfig, build_section, check_config
+from pipeline.graph import Graph, SourceConflict
+from pipeline.slots import SlotRing, i420_bytes
+from pipeline.stage import SourceStage, Stage
+from pipeline.workers import DecodeWorkerPool
+from stages.analytics import AnalyticsStage, Region
+from stages.annotate import AnnotateStage
+from stages.batcher import BatcherStage
+from stages.decode import DecodeStage, decoder_threads
+from stages.filters import DetectionFilterStage, SourceFilter
+from stages.tracking import TrackerSettings, TrackerStage
+
+log = structlog.get_logger("control")
+
+__all__ = ["SourceControl", "SourceConflict"]
+
+
+class SourceControl:
+    """Adds sources to, and removes them from, a running graph (module docstring).
+
+    Args:
+        config: the run's configuration; ``config.sources`` is not changed (source ids are
+            positions in ``self.sources``, which only grows).
+        graph: the running graph.
+        ring: the frame slot ring (its slot size bounds an added file's frame size).
+        pool: the decode worker pool, or None (sources decode in threads of this process).
+        class_names: the class names the build settled on, or None.
+        num_classes: the model's class count.
+        make_sink: (config, source, tracked, has_analytics) -> the source's sink.
+        probe_size: uri -> the (width, height) of a file's frames, or None.
+        base_dir: folder relative paths are resolved against (the working directory).
+        track_gone_margin_s: analytics: seconds past ``tracker_lost_s`` a track is gone.
+    """
+
+    def __init__(self, config: PipelineConfig, graph: Graph, ring: SlotRing,
+                 pool: DecodeWorkerPool | None, class_names: list[str] | None,
+                 num_classes: int,
+                 make_sink: Callable[[PipelineConfig, SourceConfig, bool, bool], Stage],
+                 probe_size: Callable[[str], tuple[int, int] | None],
+                 base_dir: Path = Path("."), track_gone_margin_s: float = 0.5) -> None:
+        self.config, self.graph, self.ring, self.pool = config, graph, ring, pool
+        self.class_names, self.num_classes = class_names, num_classes
+        self.make_sink, self.probe_size = make_sink, probe_size
+        self.base_dir, self.track_gone_margin_s = base_dir, track_gone_margin_s
+        self.sources: list[SourceConfig] = list(config.sources)  # every source of the run
+        self.removed: set[str] = set()
+        self._lock = threading.Lock()  # one change at a time
+        stages = {type(stage): stage for stage in graph.chain}
+        self._batcher: BatcherStage = stages[BatcherStage]  # type: ignore[assignment]
+        self._filter = stages.get(DetectionFilterStage)
+        self._tracker = stages.get(TrackerStage)
+        self._analytics = stages.get(AnalyticsStage)
+        self._annotate = stages.get(AnnotateStage)
+
+    def current(self) -> list[SourceConfig]:
+        """The sources of the run that were not removed, in the order they came."""
+        with self._lock:
+            return [s for s in self.sources if s.name not in self.removed]
+
+    def add(self, data: Any) -> SourceConfig:
+        """Validate a ``sources[]`` entry and start it (returns once its threads started).
+
+        Raises:
+            ConfigError: the entry is not valid (a one-line message naming the key).
+            SourceConflict: its name was used in this run, or the run is ending.
+        """
+        with self._lock:
+            index = len(self.sources)
+            key = f"sources[{index}]"
+            if not isinstance(data, dict):
+                raise ConfigError(f"{key}: expected a mapping of a source's keys, got "
+                                  f"{type(data).__name__}")
+            source = build_section(SourceConfig, data, key)
+            if any(s.name == source.name for s in self.sources):
+                raise SourceConflict(f"{key}.name: source name {source.name!r} is already "
+                                     "used in this run (a removed source's outputs keep it)")
+            candidate = dataclasses.replace(self.config, sources=[*self.sources, source])
+            check_config(candidate, self.base_dir)
+            parts = self._stage_parts(key, source)
+            stage = self._decoder(index, source)
+            sink = self.make_sink(self.config, source, parts["tracker"] is not None,
+                                  bool(parts["regions"]))
+            assigned = self._batcher.add_source(source.name, source.detect_every,
+                                                source.detect_fps)
+            if assigned != index:  # the batcher numbers sources as this list does
+                raise RuntimeError(f"source id {assigned} != {index}: out of step")
+            self.sources.append(source)
+            self._register(index, source, parts)
+            in_worker = self.pool is not None and getattr(stage, "pool", None) is self.pool
+            try:
+                self.graph.add_source(stage, sink)  # SourceConflict: the run is ending
+            except BaseException:
+                if in_worker:
+                    self.pool.stop_source(index)  # never started: it ends at once
+                raise
+            if in_worker:
+                self.pool.start_source(index)
+        log.info("source added at runtime", source=source.name, id=index, live=source.is_live)
+        return source
+
+    def remove(self, name: str) -> None:
+        """Stop source ``name``; its outputs are final once ``done(name)``.
+
+        Raises:
+            SourceConflict: no source of that name is running.
+        """
+        with self._lock:
+            self.graph.remove_source(name)
+            self.removed.add(name)
+
+    def done(self, name: str) -> bool:
+        """Whether a removed (or ended) source's outputs are final."""
+        return self.graph.source_done(name)
+
+    # -- internals -----------------------------------------------------------------------
+    def _stage_parts(self, key: str, source: SourceConfig) -> dict[str, Any]:
+        """What the chain's stages need for ``source``, checked against the run."""
+        source_filter = SourceFilter.from_config(key, source, self.class_names, self.num_classes)
+        if source_filter is not None and self._filter is None:
+            raise ConfigError(f"{key}.classes: this run has no filter stage (no source had "
+                              "classes or roi at start); restart with the source in the file")
+        tracker = TrackerSettings.from_config(source)
+        if tracker is not None and self._tracker is None:
+            raise ConfigError(f"{key}.tracker: this run has no tracking stage (no source had a "
+                              "tracker at start); restart with the source in the file")
+        regions = [Region.from_config(f"{key}.analytics[{k}]", region, source,
+                                      self.class_names, self.num_classes)
+                   for k, region in enumerate(source.analytics or ())]
+        if regions and self._analytics is None:
+            raise ConfigError(f"{key}.analytics: this run has no analytics stage (no source "
+                              "had zones or lines at start); restart with the source in the "
+                              "file")
+        size = None if source.is_live else self.probe_size(source.uri)
+        if size is not None:
+            for region in regions:
+                if (reason := region.frame_error(*size)) is not None:
+                    raise ConfigError(f"{reason} of source {source.name!r}")
+            if i420_bytes(*size) > self.ring.slot_bytes:
+                raise ConfigError(f"{key}.uri (source {source.name!r}): its {size[0]}x{size[1]} "
+                                  "frames do not fit the frame slots sized at start (the "
+                                  "largest file then); restart with it in the file")
+        return {"filter": source_filter, "tracker": tracker, "regions": regions}
+
+    def _decoder(self, index: int, source: SourceConfig) -> SourceStage:
+        """The graph's source for ``source``; its decoding starts in ``add`` after the graph
+        took it. Decoded on the CPU: the previews, which the HTTP API comes with, read the
+        frames on the host."""
+        if self.pool is not None:
+            return self.pool.add_source(index, source)
+        return DecodeStage(source, self.ring, self.graph.abort_event,
+                           decoder_threads=decoder_threads(len(self.sources) + 1))
+
+    def _register(self, index: int, source: SourceConfig, parts: dict[str, Any]) -> None:
+        """Tell the stages with per-source state about source ``index``."""
+        if parts["filter"] is not None and self._filter is not None:
+            self._filter.add_source(index, parts["filter"])
+        if parts["tracker"] is not None and self._tracker is not None:
+            self._tracker.add_source(source.name, parts["tracker"])
+        if parts["regions"] and self._analytics is not None:
+            self._analytics.add_source(source.name, parts["regions"], self.class_names,
+                                       source.tracker_lost_s + self.track_gone_margin_s)
+            if self._annotate is not None:
+                self._annotate.add_source(source.name, parts["regions"])

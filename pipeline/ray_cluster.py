@@ -1,0 +1,172 @@
+"""Hosts as Ray actors (``python run.py --config ... --ray auto|ADDRESS|local``): past one
+machine, Ray places the per-GPU pipelines and restarts them; the supervisor
+(``pipeline.cluster.Supervisor``) assigns the sources and moves those of an actor or node
+that died.
+
+Each actor is a ``pipeline.host.PipelineHost`` asking Ray for one GPU (``num_gpus=1``: Ray
+sets ``CUDA_VISIBLE_DEVICES``, the pipeline uses device 0) when inference may use the GPU
+and the cluster has GPUs, else for one CPU (``num_gpus=0``: the CPU path, as CI runs it).
+Actors are spread over the nodes (``scheduling_strategy="SPREAD"``) and restarted by Ray
+(``max_restarts``: ``runtime.max_restarts``); a call in flight when one dies fails, which is
+how the supervisor learns of it. Their number: ``runtime.pipelines``, else the length of a
+``runtime.gpus`` list, else the cluster's GPUs, else its nodes.
+
+Every node must see the same paths (model, files, ``output.dir``: shared storage) and have
+streamdet installed (``pip install 'streamdet[ray]'``); relative paths are made absolute
+against the driver's working folder. Only this module imports Ray, and only ``--ray``
+imports this module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import structlog
+
+from pipeline.config import ConfigError, PipelineConfig
+from pipeline.host import Assignment, HostReport, PipelineHost
+
+log = structlog.get_logger("ray")
+
+CALL_TIMEOUT_S = 30.0  # a poll that takes longer counts as a lost actor
+RESTART_WAIT_S = 2.0  # restart(): how long to wait for Ray to bring an actor back
+
+
+def ray_missing() -> str | None:
+    """The one-line error for ``--ray`` without the package, or None when it is installed."""
+    if importlib.util.find_spec("ray") is None:
+        return ("--ray: needs the Python package 'ray', which is not installed: "
+                "pip install 'streamdet[ray]'")
+    return None
+
+
+class RayPipelineHost:
+    """The actor: a ``PipelineHost`` with its configuration's logging set up."""
+
+    def __init__(self, config: PipelineConfig, name: str, metrics: bool) -> None:
+        from pipeline.logging import configure_logging
+
+        configure_logging(config.runtime.log_format, config.runtime.log_level)
+        if config.inference.device != "cpu":
+            config.inference.gpu_id = 0  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
+        self.host = PipelineHost(config, name)
+        self.metrics = metrics
+
+    def start(self, assignment: Assignment) -> None:
+        self.host.start(assignment)
+
+    def abort(self, assignment_id: int) -> None:
+        self.host.abort(assignment_id)
+
+    def stop(self) -> None:
+        self.host.stop()
+
+    def abort_all(self) -> None:
+        self.host.abort_all()
+
+    def poll(self) -> HostReport:
+        return self.host.poll(metrics=self.metrics)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+def connect(address: str) -> None:
+    """``ray.init`` for ``--ray``: ``auto`` joins the cluster this machine is part of,
+    ``local`` starts one on this machine, anything else is a cluster's address
+    (``ray://head:10001`` or ``head:6379``). Nothing happens when Ray is initialised already
+    (a test, an application)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address == "local":
+        ray.init(include_dashboard=False)
+    else:
+        ray.init(address=address, include_dashboard=False)
+
+
+def actor_count(config: PipelineConfig, resources: dict[str, float], nodes: int) -> int:
+    """How many actors (module docstring)."""
+    runtime = config.runtime
+    if runtime.pipelines:
+        return runtime.pipelines
+    if isinstance(runtime.gpus, list):
+        return len(runtime.gpus)
+    gpus = int(resources.get("GPU", 0))
+    if config.inference.device != "cpu" and gpus:
+        return gpus
+    if runtime.gpus == "all":
+        raise ConfigError("runtime.gpus: 'all' found no GPU in the Ray cluster (set "
+                          "runtime.pipelines to run actors without one)")
+    return max(1, nodes)
+
+
+class RayExecutor:
+    """Hosts as Ray actors (module docstring); Ray must be initialised (``connect``).
+
+    Args:
+        config: the configuration every actor gets (absolute paths: see module docstring).
+        count: actors, or None for ``actor_count``.
+        metrics: the actors return metrics snapshots with every poll.
+    """
+
+    def __init__(self, config: PipelineConfig, count: int | None = None,
+                 metrics: bool = False) -> None:
+        import ray
+
+        self.ray = ray
+        resources = ray.cluster_resources()
+        nodes = len([node for node in ray.nodes() if node.get("Alive")])
+        count = count or actor_count(config, resources, nodes)
+        gpu = config.inference.device != "cpu" and resources.get("GPU", 0) >= 1
+        self.options = {"num_gpus": 1 if gpu else 0, "num_cpus": 0 if gpu else 1,
+                        "max_restarts": config.runtime.max_restarts, "max_task_retries": 0,
+                        "scheduling_strategy": "SPREAD"}
+        self.config, self.metrics = config, metrics
+        self.names = [f"actor{i}" for i in range(count)]
+        self.actors: dict[int, Any] = {}
+        self._actor_class = ray.remote(RayPipelineHost)
+        log.info("ray cluster", actors=count, gpus_per_actor=self.options["num_gpus"],
+                 resources={k: v for k, v in resources.items() if k in ("CPU", "GPU")},
+                 nodes=nodes)
+
+    def start(self, host: int) -> None:
+        self.actors[host] = self._actor_class.options(**self.options).remote(
+            self.config, self.names[host], self.metrics)
+
+    def call(self, host: int, method: str, *args: Any) -> None:
+        getattr(self.actors[host], method).remote(*args)  # failures surface in poll
+
+    def poll(self, host: int) -> tuple[list[HostReport], str | None]:
+        ray = self.ray
+        try:
+            return [ray.get(self.actors[host].poll.remote(), timeout=CALL_TIMEOUT_S)], None
+        except ray.exceptions.GetTimeoutError:
+            return [], f"no answer within {CALL_TIMEOUT_S} s"
+        except ray.exceptions.RayActorError as error:
+            return [], f"actor lost: {type(error).__name__}"
+
+    def restart(self, host: int) -> bool | None:
+        """Ray restarts a dead actor by itself (``max_restarts``): True once it answers,
+        False while it is being restarted, None when Ray gave it up."""
+        ray = self.ray
+        try:
+            ray.get(self.actors[host].pid.remote(), timeout=RESTART_WAIT_S)
+            return True
+        except ray.exceptions.ActorDiedError:
+            return None
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+
+    def kill(self, host: int) -> None:
+        """Kill an actor's process, as a crash would (tests); Ray restarts it."""
+        self.ray.kill(self.actors[host], no_restart=False)
+
+    def close(self) -> None:
+        for actor in self.actors.values():
+            self.ray.kill(actor, no_restart=True)
+        self.actors.clear()

@@ -1,0 +1,87 @@
+"""Resuming a source from its records: where a moved source starts again.
+
+A source's JSON Lines file holds one record per frame, in frame order, written under
+``NAME.partial.jsonl`` until its source ends (``stages.sinks.JsonlWriter``); each batch part
+goes out in one write, so a pipeline killed mid-run leaves complete lines and at most one
+torn last line. Resuming keeps the complete lines, drops the torn one and starts the source
+at the frame after the last record (``SourceConfig.start_frame``); the new sink appends to
+the same file (``SinkStage(resume_from=...)``), so the file ends up holding every frame once,
+in order.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+from pipeline.config import PipelineConfig, SourceConfig, partial_path
+
+TAIL_CHUNK = 64 * 1024  # bytes read at a time from the end of a file
+
+
+def cut_torn_line(path: Path) -> bytes | None:
+    """Truncate ``path`` after its last newline (a line written halfway by a killed process
+    goes) and return its last complete line (without the newline), or None when it holds
+    none. Reads only the file's tail."""
+    with open(path, "r+b") as file:
+        size = file.seek(0, os.SEEK_END)
+        end = _last_newline(file, size)
+        if end is None:
+            file.truncate(0)
+            return None
+        if end + 1 != size:
+            file.truncate(end + 1)
+        start = _last_newline(file, end)
+        file.seek(0 if start is None else start + 1)
+        return file.read(end - (0 if start is None else start + 1))
+
+
+def _last_newline(file, before: int) -> int | None:  # noqa: ANN001 - a binary file
+    """Offset of the last ``\\n`` strictly before ``before``, or None."""
+    position = before
+    while position > 0:
+        start = max(0, position - TAIL_CHUNK)
+        file.seek(start)
+        found = file.read(position - start).rfind(b"\n")
+        if found >= 0:
+            return start + found
+        position = start
+    return None
+
+
+def resume_point(jsonl_path: Path) -> int:
+    """The frame a source resumes at: one past the ``"frame"`` of the last complete record of
+    its partial JSONL file (``jsonl_path`` is the final path; its ``.partial`` twin is read and
+    its torn last line cut), or 0 when there is none.
+
+    Raises:
+        ValueError: the last complete line is not a record (the file is not ours).
+    """
+    partial = partial_path(jsonl_path)
+    if not partial.exists():
+        return 0
+    line = cut_torn_line(partial)
+    if line is None:
+        return 0
+    try:
+        return int(json.loads(line)["frame"]) + 1
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{str(partial)!r}: its last line is not a frame record: "
+                         f"{line[:80]!r}") from None
+
+
+def resumed_sources(config: PipelineConfig, names: list[str]) -> list[SourceConfig]:
+    """Copies of the sources ``names`` (in that order) of ``config``, each with its
+    ``start_frame`` set to its resume point: where its records stop. A source whose records
+    are not written (``output.jsonl: null``) starts at its configured ``start_frame`` again."""
+    by_name = {source.name: source for source in config.sources}
+    resumed = []
+    for name in names:
+        source = copy.deepcopy(by_name[name])
+        if config.output.jsonl:
+            point = resume_point(config.output_path(config.output.jsonl, name))
+            source.start_frame = max(source.start_frame, point)
+        resumed.append(source)
+    return resumed

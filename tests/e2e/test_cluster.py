@@ -1,0 +1,139 @@
+"""Several pipelines under one supervisor, end to end on the CPU path with the sample model:
+four file sources over two pipelines, one pipeline killed mid-run. Its sources must continue
+on the other pipeline from their last written record: every file's records complete, in
+order, each frame once. Once with local processes (``runtime.pipelines``, the mode of
+``runtime.gpus``) and once with Ray actors on a local Ray cluster (``--ray``)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.cluster import LocalExecutor, Supervisor, absolute_paths
+from pipeline.config import PipelineConfig, parse_config, partial_path
+from tests.e2e.conftest import pipeline_config, records
+from tests.support import read_frames, write_clip
+
+FRAMES = 60  # per source
+SOURCES = 4
+
+
+@pytest.fixture(scope="module")
+def clip(samples, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 60-frame street clip."""
+    out = tmp_path_factory.mktemp("cluster-e2e")
+    return write_clip(out / "street.mp4", read_frames(samples.bikes, FRAMES), (320, 136))
+
+
+def cluster_config(samples, out: Path, clip: Path) -> PipelineConfig:
+    # The detector runs on every third frame (the CPU is slow); every frame gets a record.
+    sources = [{"name": f"cam{i}", "uri": str(clip), "detect_every": 3} for i in range(SOURCES)]
+    data = pipeline_config(samples, out, sources,
+                           runtime={"decode_workers": 0, "pipelines": 2, "max_restarts": 2})
+    return absolute_paths(parse_config(data))
+
+
+def kill_one_mid_run(supervisor: Supervisor, out: Path, kill) -> tuple[dict, float, list[str]]:
+    """Run ``supervisor`` on a thread; once a source of host 1 has written some records but
+    is far from done, ``kill(1)``. Returns the results, when it was killed and the sources
+    it had then."""
+    results: dict = {}
+    runner = threading.Thread(target=lambda: results.update(supervisor.run()), daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 60
+    while True:
+        on_host_1 = [name for name, host in supervisor.placement.items() if host == 1]
+        written = {name: len(records(partial_path(out / f"{name}.jsonl"))) for name in on_host_1}
+        if any(10 <= count <= FRAMES - 15 for count in written.values()):
+            break
+        assert runner.is_alive(), f"the run ended before host 1 could be killed: {results}"
+        assert time.monotonic() < deadline, f"host 1 wrote no records in time: {written}"
+        time.sleep(0.05)
+    killed_at = time.time()
+    kill(1)
+    runner.join(90)
+    assert not runner.is_alive(), "the run did not end within 90 s of the kill"
+    return results, killed_at, on_host_1
+
+
+def check_records_complete(supervisor: Supervisor, out: Path, killed_at: float,
+                           moved: list[str]) -> None:
+    assert moved, "host 1 had no source"
+    for i in range(SOURCES):
+        name = f"cam{i}"
+        assert not partial_path(out / f"{name}.jsonl").exists()
+        frames = [record["frame"] for record in records(out / f"{name}.jsonl")]
+        assert frames == list(range(FRAMES)), f"{name}: records not complete and in order"
+    kept = 0
+    for name in moved:
+        # Continued on host 0, resumed: the records before the kill are the first run's
+        # (captured before it), the rest the second's; not started over.
+        hosts = [host for source, host, _ in supervisor.history if source == name]
+        assert hosts == [1, 0], f"{name} ran on {hosts}"
+        captured = [record["capture_time"] for record in records(out / f"{name}.jsonl")]
+        before = sum(t < killed_at for t in captured)
+        assert before < FRAMES and all(t < killed_at for t in captured[:before])
+        kept += before
+    assert kept >= 10  # one of them had written at least 10 records: they were kept
+    assert supervisor.moves == {name: 1 for name in moved}
+
+
+@pytest.mark.slow
+def test_local_processes_a_killed_pipeline_s_sources_continue_on_the_other(samples, tmp_path, clip):
+    out = tmp_path / "out"
+    config = cluster_config(samples, out, clip)
+    executor = LocalExecutor(config, [None, None])
+    supervisor = Supervisor(config, executor, config.runtime.max_restarts)
+    pids = {}
+
+    def kill(host: int) -> None:
+        pids["killed"] = executor.kill(host)
+
+    results, killed_at, moved = kill_one_mid_run(supervisor, out, kill)
+    assert results == {f"cam{i}": None for i in range(SOURCES)}
+    check_records_complete(supervisor, out, killed_at, moved)
+    # It was restarted (a fresh, empty process), and every host process is gone at the end.
+    assert supervisor.hosts[1].restarts == 1
+    assert executor.processes[1].pid != pids["killed"]
+    assert not any(process.is_alive() for process in executor.processes.values())
+
+
+def require_ray():
+    """Ray, or a skip; in CI (``CI`` set) a failure: CI installs the ray extra."""
+    try:
+        import ray
+    except ImportError:
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            pytest.fail("CI must run the Ray tests: pip install -e '.[ray]'", pytrace=False)
+        pytest.skip("ray is not installed (pip install -e '.[ray]')")
+    return ray
+
+
+@pytest.mark.slow
+def test_ray_actors_a_killed_actor_s_sources_continue_on_the_other(samples, tmp_path, clip):
+    ray = require_ray()
+    from pipeline.ray_cluster import RayExecutor
+
+    out = tmp_path / "out"
+    config = cluster_config(samples, out, clip)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        executor = RayExecutor(config, count=2)
+        assert executor.options["num_gpus"] == 0 and executor.options["max_restarts"] == 2
+        supervisor = Supervisor(config, executor, config.runtime.max_restarts)
+        pids = {}
+
+        def kill(host: int) -> None:
+            pids["before"] = ray.get(executor.actors[host].pid.remote())
+            executor.kill(host)
+
+        results, killed_at, moved = kill_one_mid_run(supervisor, out, kill)
+        assert results == {f"cam{i}": None for i in range(SOURCES)}
+        check_records_complete(supervisor, out, killed_at, moved)
+        assert supervisor.hosts[1].restarts == 1 and supervisor.hosts[1].alive
+    finally:
+        ray.shutdown()

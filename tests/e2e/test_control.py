@@ -1,0 +1,138 @@
+"""Sources added and removed while the pipeline runs, through the HTTP API of a real uvicorn
+server on a free loopback port: a file and a camera of the real GStreamer RTSP server added,
+a camera removed while two other sources run (their outputs complete, frame counts exact),
+bad bodies answered with the configuration file's one-line messages."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pipeline.build import build_graph
+from pipeline.config import ConfigError, parse_config
+from pipeline.http import HttpServer
+from tests.e2e.conftest import pipeline_config
+from tests.support.live_view import running
+
+BIKES_FRAMES, CARPHONE_FRAMES = 250, 120
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture()
+def api(samples, tmp_path: Path, rtsp_server) -> Iterator[tuple[httpx.Client, dict, object]]:
+    """A run with one paced file (``street``) and one camera (``door``), decoded in two
+    worker processes, that ends only when stopped (``stop_when: never``); its API client."""
+    cameras = rtsp_server({"door": "live:5", "yard": "live:5"})  # 5 frames/s: CI has 2 cores
+    data = pipeline_config(
+        samples, tmp_path,
+        [{"name": "street", "uri": str(samples.bikes), "pace_fps": 15},
+         {"name": "door", "uri": cameras.url("door")}],
+        runtime={"decode_workers": 2, "stop_when": "never", "http": {"port": 0}})
+    config = parse_config(data)
+    graph = build_graph(config)
+    server = HttpServer(config.runtime.http, graph, graph.preview, config)
+    port = server.start()
+    try:
+        with running(graph), httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                                          timeout=60) as client:
+            yield client, {"data": data, "yard": cameras.url("yard")}, graph
+    finally:
+        server.close()
+
+
+def state(client: httpx.Client, name: str) -> str:
+    return client.get(f"/api/sources/{name}").json()["state"]
+
+
+def test_add_and_remove_sources_while_others_run(api, samples, tmp_path: Path) -> None:
+    client, run, graph = api
+    added = client.post("/api/sources", json={"name": "car", "uri": str(samples.carphone),
+                                              "pace_fps": 15})
+    assert added.status_code == 201, added.text
+    assert added.json()["name"] == "car" and added.json()["live"] is False
+    camera = client.post("/api/sources", json={"name": "yard", "uri": run["yard"]})
+    assert camera.status_code == 201, camera.text
+    assert [s["name"] for s in client.get("/api/sources").json()["sources"]] == [
+        "street", "door", "car", "yard"]
+
+    wait_for(lambda: client.get("/api/sources/yard").json()["frames"] >= 10, 60,
+             "10 frames of the added camera")
+    assert state(client, "street") == "running" and state(client, "door") == "running"
+    removed = client.delete("/api/sources/yard")  # while street and door (at least) run
+    assert removed.status_code == 200, removed.text
+    body = removed.json()
+    assert body["name"] == "yard" and body["state"] == "removed"
+    yard = records(tmp_path / "yard.jsonl")  # final: renamed from yard.partial.jsonl
+    assert not (tmp_path / "yard.partial.jsonl").exists()
+    assert len(yard) == body["frames"] >= 10
+    assert client.get("/api/sources/yard").status_code == 404
+    assert "yard" not in [s["name"] for s in client.get("/api/sources").json()["sources"]]
+    assert client.delete("/api/sources/yard").status_code == 404
+
+    wait_for(lambda: state(client, "street") == "ended" and state(client, "car") == "ended",
+             180, "the two files to end")
+    for name, frames in (("street", BIKES_FRAMES), ("car", CARPHONE_FRAMES)):
+        assert [r["frame"] for r in records(tmp_path / f"{name}.jsonl")] == list(range(frames))
+    ended = client.delete("/api/sources/car")
+    assert ended.status_code == 409 and "ended" in ended.json()["error"]
+    assert state(client, "door") == "running"
+    assert graph.source_metrics["door"].frames_out > 0
+
+    # A name used in this run stays taken: a new source would overwrite its outputs.
+    again = client.post("/api/sources", json={"name": "yard", "uri": run["yard"]})
+    assert again.status_code == 409
+    assert again.json() == {"error": "sources[4].name: source name 'yard' is already used in "
+                                     "this run (a removed source's outputs keep it)"}
+
+
+BAD_BODIES = [
+    {},
+    {"name": "x"},
+    {"name": "x", "uri": "/no/such/clip.mp4"},
+    {"name": "x", "uri": "rtsp://cam:99999/stream"},
+    {"name": "x", "uri": "ftp://cam/stream"},
+    {"name": "bad name!", "uri": "rtsp://cam/stream"},
+    {"name": "x", "uri": "rtsp://cam/stream", "fps": 5},
+    {"name": "x", "uri": "rtsp://cam/stream", "detect_every": 0},
+    {"name": "x", "uri": "rtsp://cam/stream", "analytics": [{"name": "z", "type": "zone",
+                                                             "points": [[0, 0], [1, 1]]}]},
+]
+
+
+def test_bad_bodies_get_the_config_file_s_messages(api, samples) -> None:
+    client, run, graph = api
+    for body in BAD_BODIES:
+        # The message the same entry gets in the file, as the run's third source.
+        data = {**run["data"], "sources": [*run["data"]["sources"], body]}
+        with pytest.raises(ConfigError) as expected:
+            parse_config(data)
+        answer = client.post("/api/sources", json=body)
+        assert answer.status_code == 400, (body, answer.text)
+        assert answer.json() == {"error": str(expected.value)}, body
+        assert "\n" not in answer.json()["error"]
+    for text in ("not json", "[1, 2]", '"cam"'):
+        answer = client.post("/api/sources", content=text)
+        assert answer.status_code == 400
+        assert answer.json()["error"].startswith(("request body: expected a JSON object",
+                                                  "sources[2]: expected a mapping"))
+    taken = client.post("/api/sources", json={"name": "door", "uri": "rtsp://cam/x"})
+    assert taken.status_code == 409 and "already used" in taken.json()["error"]
+    secret = client.post("/api/sources", json={"name": "y", "uri": "rtsp://u:hunter22@cam:0/x"})
+    assert secret.status_code == 400 and "hunter22" not in secret.text
+    assert [s["name"] for s in client.get("/api/sources").json()["sources"]] == ["street", "door"]
