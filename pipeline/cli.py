@@ -131,7 +131,7 @@ def run_pipeline(config: PipelineConfig) -> int:
             print(f"error: failed to start: {type(error).__name__}: {error}", file=sys.stderr)
             return EXIT_FAILED
         progress.set_total(graph.sources)
-        interrupts, previous = _install_signal_handlers(graph)
+        interrupts, previous = install_signal_handlers(graph)
         started = time.monotonic()
         try:
             graph.run()
@@ -158,8 +158,9 @@ def run_pipeline(config: PipelineConfig) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
-def _install_signal_handlers(graph: object) -> tuple[dict[str, int], dict[int, object]]:
-    """First SIGINT/SIGTERM: graceful stop; second: abort. Returns the count and the
+def install_signal_handlers(graph: object) -> tuple[dict[str, int], dict[int, object]]:
+    """First SIGINT/SIGTERM: ``graph.request_stop()`` (a graceful stop); second:
+    ``graph.abort()`` (a graph, or the cluster's supervisor). Returns the count and the
     handlers replaced (restored after the run)."""
     interrupts = {"count": 0}
 

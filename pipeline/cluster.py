@@ -520,19 +520,9 @@ def run_cluster(config: PipelineConfig, ray_address: str | None = None) -> int:
             return EXIT_FAILED
         log.info("serving Prometheus metrics", url=f"http://0.0.0.0:{port}/metrics")
     log.info("sources placed by load", pipelines=executor.names, sources=len(config.sources))
-    interrupts = {"count": 0}
+    from pipeline.cli import install_signal_handlers  # cli imports this module lazily
 
-    def handle(signum: int, _frame: object) -> None:
-        interrupts["count"] += 1
-        if interrupts["count"] == 1:
-            log.warning("stopping: finishing queued frames (signal again to abort)",
-                        signal=signal.Signals(signum).name)
-            supervisor.request_stop()
-        else:
-            log.warning("aborting", signal=signal.Signals(signum).name)
-            supervisor.abort()
-
-    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+    interrupts, previous = install_signal_handlers(supervisor)
     started = time.monotonic()
     try:
         results = supervisor.run()

@@ -19,9 +19,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
+
+from pipeline.prometheus import serve, stop_serving
 
 METRIC_TYPES = ("counter", "gauge", "histogram", "summary", "info", "stateset", "unknown")
 
@@ -112,16 +114,10 @@ class ClusterExporter:
         """
         registry = CollectorRegistry()
         registry.register(SnapshotCollector(self.snapshots))
-        try:
-            self._server, _ = start_http_server(self.port, self.addr, registry=registry)
-        except OSError as error:
-            raise OSError(error.errno, f"runtime.metrics_port: cannot serve metrics on "
-                                       f"{self.addr}:{self.port}: {error.strerror}") from None
+        self._server = serve(registry, self.port, self.addr)
         return int(self._server.server_port)
 
     def stop(self) -> None:
         """Stop serving (idempotent)."""
-        if self._server is not None:
-            server, self._server = self._server, None
-            server.shutdown()
-            server.server_close()
+        server, self._server = self._server, None
+        stop_serving(server)

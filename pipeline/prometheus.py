@@ -254,16 +254,32 @@ class PrometheusExporter:
             OSError: the port is taken or cannot be bound (the message names it).
         """
         self.registry.register(GraphCollector(graph, self.latency))
-        try:
-            self._server, _ = start_http_server(self.port, self.addr, registry=self.registry)
-        except OSError as error:
-            raise OSError(error.errno, f"runtime.metrics_port: cannot serve metrics on "
-                                       f"{self.addr}:{self.port}: {error.strerror}") from None
+        self._server = serve(self.registry, self.port, self.addr)
         return int(self._server.server_port)
 
     def stop(self) -> None:
         """Stop serving (idempotent)."""
-        if self._server is not None:
-            server, self._server = self._server, None
-            server.shutdown()
-            server.server_close()
+        server, self._server = self._server, None
+        stop_serving(server)
+
+
+def serve(registry: Any, port: int, addr: str) -> Any:
+    """Serve ``registry`` at http://ADDR:PORT/metrics from a daemon thread; returns the
+    server (``server_port``: the port bound).
+
+    Raises:
+        OSError: the port is taken or cannot be bound (the message names it).
+    """
+    try:
+        server, _ = start_http_server(port, addr, registry=registry)
+    except OSError as error:
+        raise OSError(error.errno, f"runtime.metrics_port: cannot serve metrics on "
+                                   f"{addr}:{port}: {error.strerror}") from None
+    return server
+
+
+def stop_serving(server: Any) -> None:
+    """Stop a server ``serve`` returned (None: nothing to do)."""
+    if server is not None:
+        server.shutdown()
+        server.server_close()
