@@ -213,6 +213,11 @@ class SourceMonitor:
             self._capacity = {**self._capacity, first: self._capacity[first] + size,
                               self.graph.sinks[source.name].name: size}
 
+    def mark_removing(self, name: str) -> None:
+        """A source asked to stop (``DELETE``): ``removing`` until ``forget``."""
+        with self._lock:
+            self.removing = self.removing | {name}
+
     def forget(self, name: str) -> None:
         """Stop showing a removed source (its outputs are final)."""
         with self._lock:
@@ -606,8 +611,7 @@ class HttpServer:
             await run_in_threadpool(control.remove, name)
         except SourceConflict as error:
             return self.json({"error": f"{error} (it ended)"}, 409)
-        with self.monitor._lock:
-            self.monitor.removing = self.monitor.removing | {name}
+        self.monitor.mark_removing(name)
         deadline = time.monotonic() + REMOVE_WAIT_S
         while not self.graph.source_done(name) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
