@@ -8,6 +8,17 @@ import sys
 import structlog
 
 
+class _Stderr:
+    """``sys.stderr`` as it is at each write: a logger configured while something had
+    swapped it (pytest's capture, a tool) keeps writing after it is swapped back."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(fmt: str = "console", level: str = "info") -> None:
     """Send structlog output to stderr as console text (``console``) or JSON (``json``)."""
     renderer = (structlog.processors.JSONRenderer() if fmt == "json"
@@ -19,6 +30,6 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_Stderr()),
         cache_logger_on_first_use=False,
     )

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from samples.fetch import SampleError, SamplePaths, ensure_samples
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    """Each test leaves structlog as it found it: ``pipeline.logging.configure_logging`` (run
+    by ``main()`` and the benchmarks) sets a level that would hide later tests' captured
+    lines."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 @pytest.fixture(scope="session")

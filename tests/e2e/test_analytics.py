@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 from structlog.testing import capture_logs
 
 from pipeline.build import build_graph
@@ -112,9 +111,6 @@ def analytics_run(samples, tmp_path_factory) -> dict[str, Any]:
         graph = build_graph(config)
     (publisher,) = FakePublisher.made
     port = exporter.start(graph)
-    # A test before may have set a log level above info (``pipeline.logging``), which would
-    # drop the "analytics counts" lines before capture_logs sees them.
-    structlog.reset_defaults()
     try:
         with capture_logs() as logs:
             graph.run()

@@ -5,7 +5,7 @@ no output that looks complete unless it is."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +13,6 @@ from typing import Any
 import av
 import numpy as np
 import pytest
-import structlog
 import yaml
 
 from pipeline.cli import main
@@ -225,17 +224,10 @@ CASES = [
 ]
 
 
-@pytest.fixture()
-def fresh_logging() -> Iterator[None]:
-    """main() points structlog at the captured stderr; put the defaults back afterwards."""
-    yield
-    structlog.reset_defaults()
-
-
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 def test_bad_input_gives_a_clear_message_and_status(samples, media: dict[str, str],
                                                     tmp_path: Path, monkeypatch, capfd,
-                                                    fresh_logging, case: Case) -> None:
+                                                    case: Case) -> None:
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out"
     config = pipeline_config(samples, out, [{"name": "cam", "uri": media["clean"]}],
@@ -272,7 +264,7 @@ def test_bad_input_gives_a_clear_message_and_status(samples, media: dict[str, st
      "error: failed to start: OSError: [Errno 28] No space left on device"),
 ])
 def test_a_fault_while_starting_is_not_called_a_bad_configuration(
-        samples, media, tmp_path, monkeypatch, capfd, fresh_logging, error, status, message):
+        samples, media, tmp_path, monkeypatch, capfd, error, status, message):
     """Exit 2 means "fix your configuration": a fault of the machine while the pipeline is
     built (here raised in place of ``build_graph``) is exit 1 with its own words."""
     import pipeline.build
@@ -302,8 +294,7 @@ def write_lossless(path: Path, pictures: list[av.VideoFrame]) -> Path:
     return path
 
 
-def test_an_odd_sized_video_keeps_its_pixel_coordinates(samples, tmp_path, capfd,
-                                                        fresh_logging):
+def test_an_odd_sized_video_keeps_its_pixel_coordinates(samples, tmp_path, capfd):
     """641x273: I420 needs even sizes, so the last column and row are left out (a crop):
     the boxes are those of the same pixels as a 640x272 video, in the same coordinates, and
     a warning says so. A resize to 640x272 would move every pixel, and the boxes with them."""
@@ -333,8 +324,7 @@ def test_an_odd_sized_video_keeps_its_pixel_coordinates(samples, tmp_path, capfd
     assert detections[0] and detections[0] == detections[1]
 
 
-def test_environment_variables_and_set_overrides(samples, media, tmp_path, monkeypatch, capfd,
-                                                 fresh_logging):
+def test_environment_variables_and_set_overrides(samples, media, tmp_path, monkeypatch, capfd):
     """``${VAR}`` fills any string (a file's path here); ``--set`` overrides keys, validated
     like the file: a bad value is exit 2 with the key's message."""
     monkeypatch.setenv("STREAMDET_CLIP", media["clean"])

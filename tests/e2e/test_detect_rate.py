@@ -39,7 +39,10 @@ def records(samples, out: Path, clips: tuple[Path, Path], rates: tuple[dict, dic
 
 
 def check(every: dict[str, list[dict]], gated: dict[str, list[dict]], detected: dict[str, list[int]],
-          atol: float) -> None:
+          atol: float, box_atol: float | None = None) -> None:
+    """The gated run's detected frames have the every-frame run's detections: classes equal,
+    confidences within ``atol``, box corners within ``box_atol`` pixels (default ``atol``)."""
+    box_atol = atol if box_atol is None else box_atol
     for name, frames in detected.items():
         assert [r["frame"] for r in gated[name]] == list(range(48))
         assert [i for i, r in enumerate(gated[name]) if r.get("detected", True)] == frames
@@ -48,7 +51,7 @@ def check(every: dict[str, list[dict]], gated: dict[str, list[dict]], detected: 
                 assert len(got["detections"]) == len(want["detections"]), got["frame"]
                 for a, b in zip(want["detections"], got["detections"]):
                     assert a["class_id"] == b["class_id"]
-                    np.testing.assert_allclose(a["xyxy"], b["xyxy"], atol=atol)
+                    np.testing.assert_allclose(a["xyxy"], b["xyxy"], atol=box_atol)
                     assert abs(a["confidence"] - b["confidence"]) <= max(atol, 1e-6)
             else:
                 assert got["detections"] == []
@@ -79,4 +82,8 @@ def test_detect_rate_on_the_gpu_path(samples, tmp_path, clips, decode):
            "engine_cache": str(tmp_path / "engines")}
     every = records(samples, tmp_path / "every", clips, ({}, {}), gpu, decode)
     gated = records(samples, tmp_path / "gated", clips, RATES, gpu, decode)
-    check(every, gated, DETECTED, atol=0.05)
+    # The two runs batch different frames together (the gated one compacts its batches), and
+    # cuDNN picks its convolution algorithms per batch shape (cudnn.benchmark) in TF32
+    # (PyTorch's default for convolutions): corners moved by up to 0.06 px on the H200. A
+    # frame given another frame's detections would move them by many pixels.
+    check(every, gated, DETECTED, atol=0.05, box_atol=0.5)
