@@ -198,7 +198,8 @@ class SourceMonitor:
                           **{sink.name: size for sink in graph.sinks.values()}}
         # queue -> when it was first seen full in the samples since, or None: not full now
         self._full_since: dict[str, float | None] = {}
-        self._started = time.monotonic()
+        started = time.monotonic()
+        self._shown_since = {name: started for name in self.names}  # stalled counts from here
         self._lock = threading.Lock()
 
     def add(self, source: SourceConfig) -> None:
@@ -208,6 +209,7 @@ class SourceMonitor:
             self._uris = {**self._uris, source.name: redact_url(source.uri)}
             self._live = {**self._live, source.name: source.is_live}
             self._sampled = {**self._sampled, source.name: _Sampled()}
+            self._shown_since = {**self._shown_since, source.name: time.monotonic()}
             size = self.config.runtime.queue_size
             first = self.graph.chain[0].name
             self._capacity = {**self._capacity, first: self._capacity[first] + size,
@@ -223,6 +225,7 @@ class SourceMonitor:
         with self._lock:
             self.names = [n for n in self.names if n != name]
             self._sampled = {n: s for n, s in self._sampled.items() if n != name}
+            self._shown_since = {n: t for n, t in self._shown_since.items() if n != name}
             self.removing = self.removing - {name}
             sink = self.graph.sinks[name].name
             self._capacity = {q: c for q, c in self._capacity.items() if q != sink}
@@ -276,10 +279,11 @@ class SourceMonitor:
             sampled = self._sampled[name]
             lost_at = max((t for t in (sampled.reconnected_at, sampled.restarted_at)
                            if t is not None), default=None)
+            shown_since = self._shown_since[name]
         last = activity.last_frame_at
         if lost_at is not None and (last is None or last < lost_at):
             return "reconnecting"
-        since = self._started if last is None else last
+        since = shown_since if last is None else last
         if self._live[name] and time.monotonic() - since > self.stale_after_s:
             return "stalled"
         return "starting" if last is None else "running"
@@ -336,7 +340,8 @@ class SourceMonitor:
                                     f"(attempt {sampled.reconnects})")
             elif state == "stalled":
                 last = self.hub.activity(name).last_frame_at
-                since = self._started if last is None else last
+                with self._lock:
+                    since = self._shown_since[name] if last is None else last
                 reasons.append(f"source {name}: no frame for {time.monotonic() - since:.0f} s"
                                + (" (none yet)" if last is None else ""))
         if any(self._live.values()):

@@ -121,9 +121,10 @@ def frame_records(item: BatchDetections, class_names: list[str] | None = None,
 class VideoWriter:
     """Encodes I420 frames to an H.264 MP4 (yuv420p: plays in browsers).
 
-    Frames are numbered in order, at the first frame's source's nominal rate, so the output
-    has exactly as many frames as were written. A frame of another size than the first is
-    scaled to it.
+    Each frame written is one video frame, timed by its frame number at the first frame's
+    source's nominal rate (from the file's first frame): frames a live source dropped leave
+    their time in the video, so it plays in real time instead of running fast. A frame of
+    another size than the first is scaled to it.
 
     The MP4 is fragmented: an empty index first, then one fragment per keyframe, a keyframe
     every ``FRAGMENT_S`` seconds of video (``FRAGMENT_S`` x the rate frames). Its bytes reach
@@ -143,22 +144,26 @@ class VideoWriter:
         self._stream: av.video.stream.VideoStream | None = None
         self.frames = 0
         self.skipped = 0  # frames without a host image (nothing to encode)
+        self._first_index = 0  # the frame number of the file's first frame
+        self._last_pts = -1
 
     def write(self, item: BatchDetections) -> None:
         """Encode every frame of ``item`` that has an image (``item.frames.images[row]``), in
         batch order; frames whose image is None are counted in ``skipped``."""
         frames = item.frames
-        for image, width, height, rate in zip(frames.images, frames.width.tolist(),
-                                              frames.height.tolist(), frames.rates):
+        for image, width, height, rate, index in zip(
+                frames.images, frames.width.tolist(), frames.height.tolist(), frames.rates,
+                frames.index.tolist()):
             if image is None:
                 if not self.skipped:
                     log.warning("frame without a host image: not in the video",
                                 path=str(self.path))
                 self.skipped += 1
                 continue
-            self.encode(image, width, height, rate)
+            self.encode(image, width, height, rate, index)
 
-    def encode(self, image: np.ndarray, width: int, height: int, rate: Fraction | None) -> None:
+    def encode(self, image: np.ndarray, width: int, height: int, rate: Fraction | None,
+               index: int | None = None) -> None:
         """Encode one frame.
 
         Args:
@@ -166,14 +171,18 @@ class VideoWriter:
             width, height: the frame's size in pixels.
             rate: its source's nominal frame rate (used when this is the first frame), or
                 None for ``DEFAULT_RATE``.
+            index: its frame number in its source (its time in the video), or None: the
+                frame after the last one written.
         """
         if self._container is None:
             self._open(width, height, rate)
+            self._first_index = self.frames if index is None else index
         assert self._stream is not None and self._container is not None
         picture = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="yuv420p")
         if (width, height) != (self._stream.width, self._stream.height):
             picture = picture.reformat(width=self._stream.width, height=self._stream.height)
-        picture.pts = self.frames
+        pts = self._last_pts + 1 if index is None else index - self._first_index
+        picture.pts = self._last_pts = max(pts, self._last_pts + 1)  # always increasing
         self._container.mux(self._stream.encode(picture))
         self.frames += 1
 

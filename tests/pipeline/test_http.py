@@ -304,3 +304,24 @@ def test_states_and_health_reasons(samples, tmp_path: Path,
     metrics.error = None
     hub.end("cam")
     check("ended", [])
+
+
+def test_a_source_added_late_is_starting_until_it_has_been_shown_stale_after_s(
+        samples, tmp_path: Path) -> None:
+    config = parse_config(pipeline_config(samples, tmp_path, [
+        {"name": "cam", "uri": "rtsp://127.0.0.1:8554/cam"}]))
+    graph, hub = FakeGraph(["cam"]), PreviewHub()
+    monitor = SourceMonitor(graph, hub, config, stale_after_s=0.2)
+    time.sleep(0.25)  # the view has run longer than stale_after_s
+    added = parse_config(pipeline_config(samples, tmp_path, [
+        {"name": "door", "uri": "rtsp://127.0.0.1:8554/door"}])).sources[0]
+    graph.sources.append(SimpleNamespace(name="door", restarts=0))
+    graph.source_metrics["door"] = SourceMetrics("door")
+    graph.sinks["door"] = SimpleNamespace(name="sink:door")
+    monitor.add(added)
+    monitor.sample()
+    assert (monitor.state("cam"), monitor.state("door")) == ("stalled", "starting")
+    assert monitor.health()["reasons"] == ["source cam: no frame for 0 s (none yet)"]
+    time.sleep(0.25)
+    monitor.sample()
+    assert monitor.state("door") == "stalled"

@@ -72,6 +72,18 @@ def test_video_skips_frames_without_a_host_image(tmp_path: Path, pictures: list[
     assert len(read_frames(tmp_path / "cam.mp4")) == 3
 
 
+def test_video_times_frames_by_their_number_so_a_live_source_s_drops_keep_real_time(
+        tmp_path: Path, pictures: list[Frame]) -> None:
+    numbers = [40, 41, 45, 46, 52]  # a live source's frames, 42-44 and 47-51 dropped
+    frames = [replace(pictures[k], index=n) for k, n in enumerate(numbers)]
+    writer = VideoWriter(tmp_path / "cam.mp4", crf=23)
+    writer.write(batch_detections([(f, []) for f in frames]))
+    writer.close(complete=True)
+    decoded = read_frames(tmp_path / "cam.mp4")
+    assert len(decoded) == 5  # each frame written once: no frame repeated into the gaps
+    assert [round((f.time - decoded[0].time) * 25, 3) for f in decoded] == [0, 1, 5, 6, 12]
+
+
 def run_sink(tmp_path: Path, frames: list[Frame], end: EndOfStream | None,
              part_size: int = 5) -> tuple[SinkStage, list[list[int]]]:
     """Run a sink over ``frames`` in parts of ``part_size``; also returns the slots it released,
