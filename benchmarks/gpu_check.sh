@@ -28,8 +28,9 @@
 # "--decode cpu,gpu,cpu-threads --decode-workers 8 --no-naive").
 #
 # multigpu: benchmarks.multi_gpu, the same runs on 1 and on 2 GPUs (runtime.gpus, one process
-# per GPU): MULTI_CAMERAS (unpaced, default 100), MULTI_PACED (paced counts, default 16,32,64),
-# SECONDS_PER_RUN, MULTI_ARGS (more flags). It gets the time left as --budget-s:
+# per GPU): MULTI_GPUS (layouts, default 1,2; 1x3: three processes on one GPU), MULTI_CAMERAS
+# (unpaced, default 100), MULTI_PACED (paced counts, default 16,32,64), SECONDS_PER_RUN,
+# MULTI_ARGS (more flags, e.g. "--decode gpu"). It gets the time left as --budget-s:
 #   BUDGET_S=570 bash benchmarks/gpu_check.sh multigpu
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
@@ -92,7 +93,7 @@ for step in "${steps[@]}"; do
         multigpu)
             limit=$(( $(left) - 15 ))
             # shellcheck disable=SC2086
-            run_step multigpu "$limit" python3 -m benchmarks.multi_gpu --gpus 1,2 \
+            run_step multigpu "$limit" python3 -m benchmarks.multi_gpu --gpus "${MULTI_GPUS:-1,2}" \
                 --cameras "${MULTI_CAMERAS:-100}" --paced "${MULTI_PACED:-16,32,64}" \
                 --seconds "${SECONDS_PER_RUN:-5}" --budget-s "$((limit - 20))" \
                 --out "$OUT/multigpu.md" ${MULTI_ARGS:-} ;;

@@ -254,28 +254,29 @@ class InferenceRow:
 
 
 class UtilisationSampler:
-    """GPU utilisation (%) every ``interval_s`` in a thread: NVML, else ``nvidia-smi``."""
+    """Utilisation (%) of GPU ``index`` every ``interval_s`` in a thread: NVML, else
+    ``nvidia-smi``."""
 
-    def __init__(self, enabled: bool, interval_s: float = 0.2) -> None:
+    def __init__(self, enabled: bool, interval_s: float = 0.2, index: int = 0) -> None:
         self.samples: list[tuple[float, float]] = []
         self.interval_s = interval_s
-        self._read = self._reader() if enabled else None
+        self._read = self._reader(index) if enabled else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     @staticmethod
-    def _reader() -> Callable[[], float] | None:
+    def _reader(index: int) -> Callable[[], float] | None:
         try:
             import pynvml
 
             pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             return lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
         except Exception:  # noqa: BLE001 - not installed or no driver: try the CLI
             if shutil.which("nvidia-smi") is None:
                 return None
             command = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                       "-i", "0"]
+                       "-i", str(index)]
             return lambda: float(subprocess.run(command, capture_output=True, text=True,
                                                 timeout=5).stdout.split()[0])
 
