@@ -341,8 +341,7 @@ class LocalExecutor:
         self.config = config
         self.devices = devices
         self.metrics = metrics
-        self.names = [f"gpu{d}" if d is not None else f"pipeline{i}"
-                      for i, d in enumerate(devices)]
+        self.names = host_names(devices)
         self.cpus = share_cores(len(devices)) if all(d is None for d in devices) else None
         self.processes: dict[int, Any] = {}
         self.conns: dict[int, Connection] = {}
@@ -420,25 +419,43 @@ def share_cores(hosts: int) -> list[list[int]] | None:
     return [cores[len(cores) * k // hosts:len(cores) * (k + 1) // hosts] for k in range(hosts)]
 
 
+def host_names(devices: list[int | None]) -> list[str]:
+    """A name per host: ``gpu1`` (``gpu1.0``, ``gpu1.1``, ... where GPU 1 has several),
+    ``pipeline0`` without a GPU of its own."""
+    names = []
+    for i, device in enumerate(devices):
+        if device is None:
+            names.append(f"pipeline{i}")
+        elif devices.count(device) == 1:
+            names.append(f"gpu{device}")
+        else:
+            names.append(f"gpu{device}.{devices[:i].count(device)}")
+    return names
+
+
 def resolve_devices(config: PipelineConfig) -> list[int | None]:
     """One entry per pipeline of a local cluster: the GPUs of ``runtime.gpus`` (``all``: every
-    GPU this machine has), or ``runtime.pipelines`` times None (no GPU of its own).
+    GPU this machine has), each repeated in turn up to ``runtime.pipelines`` when that is set
+    too, or ``runtime.pipelines`` times None (no GPU of its own).
 
     Raises:
-        ConfigError: ``all`` and no GPU can be found.
+        ConfigError: ``all`` and no GPU can be found, or fewer pipelines than GPUs.
     """
     from pipeline.config import ConfigError
 
     runtime = config.runtime
     if runtime.gpus is None:
         return [None] * (runtime.pipelines or 1)
-    if runtime.gpus != "all":
-        return list(runtime.gpus)
-    count = gpu_count()
-    if not count:
+    gpus: list[int] = list(runtime.gpus) if runtime.gpus != "all" else list(range(gpu_count()))
+    if not gpus:
         raise ConfigError("runtime.gpus: 'all' found no GPU on this machine (set "
-                          "runtime.pipelines to run several pipelines without one)")
-    return list(range(count))
+                          "runtime.pipelines without runtime.gpus to run several pipelines "
+                          "without one)")
+    count = runtime.pipelines or len(gpus)
+    if count < len(gpus):
+        raise ConfigError(f"runtime.pipelines: at least one per GPU of runtime.gpus "
+                          f"({len(gpus)}), got {count}")
+    return [gpus[i % len(gpus)] for i in range(count)]
 
 
 def gpu_count() -> int:

@@ -568,19 +568,21 @@ class RuntimeConfig:
     gpus: list[int] | Literal["all"] | None = field(
         default=None,
         metadata=_doc("Run one pipeline process per GPU listed ([0, 1]; all: every GPU of this "
-                      "machine), each with its own decode workers and a share of the sources "
-                      "by load (width x height x frame rate); a process that dies has its "
-                      "sources moved to the others (files resume after their last written "
-                      "record) and is restarted with backoff. null: one pipeline in this "
-                      "process (inference.gpu_id)."),
+                      "machine), or runtime.pipelines processes spread over them, each with "
+                      "its own decode workers and a share of the sources by load (width x "
+                      "height x frame rate); a process that dies has its sources moved to the "
+                      "others (files resume after their last written record) and is restarted "
+                      "with backoff. null: one pipeline in this process (inference.gpu_id)."),
     )
     pipelines: int | None = field(
         default=None,
-        metadata=_doc("Like gpus, without GPUs: this many pipeline processes share the sources "
-                      "(the CPU path, or inference.device as configured, all on "
-                      "inference.gpu_id). With --ray: the number of actors (default: the GPUs "
-                      "of the Ray cluster, else 2). null: one pipeline (or one per GPU of "
-                      "gpus).", min=1),
+        metadata=_doc("This many pipeline processes share the sources: with gpus, spread over "
+                      "those GPUs in turn (at least one each; 6 over [0, 1]: 3 per GPU, which "
+                      "feeds a GPU better than one process with many NVDEC cameras); without, "
+                      "all on inference.device (the CPU path, or inference.gpu_id). With "
+                      "--ray: the number of actors (default: the GPUs of the Ray cluster, else "
+                      "2), sharing a GPU when there are more than GPUs. null: one pipeline (or "
+                      "one per GPU of gpus).", min=1),
     )
     max_restarts: int = field(
         default=3,
@@ -771,14 +773,13 @@ def _check_semantics(config: PipelineConfig, base_dir: Path) -> None:
     if config.runtime.http is not None:
         config.runtime.http.check("runtime.http")
     runtime = config.runtime
-    if runtime.gpus is not None and runtime.pipelines is not None:
-        raise ConfigError(f"runtime.pipelines: set runtime.gpus (one pipeline per GPU) or "
-                          f"runtime.pipelines, not both (got gpus {runtime.gpus!r}, pipelines "
-                          f"{runtime.pipelines})")
     if isinstance(runtime.gpus, list):
         if not runtime.gpus or len(set(runtime.gpus)) != len(runtime.gpus) or min(runtime.gpus) < 0:
             raise ConfigError(f"runtime.gpus: expected distinct GPU numbers >= 0 (or all, or "
                               f"null), got {runtime.gpus!r}")
+        if runtime.pipelines is not None and runtime.pipelines < len(runtime.gpus):
+            raise ConfigError(f"runtime.pipelines: at least one per GPU of runtime.gpus "
+                              f"({len(runtime.gpus)}), got {runtime.pipelines}")
 
 
 def partial_path(path: Path) -> Path:

@@ -5,7 +5,9 @@ that died.
 
 Each actor is a ``pipeline.host.PipelineHost`` asking Ray for one GPU (``num_gpus=1``: Ray
 sets ``CUDA_VISIBLE_DEVICES``, the pipeline uses device 0) when inference may use the GPU
-and the cluster has GPUs, else for one CPU (``num_gpus=0``: the CPU path, as CI runs it).
+and the cluster has GPUs, or for a share of one when ``runtime.pipelines`` asks for more
+actors than there are GPUs (``actor_gpus``: several pipelines feed a GPU better than one),
+else for one CPU (``num_gpus=0``: the CPU path, as CI runs it).
 Actors are spread over the nodes (``scheduling_strategy="SPREAD"``) and restarted by Ray
 (``max_restarts``: ``runtime.max_restarts``); a call in flight when one dies fails, which is
 how the supervisor learns of it. Their number: ``runtime.pipelines``, else the length of a
@@ -20,6 +22,7 @@ imports this module.
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Any
 
 import structlog
@@ -105,6 +108,14 @@ def actor_count(config: PipelineConfig, resources: dict[str, float], nodes: int)
     return max(1, nodes)
 
 
+def actor_gpus(gpus: float, actors: int) -> float:
+    """What each actor asks Ray for: a whole GPU, or a share of one when there are more actors
+    than GPUs (Ray packs that many onto each GPU); 0 without a GPU (the CPU path)."""
+    if gpus < 1:
+        return 0
+    return 1 if actors <= gpus else 1 / math.ceil(actors / int(gpus))
+
+
 class RayExecutor:
     """Hosts as Ray actors (module docstring); Ray must be initialised (``connect``).
 
@@ -122,8 +133,8 @@ class RayExecutor:
         resources = ray.cluster_resources()
         nodes = len([node for node in ray.nodes() if node.get("Alive")])
         count = count or actor_count(config, resources, nodes)
-        gpu = config.inference.device != "cpu" and resources.get("GPU", 0) >= 1
-        self.options = {"num_gpus": 1 if gpu else 0, "num_cpus": 0 if gpu else 1,
+        gpus = resources.get("GPU", 0) if config.inference.device != "cpu" else 0
+        self.options = {"num_gpus": actor_gpus(gpus, count), "num_cpus": 0 if gpus >= 1 else 1,
                         "max_restarts": config.runtime.max_restarts, "max_task_retries": 0,
                         "scheduling_strategy": "SPREAD"}
         self.config, self.metrics = config, metrics

@@ -12,8 +12,15 @@ import time
 import pytest
 
 from pipeline import cli
-from pipeline.cluster import Supervisor, absolute_paths, backoff_s, resolve_devices, share_cores
-from pipeline.config import parse_config
+from pipeline.cluster import (
+    Supervisor,
+    absolute_paths,
+    backoff_s,
+    host_names,
+    resolve_devices,
+    share_cores,
+)
+from pipeline.config import ConfigError, parse_config
 from pipeline.host import Assignment, AssignmentEnded, HostReport, assignment_config
 from pipeline.placement import SourceLoad
 
@@ -201,10 +208,33 @@ def test_an_assignment_is_validated(kwargs, match):
     ({"pipelines": 3}, [None, None, None]),
     ({"gpus": [0, 1]}, [0, 1]),
     ({"gpus": [3]}, [3]),
+    ({"gpus": [0, 1], "pipelines": 5}, [0, 1, 0, 1, 0]),  # spread over the GPUs in turn
+    ({"gpus": [2], "pipelines": 3}, [2, 2, 2]),
 ])
 def test_resolve_devices(samples, runtime, expected):
     config = parse_config({"sources": [{"name": "a", "uri": str(samples.bikes)}], "runtime": runtime})
     assert resolve_devices(config) == expected
+
+
+def test_fewer_pipelines_than_gpus_is_a_configuration_error(samples):
+    with pytest.raises(ConfigError, match=r"^runtime\.pipelines: at least one per GPU of "
+                                          r"runtime\.gpus \(3\), got 2$"):
+        parse_config({"sources": [{"name": "a", "uri": str(samples.bikes)}],
+                      "runtime": {"gpus": [0, 1, 2], "pipelines": 2}})
+
+
+def test_hosts_are_named_by_their_gpu_and_their_place_on_it():
+    assert host_names([0, 1]) == ["gpu0", "gpu1"]
+    assert host_names([0, 1, 0, 1, 0]) == ["gpu0.0", "gpu1.0", "gpu0.1", "gpu1.1", "gpu0.2"]
+    assert host_names([None, None]) == ["pipeline0", "pipeline1"]
+
+
+@pytest.mark.parametrize("gpus, actors, share", [
+    (0, 4, 0), (2, 2, 1), (2, 1, 1), (2, 3, 0.5), (2, 6, 1 / 3), (1, 3, 1 / 3), (0.5, 2, 0)])
+def test_ray_actors_share_a_gpu_when_there_are_more_of_them_than_gpus(gpus, actors, share):
+    from pipeline.ray_cluster import actor_gpus
+
+    assert actor_gpus(gpus, actors) == pytest.approx(share)
 
 
 def test_cores_are_shared_out_in_contiguous_shares(monkeypatch):
