@@ -16,9 +16,10 @@ the live hosts and started there as new assignments, beside the ones running the
 go on untouched), after a backoff per source; a file source resumes after its last written
 record (``pipeline.resume``), so its records end up complete, in order, each frame once. The
 dead host is restarted after a backoff (``runtime.max_restarts`` times; a Ray actor is
-restarted by Ray) and takes new work from then on. ``add_source`` and ``remove_source``
-change the set of sources while it runs: placement is rebalanced, and a source that moves is
-cut short where it was (its records stay) and resumes on its new host.
+restarted by Ray), and placement is rebalanced onto it. ``add_source`` and ``remove_source``
+change the set of sources while it runs, and placement is rebalanced too: a source that
+moves is cut short where it was (its records stay) and resumes on its new host, and so do
+the other sources of the pipeline it was cut from, on their host.
 
 A source ends when its stream ends (the outputs are final) or fails (it is not restarted:
 a bad file stays bad; a camera reconnects by itself within its pipeline); the run ends when
@@ -273,8 +274,9 @@ class Supervisor:
             if back:
                 state.restarts += 1
                 state.alive, state.restart_at, state.attempts = True, None, 0
-                log.info("pipeline host restarted", host=self.executor.names[host],
-                         restarts=state.restarts)
+                log.info("pipeline host restarted: rebalancing onto it",
+                         host=self.executor.names[host], restarts=state.restarts)
+                self._changed.set()  # the next turn evens the loads, moving sources to it
             elif back is None or state.attempts >= MAX_RESTART_ATTEMPTS:
                 state.gone = True
                 log.error("pipeline host gone for good", host=self.executor.names[host])

@@ -71,9 +71,10 @@ def check_records_complete(supervisor: Supervisor, out: Path, killed_at: float,
     kept = 0
     for name in moved:
         # Continued on host 0, resumed: the records before the kill are the first run's
-        # (captured before it), the rest the second's; not started over.
+        # (captured before it), the rest the later runs' (it may move back to host 1 once
+        # that is restarted, to even the loads); not started over.
         hosts = [host for source, host, _ in supervisor.history if source == name]
-        assert hosts == [1, 0], f"{name} ran on {hosts}"
+        assert hosts[:2] == [1, 0], f"{name} ran on {hosts}"
         captured = [record["capture_time"] for record in records(out / f"{name}.jsonl")]
         before = sum(t < killed_at for t in captured)
         assert before < FRAMES and all(t < killed_at for t in captured[:before])

@@ -133,17 +133,29 @@ def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restar
     (kept,) = executor.on(0)
     died_at = time.monotonic()
     executor.die(1)
-    wait_until(lambda: len(executor.on(0)) == 2, "the moved sources on host 0")
-    moved = [a for a in executor.on(0) if a.id != kept.id][0]
+
+    def started_on_0() -> list[Assignment]:
+        return [args[0] for host, method, args in list(executor.calls)
+                if host == 0 and method == "start" and args[0].id != kept.id]
+
+    wait_until(started_on_0, "the moved sources on host 0")
+    (moved,) = started_on_0()
     assert time.monotonic() - died_at >= backoff_s(0) * 0.9  # not at once: a backoff
     assert sorted(moved.sources) == sorted(moved.resume) == ["b", "c"]  # they resume
     assert supervisor.moves == {"b": 1, "c": 1}
-    wait_until(lambda: supervisor.hosts[1].alive, "host 1 restarted")
+    # Host 1 is back: the loads are evened again (a 4 + d 1 | b 3 + c 2 -> 5 | 5), the
+    # moved sources' pipelines cut short and every source resumed after its records.
+    wait_until(lambda: executor.on(1) and len(executor.on(0)) == 1 and kept.id not in
+               executor.running, "sources rebalanced onto the restarted host 1")
     assert (1, "restart_host", ()) in executor.calls
-    assert executor.on(1) == []  # back, empty: the sources stay where they went
+    on = {host: sorted(n for a in executor.on(host) for n in a.sources) for host in (0, 1)}
+    assert sorted([on[0], on[1]]) == [["a", "d"], ["b", "c"]]
+    assert all(set(a.resume) == set(a.sources) for h in (0, 1) for a in executor.on(h))
     # It dies again: no restart left (max_restarts=1); the run goes on with host 0.
     executor.die(1)
     wait_until(lambda: supervisor.hosts[1].gone, "host 1 given up")
+    wait_until(lambda: sorted(n for a in executor.on(0) for n in a.sources) == list("abcd"),
+               "every source on host 0")
     for assignment in executor.on(0):
         executor.finish(assignment.id)
     thread.join(5)
