@@ -24,7 +24,9 @@ outputs the configuration asks for (video, JSONL) are written as with ``run.py``
 through a bounded queue: a consumer slower than the pipeline holds file sources back (no
 frame lost) and makes live sources drop their oldest frames, as a slow sink would. Leaving the
 loop early (``break``) or ``stop()`` stops reading, drains and finalises every output. Signals
-are left to the caller: no handler is installed.
+are left to the caller: no handler is installed. The pipeline's log lines go to stderr in
+``runtime.log_format`` at ``runtime.log_level``, as with ``run.py`` (never into your program's
+stdout), unless your program configured structlog itself.
 """
 
 from __future__ import annotations
@@ -148,8 +150,14 @@ class Pipeline:
             listener(source, part)
 
     def _build(self) -> Any:
-        from pipeline.build import build_graph
+        import structlog
 
+        from pipeline.build import build_graph
+        from pipeline.logging import configure_logging
+
+        if not structlog.is_configured():  # structlog's default prints to stdout
+            runtime = self.config.runtime
+            configure_logging(runtime.log_format, runtime.log_level)
         with self._lock:
             if self._graph is not None:
                 raise RuntimeError("a Pipeline runs once; make a new one to run again")

@@ -572,17 +572,19 @@ class RuntimeConfig:
                       "its own decode workers and a share of the sources by load (width x "
                       "height x frame rate); a process that dies has its sources moved to the "
                       "others (files resume after their last written record) and is restarted "
-                      "with backoff. null: one pipeline in this process (inference.gpu_id)."),
+                      "with backoff. null: no GPU list (one pipeline in this process on "
+                      "inference.gpu_id, or runtime.pipelines processes)."),
     )
     pipelines: int | None = field(
         default=None,
         metadata=_doc("This many pipeline processes share the sources: with gpus, spread over "
                       "those GPUs in turn (at least one each; 6 over [0, 1]: 3 per GPU, which "
                       "feeds a GPU better than one process with many NVDEC cameras); without, "
-                      "all on inference.device (the CPU path, or inference.gpu_id). With "
-                      "--ray: the number of actors (default: the GPUs of the Ray cluster, else "
-                      "2), sharing a GPU when there are more than GPUs. null: one pipeline (or "
-                      "one per GPU of gpus).", min=1),
+                      "all on inference.device (the CPU path, or inference.gpu_id), the cores "
+                      "shared out among them. With --ray: the number of actors (default: the "
+                      "length of a gpus list, else the Ray cluster's GPUs on the GPU path, "
+                      "else its nodes), sharing a GPU when there are more than GPUs. null: one "
+                      "pipeline (or one per GPU of gpus).", min=1),
     )
     max_restarts: int = field(
         default=3,

@@ -127,7 +127,8 @@ class VideoWriter:
     another size than the first is scaled to it.
 
     The MP4 is fragmented: an empty index first, then one fragment per keyframe, a keyframe
-    every ``FRAGMENT_S`` seconds of video (``FRAGMENT_S`` x the rate frames). Its bytes reach
+    every ``FRAGMENT_S`` x the rate frames written (``FRAGMENT_S`` seconds of video when
+    nothing was dropped). Its bytes reach
     the file as it goes, so a killed process leaves a file that plays up to its last complete
     fragment; it loses at most the open fragment and the frames inside x264 (its lookahead:
     about 10 frames at ``veryfast``). The muxer keeps no per-frame index in memory (a plain

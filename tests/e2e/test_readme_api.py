@@ -29,4 +29,6 @@ def test_the_readme_python_example_runs(samples, repo_root: Path, tmp_path: Path
     lines = result.stdout.splitlines()
     assert sum(line.startswith("bikes ") for line in lines) == 250, result.stdout[-2000:]
     assert any(line.startswith("250 frames RunSummary(frames={'bikes': 250}") for line in lines)
+    # The pipeline's log lines go to stderr, as with run.py, never among the script's output.
+    assert "output written" not in result.stdout and "output written" in result.stderr
     assert (tmp_path / "output" / "bikes.jsonl").exists()
