@@ -311,6 +311,8 @@ class DecodeStage(SourceStage):
                      codec=stream.codec_context.name, size=f"{stream.width}x{stream.height}",
                      fps=float(rate) if rate else None, frames=self.expected_frames,
                      streams=len(container.streams))
+            if self.source.pace_fps:  # delivered at this rate: its frames' times (the video)
+                rate = Fraction(self.source.pace_fps).limit_denominator(1001)
             decoded = bad = bad_in_a_row = 0
             for packet in container.demux(stream):
                 if stop_reading.is_set():

@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,14 @@ def test_file_yields_every_frame_in_order_as_i420(clips: dict[str, Path]) -> Non
     assert all((f.width, f.height) == WIDE and f.image.shape == (204, 320) for f in frames)
     assert [f.pts for f in frames] == sorted(f.pts for f in frames)
     assert not events(logs, "warning")
+
+
+def test_frames_carry_their_stream_s_rate_or_the_pace_they_are_delivered_at(
+        clips: dict[str, Path]) -> None:
+    frames, _, _ = read_all(SourceConfig(name="clip", uri=str(clips["clean"])))
+    paced, _, _ = read_all(SourceConfig(name="clip", uri=str(clips["clean"]), pace_fps=200))
+    assert {f.rate for f in frames} == {Fraction(25)}  # the clip's
+    assert {f.rate for f in paced} == {Fraction(200)}  # a recording of it plays at 200/s
 
 
 @pytest.mark.parametrize(("clip", "frames", "sizes", "warning"), [
