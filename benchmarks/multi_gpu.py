@@ -62,6 +62,7 @@ from benchmarks.throughput import (
     UtilisationSampler,
     clip_frames,
     counts_arg,
+    emit_table,
     looped_clip,
     pipeline_config,
 )
@@ -420,11 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"frames); {warmup_s:g} s warm-up once every process delivered, then "
                   f"{seconds:g} s; {cores} cores, CPU decode workers per process: cores / "
                   f"processes - 2.")
-    table = markdown(rows, header, pace_fps)
-    print(table)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table)
+    emit_table(markdown(rows, header, pace_fps), args.out)
     return 0
 
 

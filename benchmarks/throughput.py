@@ -1022,6 +1022,14 @@ def make_setup(args: argparse.Namespace, tmp: Path) -> tuple[Setup, str]:
                    f"decode workers of the cpu mode: {workers}.")
 
 
+def emit_table(table: str, out: Path | None) -> None:
+    """Print a benchmark's tables, and write them to ``out`` (--out) when given."""
+    print(table)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(table)
+
+
 def workers_arg(text: str) -> int | None:
     """--decode-workers: 'auto' (None) or a count >= 0."""
     if text == "auto":
@@ -1131,10 +1139,7 @@ def main(argv: list[str] | None = None) -> int:
     table += "\n" + inference_markdown(
         results.inference, "Inference alone (backend.infer on one preallocated batch, built as "
         f"the pipeline builds it; warm-up = its warmup(), compilation included).{target}")
-    print(table)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table)
+    emit_table(table, args.out)
     return 0
 
 
