@@ -6,7 +6,6 @@ order, each frame once. Once with local processes (``runtime.pipelines``, the mo
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from pipeline.cluster import LocalExecutor, Supervisor, absolute_paths
 from pipeline.config import PipelineConfig, parse_config, partial_path
 from tests.e2e.conftest import pipeline_config, records
 from tests.support import read_frames, write_clip
+from tests.support.ci import skip_unless_ci
 
 FRAMES = 60  # per source
 SOURCES = 4
@@ -104,13 +104,11 @@ def test_local_processes_a_killed_pipeline_s_sources_continue_on_the_other(sampl
 
 
 def require_ray():
-    """Ray, or a skip; in CI (``CI`` set) a failure: CI installs the ray extra."""
+    """Ray, or a skip (a failure in CI: ``skip_unless_ci``)."""
     try:
         import ray
     except ImportError:
-        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-            pytest.fail("CI must run the Ray tests: pip install -e '.[ray]'", pytrace=False)
-        pytest.skip("ray is not installed (pip install -e '.[ray]')")
+        skip_unless_ci("ray is not installed (pip install -e '.[ray]')", "Ray")
     return ray
 
 

@@ -16,6 +16,7 @@ import av
 import numpy as np
 
 from tests.support.browser import chromium_missing, headless_page, require_chromium  # noqa: F401
+from tests.support.ci import skip_unless_ci
 from tests.support.mosquitto import MosquittoBroker, require_mosquitto  # noqa: F401
 
 SERVER_SCRIPT = Path(__file__).with_name("rtsp_server.py")
@@ -46,16 +47,10 @@ def rtsp_server_missing() -> str | None:
 
 
 def require_rtsp_server() -> None:
-    """Skip the calling test when the GStreamer RTSP server cannot run here, except in CI
-    (``CI`` set, as `.ci/run` is run), where a missing server fails the test: CI installs it
-    (.ci/install-system-packages.sh), so the live tests must never pass by skipping there."""
-    import pytest
-
-    if (reason := rtsp_server_missing()) is None:
-        return
-    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-        pytest.fail(f"CI must run the live-camera tests: {reason}", pytrace=False)
-    pytest.skip(reason)
+    """Skip the calling test when the GStreamer RTSP server cannot run here (fail in CI:
+    ``skip_unless_ci``)."""
+    if (reason := rtsp_server_missing()) is not None:
+        skip_unless_ci(reason, "live-camera")
 
 
 def free_port() -> int:

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from tests.support.ci import skip_unless_ci
+
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
 # Headless, no sandbox (containers run as root), and nothing that talks to the network.
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -42,15 +44,10 @@ def chromium_missing() -> str | None:
 
 def require_chromium() -> str:
     """The Chromium executable; skips the calling test when Chromium or Playwright is
-    missing, except in CI (``CI`` set), where that fails the test: CI installs both, so
-    the browser tests must never pass by skipping there."""
-    import pytest
-
-    if (reason := chromium_missing()) is None:
-        return str(chromium_path())
-    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-        pytest.fail(f"CI must run the browser tests: {reason}", pytrace=False)
-    pytest.skip(reason)
+    missing (fails in CI: ``skip_unless_ci``)."""
+    if (reason := chromium_missing()) is not None:
+        skip_unless_ci(reason, "browser")
+    return str(chromium_path())
 
 
 @contextmanager

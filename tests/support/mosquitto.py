@@ -19,6 +19,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.support.ci import skip_unless_ci
+
 SBIN_MOSQUITTO = "/usr/sbin/mosquitto"  # Debian's place, not on a plain user's PATH
 
 
@@ -44,16 +46,10 @@ def mosquitto_missing(tls: bool = False) -> str | None:
 
 
 def require_mosquitto(tls: bool = False) -> None:
-    """Skip the calling test when mosquitto cannot run here, except in CI (``CI`` set, as
-    `.ci/run` is run), where a missing broker fails the test: CI installs it, so the MQTT
-    tests must never pass by skipping there."""
-    import pytest
-
-    if (reason := mosquitto_missing(tls)) is None:
-        return
-    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-        pytest.fail(f"CI must run the MQTT tests: {reason}", pytrace=False)
-    pytest.skip(reason)
+    """Skip the calling test when mosquitto cannot run here (fail in CI:
+    ``skip_unless_ci``)."""
+    if (reason := mosquitto_missing(tls)) is not None:
+        skip_unless_ci(reason, "MQTT")
 
 
 def make_tls_files(directory: Path) -> Path:
