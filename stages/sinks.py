@@ -128,14 +128,13 @@ class VideoWriter:
 
     The MP4 is fragmented: an empty index first, then one fragment per keyframe, a keyframe
     every ``FRAGMENT_S`` x the rate frames written (``FRAGMENT_S`` seconds of video when
-    nothing was dropped). Its bytes reach
-    the file as it goes, so a killed process leaves a file that plays up to its last complete
-    fragment; it loses at most the open fragment and the frames inside x264 (its lookahead:
-    about 10 frames at ``veryfast``). The muxer keeps no per-frame index in memory (a plain
-    MP4 holds one entry per frame until it is closed: the slow memory growth of a camera
-    recorded for hours). A complete file ends with a fragment index (``mfra``): browsers show
-    its duration and seek in it when the server answers range requests, as static file
-    servers do.
+    nothing was dropped). Its bytes reach the file as it goes, so a killed process leaves a
+    file that plays up to its last complete fragment; it loses at most the open fragment and
+    the frames inside x264 (its lookahead: about 10 frames at ``veryfast``). The muxer keeps
+    no per-frame index in memory (a plain MP4 holds one entry per frame until it is closed:
+    the slow memory growth of a camera recorded for hours). A complete file ends with a
+    fragment index (``mfra``): browsers show its duration and seek in it when the server
+    answers range requests, as static file servers do.
     """
 
     def __init__(self, path: Path, crf: int) -> None:
