@@ -8,7 +8,7 @@
 #   # throughput alone in about 5 minutes (compile cache in assets/engines already warm):
 #   BUDGET_S=285 THROUGHPUT_RESERVE_S=0 SECONDS_PER_RUN=3 bash benchmarks/gpu_check.sh throughput
 #
-# Steps: tests (pytest -m gpu), nms, preprocess, overlap, throughput, and multigpu (not in the
+# Steps: tests (pytest -m gpu), nms, preprocess, overlap, startup, throughput, and multigpu (not in the
 # default set: needs 2 GPUs, e.g. nvidia-h200-x2). Needs CuPy, Numba,
 # torch, torchvision, onnx2torch, PyAV and the assets (python -m samples.fetch, and
 # python -m samples.yolov8 for throughput) on that machine.
@@ -27,6 +27,13 @@
 # SECONDS_PER_RUN (each measurement's window, default 4), THROUGHPUT_ARGS (more flags, e.g.
 # "--decode cpu,gpu,cpu-threads --decode-workers 8 --no-naive").
 #
+# startup: benchmarks.startup, in this order: a cold start (a fresh compile cache, STARTUP_CACHE,
+# default /tmp/startup-cache), a warm start (the same cache), both one paced camera through
+# run.py; a warm start with runtime.http whose /api/health is polled; the bucketed graphs'
+# inference rates (batch 64, 37 padded to its bucket and 37 captured exactly); then a warm start
+# of STARTUP_CAMERAS (default 100) paced cameras over STARTUP_PIPELINES (default 4) processes.
+# Each start's log, with seconds since its launch, is written under $OUT.
+#
 # multigpu: benchmarks.multi_gpu, the same runs on 1 and on 2 GPUs (runtime.gpus, one process
 # per GPU): MULTI_GPUS (layouts, default 1,2; 1x3: three processes on one GPU), MULTI_CAMERAS
 # (unpaced, default 100), MULTI_PACED (paced counts, default 16,32,64), SECONDS_PER_RUN,
@@ -39,7 +46,7 @@ THROUGHPUT_RESERVE_S=${THROUGHPUT_RESERVE_S:-300}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests nms preprocess overlap throughput)
+[ ${#steps[@]} -eq 0 ] && steps=(tests nms preprocess overlap startup throughput)
 rows=()
 throughput_pending=0
 for step in "${steps[@]}"; do [ "$step" = throughput ] && throughput_pending=1; done
@@ -90,6 +97,16 @@ for step in "${steps[@]}"; do
                 --cameras "${CAMERAS:-1,8,32,64,100}" --paced "${PACED:-32,64,100}" \
                 --seconds "${SECONDS_PER_RUN:-4}" \
                 --budget-s "$((limit - 20))" --out "$OUT/throughput.md" ${THROUGHPUT_ARGS:-} ;;
+        startup)
+            cache=${STARTUP_CACHE:-/tmp/startup-cache}; rm -rf "$cache"
+            run_step startup "$(step_limit)" bash -c "
+                python3 -m benchmarks.startup launch --cache '$cache' --log '$OUT/start-cold.log' &&
+                python3 -m benchmarks.startup launch --cache '$cache' --log '$OUT/start-warm.log' &&
+                python3 -m benchmarks.startup launch --cache '$cache' --log '$OUT/start-http.log' \
+                    --http-port 8791 &&
+                python3 -m benchmarks.startup inference --cache '$cache' &&
+                python3 -m benchmarks.startup launch --cache '$cache' --log '$OUT/start-many.log' \
+                    --cameras ${STARTUP_CAMERAS:-100} --pipelines ${STARTUP_PIPELINES:-4}" ;;
         multigpu)
             limit=$(( $(left) - 15 ))
             # shellcheck disable=SC2086

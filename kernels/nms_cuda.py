@@ -134,7 +134,8 @@ def _class_score(predictions, b, a, k, anchor_rows):
     return np.float32(predictions[b, 4 + k, a])
 
 
-@cuda.jit
+# cache=True: compiled at the first start on a machine, loaded from __pycache__ after that.
+@cuda.jit(cache=True)
 def filter_kernel(predictions, conf_threshold, cand_count, cand_anchor, cand_score, cand_class,
                   cand_box, anchor_rows):
     """Grid (ceil(A / T), B) x T threads (T = _THREADS): one thread per anchor; see the module
@@ -169,7 +170,7 @@ def filter_kernel(predictions, conf_threshold, cand_count, cand_anchor, cand_sco
         cand_class[b, slot] = best_class
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def rank_kernel(cand_count, cand_anchor, cand_score, cand_class, cand_box, sorted_score,
                 sorted_class, sorted_box):
     """Grid (ceil(A / T), B) x T threads (T = _THREADS): candidate i moves to its rank."""
@@ -203,7 +204,7 @@ def rank_kernel(cand_count, cand_anchor, cand_score, cand_class, cand_box, sorte
             sorted_box[b, rank, c] = cand_box[b, i, c]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def mask_kernel(cand_count, sorted_class, sorted_box, iou_threshold, class_agnostic, mask):
     """Grid (G, B) x 64 threads: each block loops over the 64 x 64 tiles of the upper triangle."""
     b = cuda.blockIdx.y
@@ -243,7 +244,7 @@ def mask_kernel(cand_count, sorted_class, sorted_box, iou_threshold, class_agnos
         cuda.syncthreads()
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def reduce_kernel(cand_count, sorted_score, sorted_class, sorted_box, mask, max_detections,
                   out_box, out_score, out_class, out_count, letterbox, unmap):
     """Grid B x _THREADS: the greedy sweep of one image per block; resets its counter.
@@ -305,7 +306,7 @@ def reduce_kernel(cand_count, sorted_score, sorted_class, sorted_box, mask, max_
         cand_count[b] = 0  # ready for the next call; every thread read it before a barrier
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def end2end_kernel(predictions, conf_threshold, max_detections, out_box, out_score, out_class,
                    out_count, letterbox, unmap):
     """Grid B x _THREADS: image b's rows (x1, y1, x2, y2, score, class) scoring above the

@@ -66,7 +66,8 @@ def _sample(frame, row0, row1, col0, col1, wy, wx):
     return top + ((c + (d - c) * wx) - top) * wy
 
 
-@cuda.jit
+# cache=True: compiled at the first start on a machine, loaded from __pycache__ after that.
+@cuda.jit(cache=True)
 def preprocess_kernel(frames, pairs, batch_offset, taps, weights, v_delta, out):
     """Output pixel (x, y) = cuda.grid(2) of frame ``pairs[blockIdx.z]``; see the launcher.
 

@@ -101,7 +101,8 @@ def build_graph(config: PipelineConfig,
 
     sources (decode into the slot ring) -> batch -> infer -> postprocess -> [filter] ->
     [track] -> [analytics] -> [annotate] -> sinks. On the GPU path every device buffer is
-    allocated and every kernel compiled here, before the first frame.
+    allocated here; the model is warmed up and every kernel compiled when the graph opens the
+    infer stage (``Graph.run``), before any source starts.
     """
     from pipeline.control import SourceControl  # it builds sources with this module
 
@@ -126,10 +127,6 @@ def build_graph(config: PipelineConfig,
     gpu = create_gpu_context(config, profile_gpu)
     backend = create_backend(config.inference, Path(config.model.path), info, gpu,
                              first_file_source(config))
-    probe_output = backend.warmup()
-    log.info("model loaded", path=config.model.path, backend=backend.name, device=backend.device,
-             input=f"{info.input_width}x{info.input_height}", classes=info.num_classes,
-             batch=config.inference.batch_size)
 
     stop = threading.Event()
     inference = config.inference
@@ -170,8 +167,7 @@ def build_graph(config: PipelineConfig,
                              else [])]
         geometries = [(batcher.letterbox(w, h), fmt) for w, h in sizes for fmt in formats]
         infer = InferStage("infer", backend, DevicePreprocess(geometries), gpu,
-                           DeviceNms(config.nms, inference.batch_size, info.layout,
-                                     tuple(probe_output.shape[1:])))
+                           DeviceNms(config.nms, inference.batch_size, info.layout))
     postprocess = PostprocessStage("postprocess", config.nms, gpu, release, info.layout)
     chain: list[Stage] = [batcher, infer, postprocess]
     if filters:
@@ -198,7 +194,7 @@ def build_graph(config: PipelineConfig,
     if pool is not None:
         log.info("decoding in worker processes", workers=len(pool.workers), sources=len(on_cpu),
                  setting="auto" if config.runtime.decode_workers is None else "runtime.decode_workers")
-        graph.add_service(pool.start, pool.close)
+        graph.add_service(pool.start, pool.close, with_sources=True)
     graph.gpu = gpu
     graph.preview = preview
     graph.control = SourceControl(

@@ -87,12 +87,14 @@ class SourceControl:
             return [s for s in self.sources if s.name not in self.removed]
 
     def add(self, data: Any) -> SourceConfig:
-        """Validate a ``sources[]`` entry and start it (returns once its threads started).
+        """Validate a ``sources[]`` entry and start it (returns once its threads started);
+        while the run is still starting (the model warming up), waits until it has started.
 
         Raises:
             ConfigError: the entry is not valid (a one-line message naming the key).
             SourceConflict: its name was used in this run, or the run is ending.
         """
+        self.graph.wait_until_started()  # the decode workers take new sources once started
         with self._lock:
             index = len(self.sources)
             key = f"sources[{index}]"

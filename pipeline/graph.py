@@ -49,6 +49,7 @@ JOIN_TIMEOUT_S = 10.0
 # within its read timeout; its thread is a daemon and holds no output open).
 SOURCE_ABORT_WAIT_S = 1.0
 REPORT_INTERVAL_S = 60.0  # a "source stats" log line per source this often
+START_WAIT_S = 300.0  # add_source waits this long for a graph still opening its stages
 CONTROL_LANE = "control"  # the first queue's lane that stays open until the run ends
 STOP_WHEN = ("all_ended", "files_ended", "never")
 
@@ -109,6 +110,7 @@ class Graph:
         self._sink_threads: dict[str, threading.Thread] = {}
         self._source_stops = {source.name: threading.Event() for source in sources}
         self.stop_reading = threading.Event()
+        self.ready = threading.Event()  # every stage opened (the model warmed up), sources start
         self._stop = stop or threading.Event()  # shared with stages that wait on GPU buffers
         self.gpu: Any = None  # the GpuContext on the GPU path (for profiling), else None
         self.preview: Any = None  # the live view's PreviewHub (runtime.http), else None
@@ -133,12 +135,12 @@ class Graph:
         for source in sources:
             self._sink_inboxes[source.name] = self._make_sink_inbox(source)
         self._threads: list[threading.Thread] = []
-        self._services: list[tuple[Callable[[], None], Callable[[], None]]] = []
+        self._services: list[tuple[Callable[[], None], Callable[[], None], bool]] = []
 
     @property
     def services(self) -> list[tuple[Callable[[], None], Callable[[], None]]]:
         """The (start, close) pairs added with ``add_service``, in order."""
-        return list(self._services)
+        return [(start, close) for start, close, _ in self._services]
 
     @property
     def abort_event(self) -> threading.Event:
@@ -146,11 +148,14 @@ class Graph:
         on it)."""
         return self._stop
 
-    def add_service(self, start: Callable[[], None], close: Callable[[], None]) -> None:
+    def add_service(self, start: Callable[[], None], close: Callable[[], None],
+                    with_sources: bool = False) -> None:
         """Something the run needs besides the threads (decode worker processes, the shared
-        frame ring): ``start()`` is called right before the threads start, ``close()`` once
-        they have ended (also after a failure), in reverse order of adding."""
-        self._services.append((start, close))
+        frame ring): ``start()`` is called when the run begins, or with ``with_sources`` once
+        the stages opened (the model is ready: decode worker processes, so that no frame is
+        decoded before), right before the threads start; ``close()`` once they have ended
+        (also after a failure), in reverse order of starting."""
+        self._services.append((start, close, with_sources))
 
     def _add_source_lane(self, source: SourceStage) -> None:
         if source.live:
@@ -187,15 +192,34 @@ class Graph:
             self._accepting = False
         self._inboxes[0].close(CONTROL_LANE)
 
+    def wait_until_started(self) -> None:
+        """Wait until the run has opened its stages and started its services and sources (at
+        most ``START_WAIT_S``); return at once when it is ending.
+
+        Raises:
+            SourceConflict: it did not start in time.
+        """
+        waited = time.monotonic()
+        while not self.ready.wait(0.05):
+            if not self._accepting or self._stop.is_set():
+                return
+            if time.monotonic() - waited > START_WAIT_S:
+                raise SourceConflict(f"the pipeline has not started within {START_WAIT_S:g} s: "
+                                     "no source can be added yet")
+
     def add_source(self, source: SourceStage, sink: Stage) -> None:
         """Add a source and its sink to the running graph (any thread): the sink is opened,
         then both threads start. The stages in the chain must know the source already
         (``pipeline.control``).
 
+        While the graph starts (its stages open: the model warms up), this waits until it has
+        started, at most ``START_WAIT_S``.
+
         Raises:
             SourceConflict: its name is in use (also by a source removed in this run: its
-                outputs would be overwritten), or the run is ending.
+                outputs would be overwritten), or the run is ending, or it did not start.
         """
+        self.wait_until_started()
         with self._sources_lock:
             if not self._accepting or not self._running:
                 raise SourceConflict("the run is ending: no source can be added")
@@ -359,16 +383,30 @@ class Graph:
 
     # -- run -----------------------------------------------------------------------------
     def run(self) -> None:
-        """Open every stage, run all threads until the sources end, and join them.
+        """Start the services, open every stage (the infer stage warms the model up), start
+        the services that go with the sources (decode worker processes: no frame is decoded
+        before the model is ready), run all threads until the sources end, and join them.
 
         Raises:
             PipelineError: a stage or source failed; the first failure is the cause.
         """
         started: list[Callable[[], None]] = []
         try:
-            for start, close in self._services:
-                start()
-                started.append(close)
+            for start, close, with_sources in self._services:
+                if not with_sources:
+                    start()
+                    started.append(close)
+            opened = self._open_stages()
+            try:
+                for start, close, with_sources in self._services:
+                    if with_sources:
+                        start()
+                        started.append(close)
+            except BaseException:
+                self._accepting = False
+                for stage in opened:
+                    self._close_quietly(stage)
+                raise
             self._run()
         finally:
             for close in reversed(started):
@@ -377,7 +415,12 @@ class Graph:
                 except Exception as error:  # noqa: BLE001 - the run's own error matters more
                     log.error("closing a service failed", error=f"{type(error).__name__}: {error}")
 
-    def _run(self) -> None:
+    def _open_stages(self) -> list[Stage]:
+        """Open the chain's stages and the sinks, in order; on a failure close those opened.
+
+        Raises:
+            PipelineError: naming the stage that failed to open.
+        """
         self._sink_of = {sink.name: name for name, sink in self.sinks.items()}
         opened: list[Stage] = []
         try:
@@ -386,10 +429,13 @@ class Graph:
                 opened.append(stage)
         except BaseException as error:
             failed = stage.name
+            self._accepting = False  # add_source stops waiting for the start
             for started in opened:
                 self._close_quietly(started)
             raise PipelineError(f"stage {failed} failed to start: {error}") from error
+        return opened
 
+    def _run(self) -> None:
         for i, stage in enumerate(self.chain):
             if i + 1 < len(self.chain):
                 queue = self._inboxes[i + 1]
@@ -405,6 +451,7 @@ class Graph:
             thread.start()
         with self._sources_lock:
             self._running = True
+            self.ready.set()
             for source in self.sources:
                 self._start_sink(source.name, self.sinks[source.name])
             for source in self.sources:

@@ -5,8 +5,9 @@ route                                    answer
 =======================================  ==================================================
 ``GET /``                                the page: every source with its live picture,
                                          state and counters (``pipeline/web/index.html``)
-``GET /api/health``                      ``{"status": "ok" | "degraded", "reasons": [...],
-                                         "sources": {name: state}}`` (200 either way)
+``GET /api/health``                      ``{"status": "starting" | "ok" | "degraded",
+                                         "reasons": [...], "sources": {name: state}}``
+                                         (200 always)
 ``GET /api/sources``                     ``{"sources": [source, ...]}`` in config order
 ``GET /api/sources/{name}``              one source (below); 404 for an unknown name
 ``GET /api/sources/{name}/snapshot.jpg`` its latest annotated frame as JPEG (header
@@ -39,7 +40,8 @@ its stream or its decode worker is being restarted), ``ended``, ``failed``. A ca
 in a worker process reports its reconnections with its next frame only: while it is down it
 shows as ``stalled``.
 
-Health is ``degraded`` when a source failed, is reconnecting, or is live and stalled, or
+Health is ``starting`` until the graph has opened its stages (the model is warming up: no
+source has started yet), then ``degraded`` when a source failed, is reconnecting, or is live and stalled, or
 when a queue was full in every sample for ``FULL_FOR_S`` while the graph has a live source
 (the pipeline is not keeping up: a live source's frames are being dropped; a queue full for
 an instant is a burst, and with files only a full queue is back-pressure, by design).
@@ -325,6 +327,9 @@ class SourceMonitor:
     def health(self) -> dict[str, Any]:
         """``{"status", "reasons", "sources": {name: state}}`` (module docstring)."""
         reasons, states = [], {}
+        if not self.graph.ready.is_set():
+            return {"status": "starting", "reasons": ["the model is warming up"],
+                    "sources": {name: "starting" for name in self.names}}
         for name in self.names:
             states[name] = state = self.state(name)
             metrics = self.graph.source_metrics[name]

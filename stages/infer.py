@@ -34,9 +34,13 @@ log = structlog.get_logger("infer")
 class InferStage(Stage):
     """``FrameBatch`` in, ``ModelOutputs`` out (see the module docstring).
 
+    ``open`` warms the backend up (compiles, captures its graphs: the seconds of a start),
+    then the preprocess and NMS kernels; the graph opens its stages before any source starts,
+    so no frame waits for the model. ``ready`` is set once that is done.
+
     Args:
         name: stage name.
-        backend: the warmed-up inference backend.
+        backend: the inference backend (warmed up by ``open``).
         preprocess: ``HostPreprocess`` (CPU path) or ``DevicePreprocess`` (GPU path).
         gpu: the ``GpuContext`` (GPU path), else None.
         nms: the ``DeviceNms`` (GPU path), else None.
@@ -58,6 +62,10 @@ class InferStage(Stage):
         return self._input[:batch]
 
     def open(self) -> None:
+        outputs = self.backend.warmup()
+        log.info("model loaded", backend=self.backend.name, device=self.backend.device,
+                 input=f"{self.backend.info.input_width}x{self.backend.info.input_height}",
+                 classes=self.backend.info.num_classes, batch=self.backend.max_batch)
         if self.gpu is None:
             return
         import cupy
@@ -127,7 +135,8 @@ def create_backend(config: InferenceConfig, model_path: Path, info: ModelInfo,
         from stages.backends.torch import TorchBackend
 
         return TorchBackend(model_path, info, config.batch_size, config.precision, gpu,
-                            compile=config.compile, cache_dir=Path(config.engine_cache))
+                            compile=config.compile, cache_dir=Path(config.engine_cache),
+                            buckets=config.buckets())
     if config.backend == "tensorrt":  # forced: say so at once on a GPU it cannot run on
         check_tensorrt_runs(compute_capability(gpu.device_id))
     from stages.backends.precision import CalibrationSettings

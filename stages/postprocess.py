@@ -55,24 +55,28 @@ class DeviceNms:
         nms: thresholds and the per-frame cap.
         max_batch: most frames per batch.
         layout: the model output's layout (``stages.backends.base.LAYOUTS``).
-        output_shape: one image's output shape: (4 + K, A) yolov8, (A, 5 + K) yolov5,
-            (N, 6) end2end (no NMS is run, only the threshold, the cap and the letterbox undo).
+
+    The kernels are sized by one image's output shape, known once the model has run:
+    ``warmup`` (the infer stage's open, after the model's warm-up) sizes and compiles them.
     """
 
-    def __init__(self, nms: NmsConfig, max_batch: int, layout: str,
-                 output_shape: tuple[int, int]) -> None:
+    def __init__(self, nms: NmsConfig, max_batch: int, layout: str) -> None:
+        self.nms, self.max_batch, self.layout = nms, max_batch, layout
+        self.cuda_nms: Any = None  # set by warmup()
+        self._streams: dict[int, Any] = {}  # CuPy stream pointer -> its Numba wrapper
+
+    def _kernels(self, output_shape: tuple[int, int]) -> Any:
+        """The NMS kernels for one image's output shape: (4 + K, A) yolov8, (A, 5 + K) yolov5,
+        (N, 6) end2end (no NMS is run, only the threshold, the cap and the letterbox undo)."""
         from kernels.nms_cuda import CudaEnd2End, CudaNms
 
-        rows, columns = output_shape
-        if layout == "end2end":
-            self.cuda_nms: Any = CudaEnd2End(max_batch, rows, nms.conf_threshold,
-                                             nms.max_detections)
-        else:
-            anchors, classes = (rows, columns - 5) if layout == "yolov5" else (columns, rows - 4)
-            self.cuda_nms = CudaNms(max_batch, anchors, classes, nms.conf_threshold,
-                                    nms.iou_threshold, nms.class_agnostic, nms.max_detections,
-                                    layout)
-        self._streams: dict[int, Any] = {}  # CuPy stream pointer -> its Numba wrapper
+        nms, rows, columns = self.nms, *output_shape
+        if self.layout == "end2end":
+            return CudaEnd2End(self.max_batch, rows, nms.conf_threshold, nms.max_detections)
+        anchors, classes = ((rows, columns - 5) if self.layout == "yolov5"
+                            else (columns, rows - 4))
+        return CudaNms(self.max_batch, anchors, classes, nms.conf_threshold, nms.iou_threshold,
+                       nms.class_agnostic, nms.max_detections, self.layout)
 
     def _numba_stream(self, stream: Any) -> Any:
         from kernels.nms_cuda import stream_from_cupy
@@ -103,7 +107,9 @@ class DeviceNms:
         buffers.done.record(stream)
 
     def warmup(self, outputs: Any, buffers: Any, stream: Any) -> None:
-        """Compile the kernels for the very arrays ``enqueue`` will pass (synchronises)."""
+        """Size the kernels by ``outputs`` (the model's output binding at the largest batch)
+        and compile them for the very arrays ``enqueue`` will pass (synchronises)."""
+        self.cuda_nms = self._kernels(tuple(outputs.shape[1:]))
         n = outputs.shape[0]
         self.cuda_nms.warmup(outputs, out=self._outputs(buffers, n),
                              letterbox=buffers.table.device["letterbox"][:n],

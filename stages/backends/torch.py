@@ -15,15 +15,21 @@ semantics, are untouched; a constant that also feeds data (a factor in a ``Mul``
 device copy for that use; an integer scalar constant (a ``Gather`` index) stays on the host
 for every use, since torch reads 0-d host tensors as plain numbers.
 
-**CUDA graphs.** One graph per batch size, captured the first time that batch size is seen
-(``warmup()`` captures ``max_batch``); smaller batches are not padded to ``max_batch``, so a
-lightly loaded pipeline does not pay for empty slots. All graphs read one static input of
-``max_batch`` images (batch ``B`` reads its first ``B``) and share one memory pool: a graph may
-reuse memory that another graph uses for intermediates, so a graph's output is only valid until
-the next ``infer`` call, which is the backend contract anyway. The pipeline's preprocess can
+**CUDA graphs at bucket sizes.** One graph per bucket (``buckets``, default 2, 4, 8, 16, 24,
+32, 40, 48, 56, 64, ... up to ``max_batch``: ``pipeline.config.default_batch_buckets``), all
+captured by ``warmup()``. A batch of ``n`` images runs in the graph of the smallest bucket >= ``n``: the
+graph also computes the rows past ``n`` (whatever an earlier batch left in the static input)
+and ``infer`` returns the first ``n`` rows of its output only, so the padding never reaches
+the NMS. Capturing a few buckets instead of every size 1..max_batch is what makes a start
+take seconds, at the cost of computing a few padding images. cuDNN's algorithm search
+(``torch.backends.cudnn.benchmark``) is left off: on the H200 it cost 1.2 s per bucket at
+start for no measurable gain (YOLOv8s 640 FP16 compiled, batch 64: 7,267 images/s with it,
+7,240 without, ``python -m benchmarks.startup inference``). All graphs read one static input of ``max_batch``
+images (bucket ``B`` reads its first ``B``) and share one memory pool: a graph may reuse
+memory that another graph uses for intermediates, so a graph's output is only valid until the
+next ``infer`` call, which is the backend contract anyway. The pipeline's preprocess can
 write straight into the static input (:meth:`TorchBackend.input_buffer`); ``infer`` then copies
-nothing. A new batch size met mid-stream costs one capture (a device synchronise and a few
-milliseconds); captures use ``thread_local`` mode, so other threads' CUDA calls stay legal. A
+nothing. Captures use ``thread_local`` mode, so other threads' CUDA calls stay legal. A
 model whose forward still cannot be captured (an op reading device values on the host) runs
 eagerly, with a warning in the log.
 
@@ -45,10 +51,10 @@ dynamo traces YOLOv3-tiny or a YOLOv8 export as a single graph (no graph break),
 shape variant. A size computed at run time (a ``Reshape`` of a ``Shape``) is still read on the
 host, with :class:`SizeListReshape` (onnx2torch's ``Reshape`` fails inside dynamo): a graph
 break, and the frames dynamo resumes after it are compiled for the first batch size, then once
-more as dynamic at the second. ``warmup()`` therefore compiles at max_batch, 2 and 1 (batch 2
-compiles nothing for a graph without breaks), then captures every other size without
-compiling. A compilation that fails is logged as a warning with the reason and the eager module
-is captured instead.
+more as dynamic at the second. ``warmup()`` therefore captures max_batch first, then the
+other buckets in ascending order (the first of them compiles the dynamic graph; batch 1, when
+it is a bucket, is specialised and compiled once more). A compilation that fails is logged as a
+warning with the reason and the eager module is captured instead.
 
 **Compile cache.** inductor's caches (FX graphs, AOTAutograd, triton kernels) live under
 ``<cache_dir>/torch-<key>/`` (``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` point there
@@ -56,9 +62,13 @@ while the backend compiles, then are restored). The key, like the TensorRT engin
 ONNX file's sha256, the GPU (name and compute capability), the torch version, the precision,
 max_batch and channels_last; ``key.json`` beside the caches records it, and a miss logs which
 fields changed. A start with a warm cache still traces the model with dynamo but loads every
-compiled graph instead of compiling it. ``warmup()`` logs a heartbeat every few seconds while it
-compiles and one ``model ready`` line with ``seconds`` (construction and warm-up),
-``cache="hit"`` (every compiled graph came from the cache) or ``"miss"``, and ``compiled``.
+compiled graph instead of compiling it. Not cached, hence redone at every start: dynamo's
+trace of the module (seconds), cuDNN's algorithm search for each bucket's shapes (torch keeps
+no cache of it on disk; it is off) and the CUDA graph captures (graphs live in their process).
+``warmup()`` logs a heartbeat every few seconds while it compiles and one ``model ready`` line
+with ``seconds`` (construction and warm-up), ``cache="hit"`` (every compiled graph came from
+the cache) or ``"miss"``, ``compiled``, ``buckets`` and ``capture_s`` (the seconds each
+bucket took to compile or load, search and capture).
 """
 
 from __future__ import annotations
@@ -71,7 +81,7 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +96,7 @@ from onnx2torch.node_converters.shape import OnnxShape
 from onnx2torch.utils.common import OnnxToTorchModule
 from torch import fx, nn
 
+from pipeline.config import default_batch_buckets
 from stages.backends.base import InferenceBackend, ModelInfo
 
 log = structlog.get_logger("torch")
@@ -485,6 +496,8 @@ class TorchBackend(InferenceBackend):
             compiler.
         cache_dir: folder of the compile caches (``torch-<key>/`` in it, created when missing);
             None: inductor's default cache folder.
+        buckets: the batch sizes captured as CUDA graphs (each 1..max_batch; max_batch is
+            added); None: ``default_batch_buckets(max_batch)``.
 
     Raises:
         ValueError: an unknown precision or device; "int8" (only the tensorrt backend has it).
@@ -495,9 +508,19 @@ class TorchBackend(InferenceBackend):
     def __init__(self, model_path: str | Path, info: ModelInfo, max_batch: int, precision: str,
                  gpu: Any, *, device: str = "cuda", cuda_graphs: bool = True,
                  channels_last: bool | None = None, compile: bool = False,
-                 cache_dir: str | Path | None = None) -> None:
+                 cache_dir: str | Path | None = None, buckets: Sequence[int] | None = None
+                 ) -> None:
         started = time.perf_counter()
         super().__init__(info, max_batch)
+        if buckets is not None and (not buckets or min(buckets) < 1 or max(buckets) > max_batch):
+            raise ValueError(f"torch backend: buckets must be batch sizes 1..{max_batch}, "
+                             f"got {list(buckets)}")
+        self.buckets = (default_batch_buckets(max_batch) if buckets is None
+                        else sorted({*buckets, max_batch}))
+        # batch size n -> the bucket whose graph runs it (the smallest bucket >= n)
+        self._bucket_of = [0] + [next(b for b in self.buckets if b >= n)
+                                 for n in range(1, max_batch + 1)]
+        self.capture_seconds: dict[int, float] = {}  # bucket -> seconds warmup() spent on it
         if precision == "int8":
             raise ValueError("precision 'int8' needs the tensorrt backend; the torch backend runs "
                              "fp16 or fp32")
@@ -511,7 +534,6 @@ class TorchBackend(InferenceBackend):
         self._stream = gpu.compute_stream if gpu is not None else None
         if device == "cuda":
             self._device = torch.device("cuda", gpu.device_id if gpu is not None else 0)
-            torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest kernels once
         else:
             self._device = torch.device("cpu")
         self.compile = compile
@@ -597,8 +619,8 @@ class TorchBackend(InferenceBackend):
 
         Returns:
             (B, 4 + classes, anchors) array of the module's dtype (float16 for fp16). cuda: a
-            CuPy view of the graph's static output, written on ``stream`` and valid until the
-            next call. cpu: a NumPy array.
+            CuPy view of the first B rows of the static output of the graph of B's bucket,
+            written on ``stream`` and valid until the next call. cpu: a NumPy array.
         """
         batch = images.shape[0]
         expected = (3, self.info.input_height, self.info.input_width)
@@ -620,26 +642,27 @@ class TorchBackend(InferenceBackend):
             if self.cuda_graphs:
                 if not own:
                     static.copy_(x)  # device to device, cast to the module's dtype
-                captured = self._graphs.get(batch) or self._capture(batch)
+                bucket = self._bucket_of[batch]  # its rows past `batch` are padding
+                captured = self._graphs.get(bucket) or self._capture(bucket)
                 if captured is not None:  # None: the capture failed, graphs are now off
                     captured[0].replay()
-                    return captured[2]
+                    return captured[2][:batch]
             with _environment(self._cache_env):
                 return cupy.from_dlpack(self._run(x.to(self._dtype)))
 
     def warmup(self) -> Any:
-        """Compile (``compile=True``) and capture the graphs of batch sizes 1..max_batch (or run
-        once eagerly), so neither the first frame nor a partial batch later pays for a
-        compilation or a capture; logs ``model ready`` (seconds, cache hit or miss, compiled).
+        """Compile (``compile=True``) and capture the graph of every bucket (or run once
+        eagerly), so neither the first frame nor a partial batch later pays for a compilation
+        or a capture; logs ``model ready`` (seconds, cache hit or miss, compiled, buckets and
+        each bucket's seconds).
 
         Returns:
             The output of that run, (max_batch, 4 + classes, anchors), as ``infer`` returns it.
         """
         started = time.perf_counter()
         hits, misses = _cache_counters()
-        # Compiling: max_batch (the dynamic graph), 2 (frames after graph breaks turn dynamic)
-        # and 1 (specialised) first; then every size a partial batch can have, so nothing is
-        # compiled or captured in the steady state.
+        # On the CPU (no graphs): compile at max_batch, 2 (frames after graph breaks turn
+        # dynamic) and 1 (specialised), the sizes a partial batch can meet.
         first = [b for b in (self.max_batch, 2, 1) if b <= self.max_batch] if self.compile else []
         with self._heartbeat():
             if self.device == "cpu":
@@ -654,8 +677,13 @@ class TorchBackend(InferenceBackend):
                 images = self.input_buffer(self.max_batch)
                 with stream:
                     images.fill(0.5)
-                for batch in dict.fromkeys(first + list(range(1, self.max_batch))):
-                    self.infer(images[:batch], stream)
+                # max_batch first (the first compilation), then the others ascending (the
+                # first of them compiles the dynamic graph): every graph a batch can need.
+                for bucket in [self.max_batch, *self.buckets[:-1]]:
+                    begun = time.perf_counter()
+                    self.infer(images[:bucket], stream)
+                    stream.synchronize()
+                    self.capture_seconds[bucket] = round(time.perf_counter() - begun, 2)
                 output = self.infer(images, stream)
                 stream.synchronize()
         new_hits, new_misses = _cache_counters()
@@ -667,7 +695,9 @@ class TorchBackend(InferenceBackend):
         self.ready_seconds = self._init_seconds + time.perf_counter() - started
         log.info("model ready", seconds=round(self.ready_seconds, 1),
                  cache="hit" if self.cache_hit else "miss", compiled=self.compiled,
-                 cuda_graphs=self.cuda_graphs, max_batch=self.max_batch)
+                 cuda_graphs=self.cuda_graphs, max_batch=self.max_batch,
+                 buckets=self.buckets if self.cuda_graphs else None,
+                 capture_s=self.capture_seconds or None)
         return output
 
     @contextlib.contextmanager
@@ -681,7 +711,7 @@ class TorchBackend(InferenceBackend):
         def beat() -> None:
             while not done.wait(HEARTBEAT_SECONDS):
                 log.info("compiling the model", seconds=round(time.perf_counter() - started),
-                         batch_sizes_captured=len(self._graphs), max_batch=self.max_batch)
+                         buckets_captured=len(self._graphs), buckets=len(self.buckets))
 
         thread = threading.Thread(target=beat, name="torch-compile-heartbeat", daemon=True)
         thread.start()

@@ -33,6 +33,21 @@ def test_minimal_config_gets_defaults(files: Path) -> None:
     assert config.output_path("{source}.mp4", "cam1") == Path("output/cam1.mp4")
 
 
+@pytest.mark.parametrize(("batch_size", "buckets", "expected"), [
+    (64, None, [2, 4, 8, 16, 24, 32, 40, 48, 56, 64]),
+    (4, None, [2, 4]),
+    (1, None, [1]),
+    (37, None, [2, 4, 8, 16, 24, 32, 37]),
+    (256, None, [2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256]),
+    (64, [8, 1, 8, 37], [1, 8, 37, 64]),  # sorted, once each, batch_size added
+])
+def test_batch_buckets(files: Path, batch_size: int, buckets: list[int] | None,
+                       expected: list[int]) -> None:
+    data = base()
+    data["inference"] = {"batch_size": batch_size, "batch_buckets": buckets}
+    assert parse_config(data).inference.buckets() == expected
+
+
 def test_rtsp_sources_are_live_by_default(files: Path) -> None:
     data = base()
     data["sources"] = [{"name": "door", "uri": "rtsp://user:pw@127.0.0.1:8554/door"},
@@ -62,6 +77,12 @@ BAD = [
     ("inference.batch_size", 0, "inference.batch_size: expected a value between 1 and 512, got 0"),
     ("inference.batch_size", "four", "inference.batch_size: expected an integer, got 'four'"),
     ("inference.batch_size", True, "inference.batch_size: expected an integer, got True"),
+    ("inference.batch_buckets", [0, 2], "inference.batch_buckets: expected batch sizes from 1 to "
+                                         "inference.batch_size (4), got [0, 2]"),
+    ("inference.batch_buckets", [2, 8], "inference.batch_buckets: expected batch sizes from 1 to "
+                                        "inference.batch_size (4), got [2, 8]"),
+    ("inference.batch_buckets", [], "inference.batch_buckets: expected batch sizes from 1"),
+    ("inference.batch_buckets", ["x"], "inference.batch_buckets[0]: expected an integer, got 'x'"),
     ("inference.backend", "openvino", "inference.backend: expected one of 'auto', 'onnxruntime'"),
     ("inference.device", "gpu", "inference.device: expected one of 'auto', 'cpu', 'cuda'"),
     ("nms.iou_threshold", 1.5, "nms.iou_threshold: expected a value between 0.0 and 1.0, got 1.5"),

@@ -7,6 +7,7 @@ response holding a camera's password."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -251,6 +252,8 @@ class FakeGraph:
         self.chain = [SimpleNamespace(name="batch"), SimpleNamespace(name="infer")]
         self.sinks = {name: SimpleNamespace(name=f"sink:{name}") for name in names}
         self.depths: dict[str, int] = {}
+        self.ready = threading.Event()  # the stages opened (the model warmed up)
+        self.ready.set()
 
     def refresh_source_metrics(self) -> None:
         pass
@@ -277,6 +280,13 @@ def test_states_and_health_reasons(samples, tmp_path: Path,
     def frame() -> None:
         hub.offer("cam", None, 64, 48, time.time())
 
+    graph.ready.clear()  # the model is warming up: starting, whatever the sources do
+    time.sleep(0.25)
+    monitor.sample()
+    assert monitor.health() == {"status": "starting", "reasons": ["the model is warming up"],
+                                "sources": {"cam": "starting"}}
+    graph.ready.set()
+    monitor = SourceMonitor(graph, hub, config, stale_after_s=0.2)
     check("starting", [])
     time.sleep(0.25)
     check("stalled", ["source cam: no frame for 0 s (none yet)"])

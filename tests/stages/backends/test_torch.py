@@ -384,7 +384,7 @@ def gpu():
 
 @pytest.fixture(scope="module")
 def gpu_backends(gpu, samples):
-    """(fp16 CUDA-graph backend warmed up at max_batch 4, fp32 eager backend)."""
+    """(fp16 CUDA-graph backend warmed up at max_batch 4: buckets 2, 4; fp32 eager)."""
     context, _ = gpu
     info = read_model_info(samples.model)
     half = TorchBackend(samples.model, info, 4, "fp16", context)
@@ -401,9 +401,9 @@ def assert_fp16_close(got: np.ndarray, expected: np.ndarray) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch", [pytest.param(4, id="4-captured-by-warmup"),
-                                   pytest.param(1, id="1-captured-lazily"),
-                                   pytest.param(4, id="4-replayed-after-1")])
+@pytest.mark.parametrize("batch", [pytest.param(4, id="4-a-bucket"),
+                                   pytest.param(3, id="3-padded-to-4"),
+                                   pytest.param(1, id="1-padded-to-2")])
 def test_fp16_graphs_match_fp32_eager(gpu, gpu_backends, frames, batch) -> None:
     context, cupy = gpu
     half, full = gpu_backends
@@ -474,6 +474,37 @@ def test_graphs_capture_every_rewritten_case(gpu, tmp_path, variant) -> None:
         np.testing.assert_allclose(out, expected[:b], rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.gpu
+def test_a_padded_batch_gives_the_exact_batch_rows(gpu, samples, frames) -> None:
+    """A batch of 2 runs in bucket 3's graph: its rows equal those of a batch of 3 with the
+    same first frames, whatever the padding row holds (noise here), and only 2 rows return."""
+    context, cupy = gpu
+    backend = TorchBackend(samples.model, read_model_info(samples.model), 4, "fp16", context,
+                           buckets=[3])
+    assert backend.buckets == [3, 4]
+    backend.warmup()
+    stream = context.compute_stream
+    noise = np.random.default_rng(5).random(frames[0].shape, dtype=np.float32)
+    with stream:
+        exact = backend.input_buffer(3)
+        exact[...] = cupy.asarray(np.stack([frames[0], frames[1], frames[2]]))
+        expected = cupy.asnumpy(backend.infer(exact, stream))[:2]
+        backend.input_buffer(3)[2] = cupy.asarray(noise)  # the padding row
+        padded = backend.input_buffer(2)
+        padded[...] = cupy.asarray(frames[:2])
+        out = backend.infer(padded, stream)
+        got = cupy.asnumpy(out)
+    assert out.shape[0] == 2 and sorted(backend._graphs) == [3, 4]
+    np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32), atol=1e-3)
+    assert (got[:, 4:].max(axis=(1, 2)) > 0.1).all()
+
+
+def test_rejects_buckets_past_max_batch(samples) -> None:
+    with pytest.raises(ValueError, match="buckets must be batch sizes 1..4"):
+        TorchBackend(samples.model, read_model_info(samples.model), 4, "fp32", None,
+                     device="cpu", buckets=[2, 8])
+
+
 # --- real GPU: torch.compile (inductor, default mode) inside our CUDA graphs -----------------
 
 COMPILED_MAX_BATCH = 8
@@ -481,7 +512,7 @@ COMPILED_MAX_BATCH = 8
 
 @pytest.fixture(scope="module")
 def compiled_backend(gpu, samples, tmp_path_factory):
-    """fp16 compiled backend, max_batch 8, warmed up (every batch size captured)."""
+    """fp16 compiled backend, max_batch 8, warmed up (the buckets 2, 4, 8 captured)."""
     context, _ = gpu
     backend = TorchBackend(samples.model, read_model_info(samples.model), COMPILED_MAX_BATCH,
                            "fp16", context, compile=True,
@@ -489,7 +520,8 @@ def compiled_backend(gpu, samples, tmp_path_factory):
     assert backend.warmup().shape == (COMPILED_MAX_BATCH, 84, 2535)
     assert backend.compiled, "compilation failed and fell back to eager: see the log"
     assert backend.channels_last and backend.cuda_graphs
-    assert sorted(backend._graphs) == list(range(1, COMPILED_MAX_BATCH + 1))
+    assert sorted(backend._graphs) == [2, 4, COMPILED_MAX_BATCH]
+    assert sorted(backend.capture_seconds) == [2, 4, COMPILED_MAX_BATCH]
     return backend
 
 
@@ -585,4 +617,4 @@ def test_second_start_hits_the_compile_cache(gpu, repo_root, samples, tmp_path) 
 def test_compile_off_runs_the_eager_module(gpu_backends) -> None:
     half, _ = gpu_backends  # built with the defaults: compile=False
     assert not half.compiled and half.cache_hit is False and not half.channels_last
-    assert half.cuda_graphs and sorted(half._graphs) == [1, 2, 3, 4]
+    assert half.cuda_graphs and sorted(half._graphs) == [2, 4]
