@@ -62,13 +62,14 @@ while the backend compiles, then are restored). The key, like the TensorRT engin
 ONNX file's sha256, the GPU (name and compute capability), the torch version, the precision,
 max_batch and channels_last; ``key.json`` beside the caches records it, and a miss logs which
 fields changed. A start with a warm cache still traces the model with dynamo but loads every
-compiled graph instead of compiling it. Not cached, hence redone at every start: dynamo's
-trace of the module (seconds), cuDNN's algorithm search for each bucket's shapes (torch keeps
-no cache of it on disk; it is off) and the CUDA graph captures (graphs live in their process).
+compiled graph instead of compiling it. Not cached, hence redone at every start: the ONNX
+conversion, dynamo's trace of the module (seconds) and the CUDA graph captures (graphs live in
+their process); cuDNN's algorithm search, which torch does not cache on disk, is off (above).
 ``warmup()`` logs a heartbeat every few seconds while it compiles and one ``model ready`` line
 with ``seconds`` (construction and warm-up), ``cache="hit"`` (every compiled graph came from
-the cache) or ``"miss"``, ``compiled``, ``buckets`` and ``capture_s`` (the seconds each
-bucket took to compile or load, search and capture).
+the cache) or ``"miss"``, ``compiled``, ``buckets``, ``capture_s`` (the seconds each bucket
+took to compile or load and capture) and ``build_s`` (converting the ONNX, moving it to the
+device).
 """
 
 from __future__ import annotations
@@ -538,9 +539,12 @@ class TorchBackend(InferenceBackend):
             self._device = torch.device("cpu")
         self.compile = compile
         self.channels_last = self.compile if channels_last is None else channels_last
+        begun = time.perf_counter()
         module = convert(model_path)
         if self.compile:
             make_compile_friendly(module)
+        # where a start's seconds go: ONNX to torch, then the weights to the device
+        self.start_seconds = {"convert": round(time.perf_counter() - begun, 2)}
         module = module.to(self._device, self._dtype)
         self.module = module.to(memory_format=torch.channels_last) if self.channels_last else module
         # A model with a fixed batch of 1 runs image by image (inside the same graph).
@@ -552,6 +556,8 @@ class TorchBackend(InferenceBackend):
         self._cache_env: dict[str, str] = {}
         self._cache_folder: Path | None = None
         self.cache_key: CompileKey | None = None
+        self.start_seconds["to_device"] = round(time.perf_counter() - begun, 2) - (
+            self.start_seconds["convert"])
         if self.compile:
             # A fixed-batch model compiles its batch-1 module, called image by image.
             self._compiled = torch.compile(self.module, backend="inductor")
@@ -697,7 +703,7 @@ class TorchBackend(InferenceBackend):
                  cache="hit" if self.cache_hit else "miss", compiled=self.compiled,
                  cuda_graphs=self.cuda_graphs, max_batch=self.max_batch,
                  buckets=self.buckets if self.cuda_graphs else None,
-                 capture_s=self.capture_seconds or None)
+                 capture_s=self.capture_seconds or None, build_s=self.start_seconds)
         return output
 
     @contextlib.contextmanager
