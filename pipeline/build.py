@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -71,14 +72,66 @@ def first_file_source(config: PipelineConfig) -> str | None:
     return next((s.uri for s in config.sources if not is_stream_url(s.uri)), None)
 
 
-def probe_frame_size(uri: str) -> tuple[int, int] | None:
-    """(width, height) of a file's first video stream, rounded down to even, or None."""
+PROBE_TIMEOUT_S = 20.0  # the longest a start waits for the files' first frames
+
+
+def probe_frame_size(uri: str) -> tuple[int, int]:
+    """Open a video file and decode its first frame: (width, height) of that frame, rounded
+    down to even.
+
+    Raises:
+        ConfigError: the file cannot be opened, has no video stream, or no frame of it
+            decodes (the message says which, in FFmpeg's words).
+    """
     try:
         with av.open(uri) as container:
-            stream = container.streams.video[0]
-            return stream.width & ~1, stream.height & ~1
-    except (av.FFmpegError, OSError, IndexError):
-        return None
+            if not container.streams.video:
+                raise ConfigError(f"cannot read {uri!r}: it has no video stream")
+            for frame in container.decode(container.streams.video[0]):
+                return frame.width & ~1, frame.height & ~1
+    except av.FFmpegError as error:
+        reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+        raise ConfigError(f"cannot read {uri!r}: {reason}") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read {uri!r}: {error.strerror or error}") from None
+    raise ConfigError(f"cannot read {uri!r}: no video frame decodes")
+
+
+def probe_file_sources(config: PipelineConfig) -> dict[int, tuple[int, int]]:
+    """Decode the first frame of every file source, in parallel threads (FFmpeg decodes
+    without the interpreter lock), before anything else starts: a file that cannot be read
+    stops the start here, with one line naming it, instead of after the model loaded.
+
+    Returns:
+        source position -> the (width, height) of its first frame, for every file source.
+
+    Raises:
+        ConfigError: ``sources[i].uri (source 'name'): cannot read ...`` for the first
+            unreadable file in config order, or a file not probed within PROBE_TIMEOUT_S.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import TimeoutError as ProbeTimeout
+
+    files = [(i, s) for i, s in enumerate(config.sources) if not is_stream_url(s.uri)]
+    if not files:
+        return {}
+    pool = ThreadPoolExecutor(max_workers=min(len(files), 8), thread_name_prefix="probe")
+    try:
+        futures = [(i, s, pool.submit(probe_frame_size, s.uri)) for i, s in files]
+        deadline = time.monotonic() + PROBE_TIMEOUT_S
+        sizes = {}
+        for i, source, future in futures:
+            key = f"sources[{i}].uri (source {source.name!r})"
+            try:
+                sizes[i] = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except ConfigError as error:
+                raise ConfigError(f"{key}: {error}") from None
+            except ProbeTimeout:
+                raise ConfigError(f"{key}: its first frame did not decode within "
+                                  f"{PROBE_TIMEOUT_S:g} s") from None
+        return sizes
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def frame_slots(config: PipelineConfig) -> int:
@@ -121,8 +174,7 @@ def build_graph(config: PipelineConfig,
     filters = {i: f for i, source in enumerate(config.sources)
                if (f := SourceFilter.from_config(f"sources[{i}]", source, class_names,
                                                  info.num_classes)) is not None}
-    frame_sizes = {i: probe_frame_size(source.uri) for i, source in enumerate(config.sources)
-                   if not source.is_live or not is_stream_url(source.uri)}
+    frame_sizes: dict[int, tuple[int, int] | None] = dict(probe_file_sources(config))
     regions = analytics_regions(config, class_names, info.num_classes, frame_sizes)
     gpu = create_gpu_context(config, profile_gpu)
     backend = create_backend(config.inference, Path(config.model.path), info, gpu,
@@ -131,7 +183,7 @@ def build_graph(config: PipelineConfig,
     stop = threading.Event()
     inference = config.inference
     sizes = sorted({s for i, src in enumerate(config.sources)
-                    if not src.is_live and (s := frame_sizes[i]) is not None})
+                    if not src.is_live and (s := frame_sizes.get(i)) is not None})
     largest = max([DEFAULT_FRAME_SIZE, *sizes], key=lambda wh: wh[0] * wh[1])
     slot_bytes = i420_bytes(*largest)
     kinds = [decoder_kind(config, index, gpu) for index in range(len(config.sources))]

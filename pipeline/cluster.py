@@ -501,7 +501,7 @@ def run_cluster(config: PipelineConfig, ray_address: str | None = None) -> int:
     """Run ``config`` over several pipelines (``runtime.gpus``, ``runtime.pipelines``) or
     Ray actors (``ray_address``: ``--ray``), with signals and the summary as ``run.py``;
     returns the exit status (``pipeline.cli``'s)."""
-    from pipeline.build import check_extras
+    from pipeline.build import check_extras, probe_file_sources
     from pipeline.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
     from pipeline.config import ConfigError
     from stages.backends.base import read_model_info
@@ -509,6 +509,7 @@ def run_cluster(config: PipelineConfig, ray_address: str | None = None) -> int:
     try:  # what a host would find only when building: stop here, once, with exit 2
         check_extras(config)
         read_model_info(config.model.path, config.model.layout)
+        probe_file_sources(config)  # every file's first frame decodes
         if config.runtime.http is not None:
             raise ConfigError("runtime.http: the live view serves one pipeline; it is not "
                               "available with runtime.gpus, runtime.pipelines or --ray")

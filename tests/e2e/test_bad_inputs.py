@@ -198,20 +198,30 @@ CASES = [
         {"type": "line", "name": "gate", "start": [0, 60], "end": [300, 60]}]), USAGE,
          "sources[0].analytics: zones and lines count tracked objects; set "
          "sources[0].tracker: bytetrack"),
-    # -- sources that cannot be read: exit 1, one line naming the source -----------------
-    Case("not a video", source(uri="text"), FAILED,
-         "error: source cam: cannot open {text}: Invalid data found when processing input"),
-    Case("empty file", source(uri="empty"), FAILED,
-         "error: source cam: cannot open {empty}: Invalid data found when processing input"),
-    Case("MP4 cut before its index", source(uri="cut_index"), FAILED,
-         "error: source cam: cannot open {cut_index}: Invalid data found when processing input"),
+    # -- files that cannot be read: exit 2 before the model loads (each file's first frame
+    #    is decoded at start), one line naming the source ------------------------------
+    Case("not a video", source(uri="text"), USAGE,
+         "error: sources[0].uri (source 'cam'): cannot read '{text}': Invalid data found when "
+         "processing input"),
+    Case("empty file", source(uri="empty"), USAGE,
+         "error: sources[0].uri (source 'cam'): cannot read '{empty}': Invalid data found when "
+         "processing input"),
+    Case("MP4 cut before its index", source(uri="cut_index"), USAGE,
+         "error: sources[0].uri (source 'cam'): cannot read '{cut_index}': Invalid data found "
+         "when processing input"),
+    Case("one bad file among good ones",
+         lambda c, m: c["sources"].insert(0, {"name": "good", "uri": m["clean"]}) or
+         c["sources"][1].update(uri=m["text"]), USAGE,
+         "error: sources[1].uri (source 'cam'): cannot read '{text}': Invalid data found"),
+    # -- cameras that cannot be reached: exit 1, one line naming the source; the others run
     Case("unreachable camera",
          source(uri=f"rtsp://admin:hunter2@127.0.0.1:{REFUSED}/live", reconnect=False), FAILED,
          f"error: source cam: cannot open rtsp://***@127.0.0.1:{REFUSED}/live: Connection refused"),
-    Case("one bad source among good ones",
+    Case("one unreachable camera among good files",
          lambda c, m: c["sources"].insert(0, {"name": "good", "uri": m["clean"]}) or
-         c["sources"][1].update(uri=m["text"]), FAILED,
-         "error: source cam: cannot open {text}: Invalid data found", complete={"good": 40}),
+         c["sources"][1].update(uri=f"rtsp://127.0.0.1:{REFUSED}/live", reconnect=False), FAILED,
+         f"error: source cam: cannot open rtsp://127.0.0.1:{REFUSED}/live: Connection refused",
+         complete={"good": 40}),
     # -- damaged or unusual media: every decodable frame, a warning, exit 0 -------------
     Case("truncated file", source(uri="truncated"), OK,
          "file ended early (truncated or corrupt): kept every decodable frame", {"cam": 30}),
@@ -247,6 +257,8 @@ def test_bad_input_gives_a_clear_message_and_status(samples, media: dict[str, st
     else:
         errors = [line for line in err.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and message in errors[0], err[-3000:]
+    if status == USAGE:  # found before anything ran: the model was never loaded
+        assert "model loaded" not in err
     # A file under its final name is complete: finished sources only, with every record.
     finished = {p.name for p in out.glob("*")} if out.exists() else set()
     assert finished == {f"{name}.jsonl" for name in case.complete} | (
@@ -342,3 +354,20 @@ def test_environment_variables_and_set_overrides(samples, media, tmp_path, monke
     assert errors == ["error: inference.batch_size: expected a value between 1 and 512, got 0"]
     assert main(["--config", str(path), "--set", "sources[3].uri=x"]) == USAGE
     assert "error: --set sources[3].uri=x: there is no item 3 there" in capfd.readouterr().err
+
+
+def test_an_unreadable_file_stops_several_pipelines_before_any_starts(samples, media, tmp_path,
+                                                                      capfd):
+    """``runtime.pipelines: 2``: the same exit 2 and one line, before a host is spawned."""
+    config = pipeline_config(samples, tmp_path / "out", [
+        {"name": "good", "uri": media["clean"]}, {"name": "cam", "uri": media["empty"]}],
+        runtime={"pipelines": 2})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["--config", str(path), "--no-progress"]) == USAGE
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: sources[1].uri (source 'cam'): cannot read {media['empty']!r}: "
+                      "Invalid data found when processing input"]
+    assert "Traceback" not in err and "model loaded" not in err and "host" not in err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
