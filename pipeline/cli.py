@@ -1,8 +1,15 @@
 """Command line: ``python run.py --config configs/file.yaml``.
 
-Exit status: 0 when every source was processed (also after a graceful stop on the first
-Ctrl-C or SIGTERM), 1 when a source or stage failed, 2 for a bad configuration or command
-line, 130 when stopped by a second Ctrl-C or SIGTERM (outputs are left as ``.partial``).
+Exit status (``EXIT_*``, one table):
+
+- 0: every source finished (a camera stopped by Ctrl-C, SIGTERM or ``stop_when`` counts as
+  finished: it has no end); every output has its final name.
+- 1: a source or stage failed (its outputs stay ``.partial``).
+- 2: a bad configuration or command line; nothing was written.
+- 3: stopped early: a file source was stopped before its end (the first Ctrl-C or SIGTERM);
+  its outputs keep their ``.partial`` names, and running the same command again resumes it
+  after its last record (``--restart`` starts over).
+- 130: aborted by a second Ctrl-C or SIGTERM (outputs are left as ``.partial``).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import structlog
 from pipeline.config import ConfigError, PipelineConfig, describe_schema, load_config
 from pipeline.logging import configure_logging
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 log = structlog.get_logger("run")
 
@@ -45,6 +52,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="override a configuration key, e.g. --set inference.batch_size=8 "
                              "or --set sources[0].uri=rtsp://...; repeatable")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--restart", action="store_true",
+                        help="start every file source from its beginning, even one a stopped "
+                             "run left cut short (by default it resumes after its last record)")
     parser.add_argument("--ray", metavar="auto|ADDRESS|local",
                         help="run one pipeline per GPU as Ray actors across the Ray cluster: "
                              "auto joins the cluster of this machine, ADDRESS another "
@@ -85,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pipeline.cluster import run_cluster
 
             return run_cluster(config, args.ray)
-        return run_pipeline(config)
+        return run_pipeline(config, restart=args.restart)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -95,13 +105,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
 
 
-def run_pipeline(config: PipelineConfig) -> int:
-    """Build the graph, run it with signal handling and print the summary."""
+def run_pipeline(config: PipelineConfig, restart: bool = False) -> int:
+    """Build the graph, run it with signal handling and print the summary.
+
+    Args:
+        config: the validated configuration.
+        restart: start the file sources a stopped run left cut short from their beginning
+            instead of resuming them (``resume_cut_files``).
+    """
     from pipeline.build import DeviceUnavailable, build_graph
     from pipeline.graph import PipelineError
     from pipeline.progress import Progress
     from pipeline.records import BatchDetections
     from stages.infer import BackendUnavailable
+    from stages.sinks import stopped_text
+
+    try:
+        resumed = {} if restart else resume_cut_files(config)
+    except ValueError as error:
+        print(f"error: output.jsonl: {error}; run with --restart to start over", file=sys.stderr)
+        return EXIT_USAGE
 
     exporter = server = None
     if config.runtime.metrics_port is not None:
@@ -116,6 +139,8 @@ def run_pipeline(config: PipelineConfig) -> int:
 
         try:
             graph = build_graph(config, on_batch_done=batch_done)
+            for name, frame in resumed.items():  # appends to the records (see SinkStage)
+                graph.sinks[name].resume_from = frame
             if exporter is not None:
                 port = exporter.start(graph)
                 log.info("serving Prometheus metrics", url=f"http://0.0.0.0:{port}/metrics")
@@ -146,7 +171,9 @@ def run_pipeline(config: PipelineConfig) -> int:
             if server is not None:
                 server.close()
     elapsed = time.monotonic() - started
-    _log_summary(graph, elapsed)
+    cut = {name: stopped_text(*sink.stopped_at) for name, sink in graph.sinks.items()
+           if getattr(sink, "stopped_at", None) is not None}
+    _log_summary(graph, elapsed, cut)
     if interrupts["count"] >= 2:
         return EXIT_INTERRUPTED
     if failure is not None:
@@ -155,7 +182,37 @@ def run_pipeline(config: PipelineConfig) -> int:
     failed = {name: m.error for name, m in graph.source_metrics.items() if m.error}
     for name, reason in failed.items():
         print(f"error: source {name}: {reason}", file=sys.stderr)
-    return EXIT_FAILED if failed else EXIT_OK
+    if failed:
+        return EXIT_FAILED
+    for name, where in cut.items():
+        log.warning("stopped early: outputs kept as .partial; run the same command again to "
+                    "resume (--restart: start over)", source=name, at=where)
+    return EXIT_STOPPED if cut else EXIT_OK
+
+
+def resume_cut_files(config: PipelineConfig) -> dict[str, int]:
+    """Set the ``start_frame`` of every file source whose records an earlier run left cut
+    short (a ``.partial`` JSONL file with records) to the frame after its last record, as the
+    cluster supervisor resumes a moved source (``pipeline.resume.resumed_sources``). Returns
+    {source name: resume frame} of those; their sinks must append (``resume_from``).
+
+    Raises:
+        ValueError: a ``.partial`` JSONL file whose last line is not a record (not ours).
+    """
+    from pipeline.config import is_stream_url
+    from pipeline.resume import resumed_sources
+
+    files = [s.name for s in config.sources if not s.is_live and not is_stream_url(s.uri)]
+    by_name = {source.name: source for source in resumed_sources(config, files)}
+    resumed = {}
+    for i, source in enumerate(config.sources):
+        moved = by_name.get(source.name)
+        if moved is not None and moved.start_frame > source.start_frame:
+            resumed[source.name] = moved.start_frame
+            log.info("resuming a file cut short after its last record", source=source.name,
+                     frame=moved.start_frame)
+            config.sources[i] = moved
+    return resumed
 
 
 def install_signal_handlers(graph: object) -> tuple[dict[str, int], dict[int, object]]:
@@ -178,11 +235,14 @@ def install_signal_handlers(graph: object) -> tuple[dict[str, int], dict[int, ob
     return interrupts, previous
 
 
-def _log_summary(graph: object, elapsed: float) -> None:
+def _log_summary(graph: object, elapsed: float, cut: dict[str, str]) -> None:
+    """Stage and source summaries; ``cut``: where each file source stopped before its end
+    (``stopped at frame N of M``), said in its summary as ``cut_short``."""
     for metrics in graph.stage_metrics.values():  # type: ignore[attr-defined]
         log.info("stage summary", **metrics.summary())
     for metrics in graph.source_metrics.values():  # type: ignore[attr-defined]
-        log.info("source summary", **metrics.summary(elapsed))
+        extra = {"cut_short": cut[metrics.name]} if metrics.name in cut else {}
+        log.info("source summary", **metrics.summary(elapsed), **extra)
     log.info("run finished", seconds=round(elapsed, 2))
 
 

@@ -35,6 +35,10 @@ MAX_BATCH_SIZE = 512
 SEGMENT_MIN_S = 10.0
 
 
+# The stream URL schemes a source may use (FFmpeg reads them all); anything else is refused.
+STREAM_SCHEMES = {"rtsp", "rtsps", "rtmp", "rtmps", "http", "https", "udp", "tcp", "srt"}
+
+
 def _doc(text: str, **extra: Any) -> dict[str, Any]:
     return {"doc": text, **extra}
 
@@ -136,12 +140,16 @@ class SourceConfig:
     """One video source: a camera or a file."""
 
     name: str = field(metadata=_doc("Unique name used in logs, metrics and output paths."))
-    uri: str = field(metadata=_doc("A video file path or an rtsp:// URL."))
+    uri: str = field(metadata=_doc(
+        "A video file path, or a stream URL with one of the schemes "
+        + ", ".join(f"{scheme}://" for scheme in sorted(STREAM_SCHEMES))
+        + " (read through FFmpeg; a stream is live and reconnects by default)."))
     live: bool | None = field(
         default=None,
         metadata=_doc(
             "Live sources drop the oldest waiting frame when the pipeline falls behind; file "
-            "sources block and never lose a frame. Default: true for rtsp://, false for files."
+            "sources block and never lose a frame. Default: true for stream URLs, false for "
+            "files."
         ),
     )
     rtsp_transport: Literal["tcp", "udp"] = field(
@@ -670,7 +678,6 @@ def is_stream_url(uri: str) -> bool:
     return re.match(r"^[a-z][a-z0-9+.-]*://", uri.lower()) is not None
 
 
-STREAM_SCHEMES = {"rtsp", "rtsps", "rtmp", "rtmps", "http", "https", "udp", "tcp", "srt"}
 _SECRET_QUERY = re.compile(r"(?i)\b(password|passwd|pwd|pass|token|auth|key|secret)=[^&#\s]*")
 
 
@@ -829,25 +836,68 @@ def partial_path(path: Path) -> Path:
 
 
 def _check_output_paths(config: PipelineConfig, base_dir: Path) -> None:
-    """The output folder is not a file, and no two outputs (nor their temporary ``.partial``
-    names) are the same file: two writers of one file would lose one of them."""
+    """The output folder is not a file, and no two of the files a run reads or writes are one
+    file: each output, its temporary ``.partial`` name, every file source and the model (and
+    its class names). Paths are compared as the file system finds them (``same_file_key``):
+    absolute, symlinks resolved, case folded where the file system folds it, so a file reached
+    by another spelling is caught too. Two writers of one file would lose one of them; an
+    output over an input would destroy the input."""
     folder = base_dir / config.output.dir
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"output.dir: {config.output.dir!r} exists and is not a folder")
-    owners: dict[str, str] = {}
+    owners: dict[str, str] = {}  # same_file_key -> what reads or writes it
+    folds: dict[Path, bool] = {}  # a folder -> whether its file system folds case
+
+    def claim(key: str, path: Path, what: str) -> None:
+        other = owners.setdefault(same_file_key(path, folds), what)
+        if other != what:
+            raise ConfigError(f"{key}: {what} would be {str(path)!r}, which is also {other}")
+
+    # Inputs first (several sources may read one file); then each output may be none of them.
+    for i, source in enumerate(config.sources):
+        if not is_stream_url(source.uri):
+            owners.setdefault(same_file_key(base_dir / source.uri, folds),
+                              f"sources[{i}].uri (the input of source {source.name!r})")
+    for key in ("model.path", "model.class_names"):
+        if (value := getattr(config.model, key.split(".")[1])) is not None:
+            owners.setdefault(same_file_key(base_dir / value, folds), key)
     for source in config.sources:
         for key in OUTPUT_KEYS:
             template = getattr(config.output, key)
             if template is None or source not in config.sources_writing(key):
                 continue
             final = Path(os.path.normpath(folder / template.format(source=source.name)))
-            for path, what in ((final, f"output.{key} of source {source.name!r}"),
-                               (partial_path(final), f"the temporary file of output.{key} of "
-                                                     f"source {source.name!r}")):
-                other = owners.setdefault(str(path), what)
-                if other != what:
-                    raise ConfigError(f"output.{key}: {what} would be {str(path)!r}, which is "
-                                      f"also {other}")
+            claim(f"output.{key}", final, f"output.{key} of source {source.name!r}")
+            claim(f"output.{key}", partial_path(final),
+                  f"the temporary file of output.{key} of source {source.name!r}")
+
+
+def same_file_key(path: Path, folds: dict[Path, bool] | None = None) -> str:
+    """A text that is equal for two paths exactly when they name the same file (existing or
+    not): the absolute path with every symlink resolved (``os.path.realpath``), case folded
+    when its folder's file system folds case (``folds_case``; ``folds`` caches the answer per
+    folder)."""
+    real = Path(os.path.realpath(path))
+    cache = {} if folds is None else folds
+    if real.parent not in cache:
+        cache[real.parent] = folds_case(real.parent)
+    return str(real).casefold() if cache[real.parent] else str(real)
+
+
+def folds_case(folder: Path) -> bool:
+    """Whether the file system holding ``folder`` (or its nearest existing parent) treats
+    names that differ in case as one: its own name (or a parent's, the first with a letter
+    in it) spelled in the other case names the same folder. Nothing is written to find out.
+    False when no existing folder on the way has a letter in its name."""
+    for existing in (folder, *folder.parents):
+        if not existing.is_dir() or existing.name.swapcase() == existing.name:
+            continue
+        other = existing.with_name(existing.name.swapcase())
+        try:
+            return other.exists() and os.path.samefile(existing, other)
+        except OSError:
+            return False
+    return False
 
 
 def build_section(cls: type, data: dict[str, Any], key: str) -> Any:

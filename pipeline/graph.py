@@ -32,6 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -297,9 +298,13 @@ class Graph:
     def _run_source(self, source: SourceStage) -> None:
         inbox = self._inboxes[0]
         try:
-            for item in source.frames(self._source_stops[source.name]):
+            stop = self._source_stops[source.name]
+            for item in source.frames(stop):
                 if isinstance(item, EndOfStream) and item.error:
                     self.source_metrics[source.name].error = item.error
+                elif isinstance(item, EndOfStream) and stop.is_set():  # the sink tells cut short
+                    item = replace(item, stopped=True,
+                                   total=getattr(source, "expected_frames", None))
                 inbox.put(source.name, item)
         except Stopped:
             pass

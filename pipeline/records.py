@@ -140,11 +140,22 @@ class EndOfStream:
         source: name of the source that ended.
         frames: how many frames the source produced in total.
         error: a one-line reason when the source ended on an error, else None.
+        stopped: it ended because it was asked to stop (a graceful stop, or the source
+            removed), maybe before its end.
+        total: the frames its file announces, or None (a stream, or not known).
     """
 
     source: str
     frames: int
     error: str | None = None
+    stopped: bool = False
+    total: int | None = None
+
+    @property
+    def cut_short(self) -> bool:
+        """Stopped before its end: asked to stop before ``total`` frames (or, when the total
+        is not known, asked to stop at all)."""
+        return self.stopped and (self.total is None or self.frames < self.total)
 
 
 @dataclass

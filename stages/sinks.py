@@ -6,9 +6,13 @@ graph splits every batch by source once, with ``BatchDetections.by_source``), an
 each part in one go: one ``write`` and one flush of the JSONL file per part.
 
 Each output is written under a temporary ``.partial`` name and renamed to its final name only
-when its source's stream ended (also after a graceful stop): a file with the final name is
-always complete, playable and from the latest run (older ones are removed when the sink
-opens); a ``.partial`` file says the run was cut short, and is removed when it holds nothing.
+when its source's stream ended: a file with the final name is always complete and playable.
+The rename is what replaces an older run's file of that name; until then it stays as it was,
+so a run that fails or is killed loses nothing that was there before. A ``.partial`` file is
+being written or was cut short: a source that failed, a killed run, or a file source stopped
+before its end (Ctrl-C, SIGTERM, removed), which a rerun resumes (``pipeline.resume``). A live
+source's outputs are complete whenever it stops (a camera has no end). A ``.partial`` file
+that holds nothing is removed, and a source that delivered no frame leaves no file.
 
 Crash safety: every MP4 is fragmented (a fragment per keyframe, every ``FRAGMENT_S`` of
 video) and every JSONL part is flushed, so a killed process leaves ``.partial`` files that
@@ -214,6 +218,12 @@ class VideoWriter:
             os.replace(partial_path(self.path), self.path)
 
 
+def stopped_text(frames: int, total: int | None) -> str:
+    """``stopped at frame 68 of 250`` (``of ?`` when the total is not known): where a file
+    source stopped before its end, ``frames`` being the frames read."""
+    return f"stopped at frame {frames} of {'?' if total is None else total}"
+
+
 def segment_path(path: Path, start: float) -> Path:
     """The file of output ``path``'s segment whose first frame was captured at ``start``
     (Unix time, to the second, UTC): ``cam.mp4`` -> ``cam.20261130T231500Z.mp4``,
@@ -276,11 +286,13 @@ class JsonlWriter:
         self.frames += len(records)
 
     def close(self, complete: bool) -> None:
+        """Close the file; rename it to its final name when ``complete`` and it saw a frame
+        (this run's or a resumed one's); remove it when it saw none (no file at all)."""
         self._file.close()
-        if complete:
-            os.replace(partial_path(self.path), self.path)
-        elif not self.frames and not self.kept:
+        if not self.frames and not self.kept:
             partial_path(self.path).unlink(missing_ok=True)
+        elif complete:
+            os.replace(partial_path(self.path), self.path)
 
 
 class EventsWriter(JsonlWriter):
@@ -356,24 +368,21 @@ class SinkStage(Stage):
         self.preview = preview
         self.writers: list[VideoWriter | JsonlWriter | EventsWriter] = []
         self.complete = False
+        # A file source stopped before its end: (frames read, frames it has or None).
+        self.stopped_at: tuple[int, int | None] | None = None
 
     def open(self) -> None:
         if self.segment_s is not None:
             self._delete_old_segments()  # a segment's writers open at its first frame
             return
         resumed = self.resume_from is not None
-        if self.video_path is not None:
-            if resumed:
-                self.video_path = resumed_video_path(self.video_path, self.resume_from)
-            else:  # the videos of resumed parts of an older run
-                for old in self.video_path.parent.glob(
-                        f"{self.video_path.stem}.from-*{self.video_path.suffix}"):
-                    old.unlink(missing_ok=True)
+        if self.video_path is not None and resumed:
+            self.video_path = resumed_video_path(self.video_path, self.resume_from)
+        # The final names stay as an older run left them until this run's files replace them
+        # (close); only the temporary names are this run's to start again.
         for path in (self.video_path, self.jsonl_path, self.events_path):
-            if path is not None:  # an older run's outputs must not pass for this run's
-                path.unlink(missing_ok=True)
-                if not resumed or path == self.video_path:  # resumed: append to the records
-                    partial_path(path).unlink(missing_ok=True)
+            if path is not None and (not resumed or path == self.video_path):
+                partial_path(path).unlink(missing_ok=True)  # resumed: append to the records
         # The records of a part are written before its video: whatever a killed run's MP4
         # holds has its records.
         if self.jsonl_path is not None:
@@ -462,14 +471,22 @@ class SinkStage(Stage):
                              age_h=round(age_s / 3600, 2))
 
     def end_of_stream(self, eos: EndOfStream) -> Iterable[EndOfStream]:
-        # A source that failed leaves its outputs under their .partial names.
-        self.complete = eos.error is None
+        # A source that failed, or a file stopped before its end, leaves its outputs under
+        # their .partial names; a camera's are complete whenever it stops.
+        if eos.cut_short and not self.live:
+            self.stopped_at = (eos.frames, eos.total)
+        self.complete = eos.error is None and self.stopped_at is None
         if self.preview is not None:
             self.preview.end(eos.source, eos.error)
         return ()
 
     def close(self) -> None:
         self._close_writers(self.complete)
+        if self.complete and self.resume_from is None and self.segment_s is None \
+                and self.video_path is not None:  # an older run's resumed parts: replaced too
+            for old in self.video_path.parent.glob(
+                    f"{self.video_path.stem}.from-*{self.video_path.suffix}"):
+                old.unlink(missing_ok=True)
 
     def _close_writers(self, complete: bool) -> None:
         for writer in self.writers:
@@ -480,6 +497,10 @@ class SinkStage(Stage):
             elif complete:
                 log.warning("no output written: no frame came", sink=self.name,
                             path=str(writer.path))
+            elif writer.frames and self.stopped_at is not None:
+                log.warning("output cut short: " + stopped_text(*self.stopped_at)
+                            + ": kept as .partial (run again to resume)", sink=self.name,
+                            path=str(partial_path(writer.path)), frames=writer.frames)
             elif writer.frames:
                 log.warning("output incomplete", sink=self.name,
                             path=str(partial_path(writer.path)), frames=writer.frames)

@@ -1,5 +1,5 @@
-"""Ctrl-C and SIGTERM during a file run: the first drains and finalises every output, the
-second stops at once."""
+"""Ctrl-C and SIGTERM during a file run: the first drains and closes every output (a file cut
+short keeps its ``.partial`` names), the second stops at once."""
 
 from __future__ import annotations
 
@@ -23,15 +23,18 @@ def start_bikes(samples, tmp_path: Path, run_pipeline, queue_size: int = 4):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_first_signal_drains_and_finalises_every_output(samples, tmp_path: Path, run_pipeline,
-                                                        signum: int) -> None:
+def test_first_signal_drains_and_keeps_a_cut_file_partial(samples, tmp_path: Path, run_pipeline,
+                                                          signum: int) -> None:
+    """Everything read is written and closed (the MP4 plays), but a file stopped before its
+    end keeps its ``.partial`` names, and the run exits 3 (stopped early)."""
     run = start_bikes(samples, tmp_path, run_pipeline)
     run.signal(signum)
-    assert run.wait() == 0, run.stderr()[-3000:]
+    assert run.wait() == 3, run.stderr()[-3000:]
 
-    assert {p.name for p in tmp_path.glob("bikes*")} == {"bikes.mp4", "bikes.jsonl"}
-    lines = records(tmp_path / "bikes.jsonl")
-    frames = read_frames(tmp_path / "bikes.mp4")
+    assert {p.name for p in tmp_path.glob("bikes*")} == {"bikes.partial.mp4",
+                                                         "bikes.partial.jsonl"}
+    lines = records(tmp_path / "bikes.partial.jsonl")
+    frames = read_frames(tmp_path / "bikes.partial.mp4")
     assert 10 <= len(lines) < 250
     assert [r["frame"] for r in lines] == list(range(len(lines)))
     assert len(frames) == len(lines)

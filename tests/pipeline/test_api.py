@@ -48,7 +48,7 @@ def test_a_callback_run_sees_every_frame_of_every_source(samples, tmp_path):
     assert summary.ok and summary.dropped == {"bikes": 0, "car": 0}
 
 
-def test_leaving_the_loop_early_stops_and_finalises(samples, tmp_path):
+def test_leaving_the_loop_early_stops_and_keeps_the_cut_file_partial(samples, tmp_path):
     out = tmp_path / "out"
     config = pipeline_config(samples, out, [{"name": "bikes", "uri": str(samples.bikes)}])
     before = threading.active_count()
@@ -56,7 +56,8 @@ def test_leaving_the_loop_early_stops_and_finalises(samples, tmp_path):
     for result in pipeline.results():
         if result.index == 20:
             break
-    lines = (out / "bikes.jsonl").read_text().splitlines()  # finalised under its name
+    assert not (out / "bikes.jsonl").exists()  # cut short: not under its final name
+    lines = (out / "bikes.partial.jsonl").read_text().splitlines()  # closed, complete lines
     assert 21 <= len(lines) < 250
     assert [json.loads(line)["frame"] for line in lines] == list(range(len(lines)))
     assert threading.active_count() <= before

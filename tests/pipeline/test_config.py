@@ -338,3 +338,17 @@ def test_the_analytics_example_config_is_valid(samples, repo_root: Path,
     config = load_config("configs/analytics.yaml")
     (source,) = config.sources
     assert source.tracker == "bytetrack" and [r.type for r in source.analytics] == ["line", "zone"]
+
+
+@pytest.mark.parametrize("uri", ["http://cam.local/live.mp4", "https://cam.local/x.m3u8",
+                                 "srt://cam.local:9000", "rtmp://cam.local/live"])
+def test_every_scheme_the_help_names_is_accepted_as_a_live_stream(files: Path, uri: str) -> None:
+    """``--help-config`` names the schemes a source's uri may use; each of them is accepted
+    (a live stream that reconnects by default) and any other is refused with the list."""
+    (help_line,) = [line for line in describe_schema() if line.startswith("  sources[].uri ")]
+    assert uri.split("://")[0] + "://" in help_line
+    data = {**base(), "sources": [{"name": "cam1", "uri": uri}]}
+    source = parse_config(data).sources[0]
+    assert source.is_live and source.should_reconnect
+    with pytest.raises(ConfigError, match="allowed: http, https, rtmp, rtmps, rtsp, rtsps, srt"):
+        parse_config({**data, "sources": [{"name": "cam1", "uri": "gopher://cam.local/x"}]})

@@ -105,20 +105,29 @@ def run_sink(tmp_path: Path, frames: list[Frame], end: EndOfStream | None,
     return sink, released
 
 
+OLDER = b"an older run's complete output"
+CUT = {"cam.partial.mp4", "cam.partial.jsonl"}
+
+
 @pytest.mark.parametrize(("count", "end", "left"), [
-    (12, EndOfStream("cam", 12), {"cam.mp4", "cam.jsonl"}),  # ended (or stopped): final names
-    (12, EndOfStream("cam", 12, error="lost"), {"cam.partial.mp4", "cam.partial.jsonl"}),
-    (12, None, {"cam.partial.mp4", "cam.partial.jsonl"}),  # aborted: no end marker
+    (12, EndOfStream("cam", 12), {"cam.mp4", "cam.jsonl"}),  # ended: final names
+    (12, EndOfStream("cam", 12, stopped=True, total=12), {"cam.mp4", "cam.jsonl"}),  # at its end
+    (12, EndOfStream("cam", 12, error="lost"), CUT),
+    (12, None, CUT),  # aborted: no end marker
+    (12, EndOfStream("cam", 12, stopped=True, total=250), CUT),  # a file stopped before its end
+    (12, EndOfStream("cam", 12, stopped=True), CUT),  # stopped, its length unknown
     (0, EndOfStream("cam", 0, error="cannot open"), set()),  # nothing written: nothing left
-    (0, EndOfStream("cam", 0), {"cam.jsonl"}),  # a complete, empty run
+    (0, EndOfStream("cam", 0), set()),  # a complete run without a frame: no file either
 ])
 def test_outputs_get_final_names_only_when_complete(tmp_path: Path, pictures: list[Frame],
                                                     count: int, end: EndOfStream | None,
                                                     left: set[str]) -> None:
-    (tmp_path / "cam.mp4").write_bytes(b"older run")  # must never pass for this run's output
+    """A final name is only ever this run's complete file, or the older run's file untouched
+    (only this run's rename replaces it)."""
+    (tmp_path / "cam.mp4").write_bytes(OLDER)
     (tmp_path / "cam.partial.jsonl").write_text("older run\n")
     sink, _ = run_sink(tmp_path, pictures[:count], end)
-    assert {p.name for p in tmp_path.iterdir()} == left
+    assert {p.name for p in tmp_path.iterdir()} == left | {"cam.mp4"}
     assert [w.frames for w in sink.writers] == [count, count]
     for name in left:
         if name.endswith(".mp4"):
@@ -126,6 +135,24 @@ def test_outputs_get_final_names_only_when_complete(tmp_path: Path, pictures: li
         else:
             lines = (tmp_path / name).read_text().splitlines()
             assert [json.loads(line)["frame"] for line in lines] == list(range(count))
+    if "cam.mp4" not in left:
+        assert (tmp_path / "cam.mp4").read_bytes() == OLDER
+
+
+def test_a_live_source_stopped_is_complete_and_one_without_frames_leaves_nothing(
+        tmp_path: Path, pictures: list[Frame]) -> None:
+    """A camera has no end: stopped (or removed), its outputs are final. Removed before its
+    first frame, it leaves no file at all (not an empty ``cam.jsonl``)."""
+    for count, left in ((4, {"cam.jsonl", "cam.mp4"}), (0, set())):
+        folder = tmp_path / str(count)
+        folder.mkdir()
+        sink = SinkStage("sink:cam", folder / "cam.mp4", folder / "cam.jsonl", None, live=True)
+        sink.open()
+        for part in parts(pictures[:count], 2):
+            sink.process(part)
+        sink.end_of_stream(EndOfStream("cam", count, stopped=True))
+        sink.close()
+        assert {p.name for p in folder.iterdir()} == left
 
 
 @pytest.mark.parametrize(("count", "part_size", "released"), [
@@ -247,7 +274,7 @@ def crossing(frame: int, track: int) -> AnalyticsEvent:
 
 @pytest.mark.parametrize(("end", "left"), [
     (EndOfStream("cam", 6), {"cam.events.jsonl"}),
-    (EndOfStream("cam", 6, error="lost"), {"cam.events.partial.jsonl"}),
+    (EndOfStream("cam", 6, error="lost"), {"cam.events.partial.jsonl", "cam.events.jsonl"}),
 ])
 def test_events_are_written_one_per_line_and_renamed_when_complete(
         tmp_path: Path, end: EndOfStream, left: set[str]) -> None:

@@ -1,0 +1,179 @@
+"""Outputs that survive every failure and say what they hold (issue 23): an older run's file
+under the final name is replaced only by the rename at the end, a file source stopped before
+its end keeps its ``.partial`` name and the next run resumes it, a clash of paths spelled
+differently is a one-line exit 2 before anything is written, and a source removed before
+its first frame leaves no file. Each through ``run.py`` or a real graph."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from pipeline.build import build_graph
+from pipeline.config import parse_config
+from tests.e2e.conftest import pipeline_config, records, wait_for
+from tests.support import free_port
+from tests.support.live_view import running
+
+BIKES_FRAMES = 250
+STOPPED = 3  # pipeline.cli.EXIT_STOPPED
+OLDER = "an older run's complete output\n"
+
+
+def bikes(samples, out: Path, **output) -> dict:
+    return pipeline_config(samples, out, [{"name": "bikes", "uri": str(samples.bikes)}],
+                           output=output)
+
+
+def test_an_older_output_survives_a_killed_run(samples, tmp_path: Path, run_pipeline) -> None:
+    (tmp_path / "bikes.jsonl").write_text(OLDER)
+    run = run_pipeline(bikes(samples, tmp_path), tmp_path)
+    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, 90,
+             "the first records", run)
+    run.kill()  # SIGKILL: nothing is finalised
+    assert (tmp_path / "bikes.jsonl").read_text() == OLDER
+    assert len(records(tmp_path / "bikes.partial.jsonl")) >= 10  # its work, beside it
+
+
+def test_an_older_output_survives_a_failed_source(samples, tmp_path: Path, run_pipeline) -> None:
+    (tmp_path / "cam.jsonl").write_text(OLDER)
+    camera = {"name": "cam", "uri": f"rtsp://127.0.0.1:{free_port()}/cam", "reconnect": False,
+              "open_timeout_s": 2}
+    run = run_pipeline(pipeline_config(samples, tmp_path, [camera]), tmp_path)
+    assert run.wait(90) == 1, run.stderr()[-3000:]
+    assert "Traceback" not in run.stderr()
+    assert (tmp_path / "cam.jsonl").read_text() == OLDER
+
+
+def test_a_stopped_file_stays_partial_and_the_next_run_resumes_it(samples, tmp_path: Path,
+                                                                  run_pipeline) -> None:
+    config = bikes(samples, tmp_path, video="{source}.mp4")
+    (tmp_path / "bikes.jsonl").write_text(OLDER)
+    run = run_pipeline(config, tmp_path)
+    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, 90,
+             "the first records", run)
+    run.signal(signal.SIGINT)
+    assert run.wait() == STOPPED, run.stderr()[-3000:]
+    cut = records(tmp_path / "bikes.partial.jsonl")
+    assert 10 <= len(cut) < BIKES_FRAMES
+    assert [r["frame"] for r in cut] == list(range(len(cut)))  # complete line by line
+    assert (tmp_path / "bikes.jsonl").read_text() == OLDER  # not replaced by a cut file
+    assert {p.name for p in tmp_path.glob("bikes*")} == {
+        "bikes.jsonl", "bikes.partial.jsonl", "bikes.partial.mp4"}
+    where = f"stopped at frame {len(cut)} of {BIKES_FRAMES}"
+    (summary,) = [e for e in run.events("source summary") if e["source"] == "bikes"]
+    assert summary["cut_short"] == where
+    assert [e["at"] for e in run.events("stopped early: outputs kept as .partial; run the same "
+                                        "command again to resume (--restart: start over)")] \
+        == [where]
+    assert "Traceback" not in run.stderr()
+
+    again = run_pipeline(config, tmp_path / "again")  # same config, same outputs
+    assert again.wait(120) == 0, again.stderr()[-3000:]
+    lines = records(tmp_path / "bikes.jsonl")
+    assert [r["frame"] for r in lines] == list(range(BIKES_FRAMES))  # each frame once, in order
+    assert not (tmp_path / "bikes.partial.jsonl").exists()
+    (resumed,) = again.events("resuming a file cut short after its last record")
+    assert resumed["frame"] == len(cut)
+
+
+def test_a_cut_file_resumes_after_its_last_record_unless_restart(samples,
+                                                                  tmp_path: Path) -> None:
+    """The resume point is the frame after the last complete record (a torn line is cut);
+    ``--restart`` skips resuming (the sink then starts the ``.partial`` files over)."""
+    from pipeline.cli import parse_args, resume_cut_files
+
+    (tmp_path / "bikes.partial.jsonl").write_text(
+        "".join(f'{{"source":"bikes","frame":{i}}}\n' for i in range(3)) + '{"sou')
+    config = parse_config(bikes(samples, tmp_path))
+    assert resume_cut_files(config) == {"bikes": 3}
+    assert config.sources[0].start_frame == 3
+    assert parse_args(["--config", "x.yaml", "--restart"]).restart
+    assert not parse_args(["--config", "x.yaml"]).restart
+
+
+def run_cli(repo_root: Path, config: dict, out: Path) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return subprocess.run([sys.executable, "run.py", "--config", str(path), "--no-progress"],
+                          cwd=repo_root, capture_output=True, text=True, timeout=120)
+
+
+def test_an_output_spelled_as_an_absolute_path_collides(samples, tmp_path: Path,
+                                                        repo_root: Path) -> None:
+    """``output.dir`` relative, ``output.video`` the same folder spelled absolute: the video
+    would be the records' file."""
+    out = tmp_path / "out"
+    config = bikes(samples, out, video=str(out / "{source}.jsonl"), jsonl="{source}.jsonl")
+    config["output"]["dir"] = "out"  # relative to the working folder, tmp_path
+    result = subprocess.run(
+        [sys.executable, str(repo_root / "run.py"), "--config", str(write(tmp_path, config)),
+         "--no-progress"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: output.jsonl: output.jsonl of source 'bikes' would "
+                                    "be 'out/bikes.jsonl', which is also output.video of source "
+                                    "'bikes'")
+    assert not out.exists()  # nothing written
+
+
+def write(folder: Path, config: dict) -> Path:
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_an_output_through_a_symlinked_folder_collides(samples, tmp_path: Path,
+                                                       repo_root: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "link").symlink_to(out)
+    (out / "bikes.jsonl").write_text(OLDER)
+    config = bikes(samples, out, video=str(tmp_path / "link" / "{source}.jsonl"))
+    result = run_cli(repo_root, config, tmp_path / "cfg")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: output.jsonl: output.jsonl of source 'bikes' would "
+                                    f"be '{out / 'bikes.jsonl'}', which is also output.video "
+                                    "of source 'bikes'")
+    assert (out / "bikes.jsonl").read_text() == OLDER
+    assert {p.name for p in out.iterdir()} == {"bikes.jsonl"}
+
+
+def test_an_output_over_the_input_collides(samples, tmp_path: Path) -> None:
+    """The records written over the video they are read from, reached through a symlinked
+    folder (a copy of the sample: never the shared asset)."""
+    from pipeline.cli import main
+
+    (tmp_path / "real").mkdir()
+    video = tmp_path / "real" / "bikes.mp4"
+    shutil.copyfile(samples.bikes, video)
+    (tmp_path / "media").symlink_to(tmp_path / "real")
+    config = pipeline_config(samples, tmp_path, [{"name": "bikes", "uri": str(video)}],
+                             output={"jsonl": str(tmp_path / "media" / "{source}.mp4")})
+    assert main(["--config", str(write(tmp_path, config))]) == 2
+    assert video.read_bytes() == Path(samples.bikes).read_bytes()
+
+
+def test_a_source_removed_before_its_first_frame_leaves_no_file(samples, tmp_path: Path) -> None:
+    """A camera that never connected (a closed port, retrying) removed from a running graph:
+    no ``door.jsonl`` of 0 bytes, nothing at all."""
+    data = pipeline_config(
+        samples, tmp_path,
+        [{"name": "street", "uri": str(samples.bikes), "pace_fps": 10},
+         {"name": "door", "uri": f"rtsp://127.0.0.1:{free_port()}/door", "open_timeout_s": 1}],
+        runtime={"stop_when": "never"})
+    graph = build_graph(parse_config(data))
+    with running(graph):
+        wait_for(lambda: graph.ready.is_set(), 90, "the model")
+        time.sleep(0.5)
+        graph.remove_source("door")
+        wait_for(lambda: graph.source_done("door"), 30, "door's sink to end")
+        assert not list(tmp_path.glob("door*"))
