@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.ray is not None or runtime.gpus is not None or runtime.pipelines is not None:
             from pipeline.cluster import run_cluster
 
-            return run_cluster(config, args.ray)
+            return run_cluster(config, args.ray, restart=args.restart)
         return run_pipeline(config, restart=args.restart)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -32,6 +32,7 @@ Executors start and reach the hosts: ``LocalExecutor`` (spawned processes, here)
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import os
 import signal
@@ -107,7 +108,8 @@ class Supervisor:
     """
 
     def __init__(self, config: PipelineConfig, executor: Executor, max_restarts: int = 3,
-                 exporter: Any = None, loads: list[SourceLoad] | None = None) -> None:
+                 exporter: Any = None, loads: list[SourceLoad] | None = None,
+                 resume: tuple[str, ...] = ()) -> None:
         self.config = config
         self.executor = executor
         self.max_restarts = max_restarts
@@ -121,7 +123,9 @@ class Supervisor:
         self.history: list[tuple[str, int, int]] = []  # (source, host, assignment) started
         self._running: dict[int, tuple[int, Assignment]] = {}  # id -> (host, assignment)
         self._cutting: set[int] = set()  # assignments aborted to move their sources
-        self._ran: set[str] = set()  # sources started at least once: they resume
+        # sources started at least once (or cut short by an earlier run: ``resume``): their
+        # assignments resume them after their last record
+        self._ran: set[str] = set(resume)
         self._not_before: dict[str, float] = {}
         self._next_id = 0
         self._stop = threading.Event()
@@ -497,12 +501,22 @@ def absolute_paths(config: PipelineConfig, base: str | None = None) -> PipelineC
     return config
 
 
-def run_cluster(config: PipelineConfig, ray_address: str | None = None) -> int:
+def run_cluster(config: PipelineConfig, ray_address: str | None = None,
+                restart: bool = False) -> int:
     """Run ``config`` over several pipelines (``runtime.gpus``, ``runtime.pipelines``) or
-    Ray actors (``ray_address``: ``--ray``), with signals and the summary as ``run.py``;
-    returns the exit status (``pipeline.cli``'s)."""
+    Ray actors (``ray_address``: ``--ray``), with signals, the summary and the exit status as
+    ``run.py`` (``pipeline.cli``'s table): a file source an earlier run left cut short
+    resumes after its last record unless ``restart``; one stopped before its end keeps its
+    ``.partial`` outputs and makes the status EXIT_STOPPED."""
     from pipeline.build import check_extras, probe_file_sources
-    from pipeline.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+    from pipeline.cli import (
+        EXIT_FAILED,
+        EXIT_INTERRUPTED,
+        EXIT_OK,
+        EXIT_STOPPED,
+        EXIT_USAGE,
+        resume_cut_files,
+    )
     from pipeline.config import ConfigError
     from stages.backends.base import read_model_info
 
@@ -510,6 +524,7 @@ def run_cluster(config: PipelineConfig, ray_address: str | None = None) -> int:
         check_extras(config)
         read_model_info(config.model.path, config.model.layout)
         probe_file_sources(config)  # every file's first frame decodes
+        resume = () if restart else tuple(resume_cut_files(copy.deepcopy(config)))
         if config.runtime.http is not None:
             raise ConfigError("runtime.http: the live view serves one pipeline; it is not "
                               "available with runtime.gpus, runtime.pipelines or --ray")
@@ -531,7 +546,8 @@ def run_cluster(config: PipelineConfig, ray_address: str | None = None) -> int:
         print(f"error: {error}" if isinstance(error, ConfigError) else
               f"error: model.path: {error}", file=sys.stderr)
         return EXIT_USAGE
-    supervisor = Supervisor(config, executor, config.runtime.max_restarts, exporter)
+    supervisor = Supervisor(config, executor, config.runtime.max_restarts, exporter,
+                            resume=resume)
     if exporter is not None:
         try:
             port = exporter.start()
@@ -562,4 +578,26 @@ def run_cluster(config: PipelineConfig, ray_address: str | None = None) -> int:
     failed = {name: error for name, error in results.items() if error}
     for name, reason in failed.items():
         print(f"error: source {name}: {reason}", file=sys.stderr)
-    return EXIT_FAILED if failed else EXIT_OK
+    if failed:
+        return EXIT_FAILED
+    cut = cut_short_files(config)
+    for name in cut:
+        log.warning("stopped early: outputs kept as .partial; run the same command again to "
+                    "resume (--restart: start over)", source=name)
+    return EXIT_STOPPED if cut else EXIT_OK
+
+
+def cut_short_files(config: PipelineConfig) -> list[str]:
+    """The file sources whose outputs a run left under their ``.partial`` names (a source
+    stopped before its end keeps them; one that finished renamed them)."""
+    from pipeline.config import OUTPUT_KEYS, is_stream_url, partial_path
+
+    cut = []
+    for source in config.sources:
+        if source.is_live or is_stream_url(source.uri):
+            continue
+        paths = [config.output_path(template, source.name) for key in OUTPUT_KEYS
+                 if (template := getattr(config.output, key)) is not None and key != "events"]
+        if any(partial_path(path).exists() for path in paths):
+            cut.append(source.name)
+    return cut

@@ -177,3 +177,25 @@ def test_a_source_removed_before_its_first_frame_leaves_no_file(samples, tmp_pat
         graph.remove_source("door")
         wait_for(lambda: graph.source_done("door"), 30, "door's sink to end")
         assert not list(tmp_path.glob("door*"))
+
+
+def test_with_two_pipelines_a_stopped_file_stays_partial_and_the_next_run_resumes_it(
+        samples, tmp_path: Path, run_pipeline) -> None:
+    """``runtime.pipelines: 2``: the same exit 3, ``.partial`` names, and resume."""
+    config = bikes(samples, tmp_path)
+    config["sources"][0]["pace_fps"] = 50  # a few seconds long: the signal comes mid-file
+    config["runtime"] = {**config.get("runtime", {}), "pipelines": 2}
+    run = run_pipeline(config, tmp_path)
+    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, 120,
+             "the first records", run)
+    run.signal(signal.SIGINT)
+    assert run.wait(120) == STOPPED, run.stderr()[-3000:]
+    cut = records(tmp_path / "bikes.partial.jsonl")
+    assert 10 <= len(cut) < BIKES_FRAMES and not (tmp_path / "bikes.jsonl").exists()
+    assert [e["source"] for e in run.events("stopped early: outputs kept as .partial; run the "
+                                            "same command again to resume (--restart: start "
+                                            "over)")] == ["bikes"]
+    again = run_pipeline(config, tmp_path / "again")  # the same config
+    assert again.wait(180) == 0, again.stderr()[-3000:]
+    assert [r["frame"] for r in records(tmp_path / "bikes.jsonl")] == list(range(BIKES_FRAMES))
+    assert not (tmp_path / "bikes.partial.jsonl").exists()
