@@ -283,7 +283,8 @@ class Graph:
     def source_done(self, name: str) -> bool:
         """Whether source ``name``'s sink thread has ended (its outputs are final)."""
         thread = self._sink_threads.get(name)
-        return thread is not None and not thread.is_alive()
+        # (a thread made but not started yet is not alive either)
+        return thread is not None and thread.ident is not None and not thread.is_alive()
 
     def reusable(self, name: str) -> bool:
         """Whether ``name`` was a source's that has ended or was removed, its reading

@@ -129,3 +129,42 @@ def test_a_10_s_outage_shows_reconnecting_then_running_and_pts_keep_increasing(
     assert all(b > a for a, b in zip(pts, pts[1:])), "pts went back"
     gap = max(b - a for a, b in zip(pts, pts[1:]))
     assert gap >= OUTAGE_S * 0.8, f"the outage is not in the pts (largest step {gap:.2f} s)"
+
+
+def test_an_ended_card_can_be_deleted_and_its_name_added_again(samples, tmp_path: Path) -> None:
+    config = pipeline_config(samples, tmp_path, [{"name": "clip", "uri": str(samples.carphone)}],
+                             runtime={"decode_workers": 0, "stop_when": "never",
+                                      "http": {"port": 0}})
+    with served(config) as (api, _):
+        busy = api.post("/api/sources", json={"name": "clip", "uri": str(samples.carphone)})
+        assert busy.status_code == 409, busy.text  # running: its name is in use
+        assert "in use" in busy.json()["error"]
+        wait_for(lambda: api.get("/api/sources/clip").json()["state"] == "ended", 120,
+                 "the clip to end")
+        first = records(tmp_path / "clip.jsonl")
+        deleted = api.delete("/api/sources/clip")  # an ended card goes
+        assert deleted.status_code == 200, deleted.text
+        assert deleted.json() == {"name": "clip", "state": "removed", "frames": len(first),
+                                  "outputs": [str(tmp_path / "clip.jsonl")]}
+        assert api.get("/api/sources").json()["sources"] == []
+        assert api.get("/api/sources/clip").status_code == 404
+
+        again = api.post("/api/sources", json={"name": "clip", "uri": str(samples.carphone)})
+        assert again.status_code == 201, again.text
+        assert [s["name"] for s in api.get("/api/sources").json()["sources"]] == ["clip"]
+        wait_for(lambda: api.get("/api/sources/clip").json()["state"] == "ended", 120,
+                 "the clip added again to end")
+        # Ended (not deleted): its name may be used a third time, with the next number.
+        third = api.post("/api/sources", json={"name": "clip", "uri": str(samples.carphone),
+                                               "start_frame": 100})
+        assert third.status_code == 201, third.text
+        wait_for(lambda: api.get("/api/sources/clip").json()["state"] == "ended", 120,
+                 "the third clip to end")
+        gone = api.delete("/api/sources/clip").json()
+        assert gone["outputs"] == [str(tmp_path / "clip.3.jsonl")]
+    assert records(tmp_path / "clip.jsonl") == first  # the first outputs are untouched
+    assert [r["frame"] for r in first] == list(range(120))
+    assert [r["frame"] for r in records(tmp_path / "clip.2.jsonl")] == list(range(120))
+    assert [r["frame"] for r in records(tmp_path / "clip.3.jsonl")] == list(range(100, 120))
+    assert sorted(p.name for p in tmp_path.glob("clip*")) == [
+        "clip.2.jsonl", "clip.3.jsonl", "clip.jsonl"]
