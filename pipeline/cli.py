@@ -130,7 +130,9 @@ def run_pipeline(config: PipelineConfig, restart: bool = False) -> int:
     if config.runtime.metrics_port is not None:
         from pipeline.prometheus import PrometheusExporter
 
-        exporter = PrometheusExporter(config.runtime.metrics_port)
+        runtime = config.runtime
+        exporter = PrometheusExporter(runtime.metrics_port, runtime.metrics_host,
+                                      runtime.metrics_token)
     with Progress(enabled=config.runtime.progress) as progress:
         def batch_done(source: str, part: BatchDetections) -> None:
             progress.frames_done(len(part))
@@ -143,7 +145,8 @@ def run_pipeline(config: PipelineConfig, restart: bool = False) -> int:
                 graph.sinks[name].resume_from = frame
             if exporter is not None:
                 port = exporter.start(graph)
-                log.info("serving Prometheus metrics", url=f"http://0.0.0.0:{port}/metrics")
+                log.info("serving Prometheus metrics",
+                         url=f"http://{config.runtime.metrics_host}:{port}/metrics")
             if config.runtime.http is not None:
                 from pipeline.http import HttpServer
 

@@ -533,7 +533,9 @@ def run_cluster(config: PipelineConfig, ray_address: str | None = None,
         if config.runtime.metrics_port is not None:
             from pipeline.cluster_metrics import ClusterExporter
 
-            exporter = ClusterExporter(config.runtime.metrics_port)
+            runtime = config.runtime
+            exporter = ClusterExporter(runtime.metrics_port, runtime.metrics_host,
+                                       runtime.metrics_token)
         metrics = exporter is not None
         if ray_address is not None:
             from pipeline.ray_cluster import RayExecutor, connect
@@ -554,7 +556,8 @@ def run_cluster(config: PipelineConfig, ray_address: str | None = None,
         except OSError as error:
             print(f"error: failed to start: {error}", file=sys.stderr)
             return EXIT_FAILED
-        log.info("serving Prometheus metrics", url=f"http://0.0.0.0:{port}/metrics")
+        log.info("serving Prometheus metrics",
+                 url=f"http://{config.runtime.metrics_host}:{port}/metrics")
     log.info("sources placed by load", pipelines=executor.names, sources=len(config.sources))
     from pipeline.cli import install_signal_handlers  # cli imports this module lazily
 

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from pipeline.prometheus import serve, stop_serving
+from pipeline.prometheus import check_bind, serve, stop_serving
 
 METRIC_TYPES = ("counter", "gauge", "histogram", "summary", "info", "stateset", "unknown")
 
@@ -88,11 +88,14 @@ class ClusterExporter:
 
     Args:
         port: TCP port; 0 picks a free one (``start`` returns it).
-        addr: address to bind (all interfaces: Prometheus scrapes remotely).
+        addr: address to bind (``runtime.metrics_host``); this machine only by default.
+        token: the bearer token requests must carry, or None; required when ``addr`` is not
+            loopback (``pipeline.prometheus.check_bind``).
     """
 
-    def __init__(self, port: int, addr: str = "0.0.0.0") -> None:
-        self.port, self.addr = port, addr
+    def __init__(self, port: int, addr: str = "127.0.0.1", token: str | None = None) -> None:
+        check_bind(addr, token)
+        self.port, self.addr, self.token = port, addr, token
         self._latest: dict[str, list[FamilySnapshot]] = {}
         self._lock = threading.Lock()
         self._server: Any = None
@@ -114,7 +117,7 @@ class ClusterExporter:
         """
         registry = CollectorRegistry()
         registry.register(SnapshotCollector(self.snapshots))
-        self._server = serve(registry, self.port, self.addr)
+        self._server = serve(registry, self.port, self.addr, self.token)
         return int(self._server.server_port)
 
     def stop(self) -> None:

@@ -586,8 +586,19 @@ class RuntimeConfig:
         default=None,
         metadata=_doc("Serve Prometheus metrics at http://HOST:PORT/metrics (frames, time and "
                       "fps per stage and source, drops, queue depths, reconnections, latency "
-                      "histogram), or null for none.", min=1, max=65535),
+                      "histogram, each source's state and last error), or null for none.",
+                      min=1, max=65535),
     )
+    metrics_host: str = field(
+        default="127.0.0.1",
+        metadata=_doc("Address the metrics server binds: 127.0.0.1 (this machine only), "
+                      "0.0.0.0 (every interface, for a remote Prometheus) or one of this "
+                      "machine's addresses; anything but loopback needs metrics_token."))
+    metrics_token: str | None = field(
+        default=None, repr=False,
+        metadata=_doc("Token every metrics request must carry (Authorization: Bearer TOKEN; "
+                      "Prometheus: authorization: {credentials: ...}), or null; required when "
+                      "metrics_host is not a loopback address. Use ${VAR}. Never logged."))
     decode_workers: int | None = field(
         default=None,
         metadata=_doc("Processes that decode the CPU-decoded sources, each owning a share of "
@@ -640,6 +651,17 @@ class RuntimeConfig:
                       "reading them; pinned on the GPU path); 0 sizes them from the number "
                       "of sources, queue_size and batch_size.", min=0),
     )
+
+    def __post_init__(self) -> None:
+        """The metrics bind takes the HTTP API's token rule (``HttpConfig.check``)."""
+        token = self.metrics_token
+        if token is not None and not token.strip():
+            raise ConfigError("runtime.metrics_token: expected a non-empty token (an unset "
+                              "variable?), got ''")
+        if token is None and not is_loopback(self.metrics_host):
+            raise ConfigError(f"runtime.metrics_token: required when runtime.metrics_host is "
+                              f"not a loopback address (got {self.metrics_host!r}); use "
+                              "metrics_token: ${VAR}")
 
 
 @dataclass

@@ -3,9 +3,9 @@ and ``DELETE /api/sources/{name}``).
 
 An added source is validated exactly as a ``sources[]`` entry of the YAML file is (the same
 one-line messages, its key ``sources[N]`` where N is its position among every source this
-run has had), then against the running pipeline: its name must not have been used in this
-run (its outputs would overwrite the earlier source's), a file's frames must fit the frame
-slots sized at start, and a tracker or zones need the stages that run them (present when a
+run has had), then against the running pipeline: its name must not be in use (a source
+running, or one whose outputs are being finalised), a file's frames must fit the frame slots
+sized at start, and a tracker or zones need the stages that run them (present when a
 configured source uses them). ``${VAR}`` references are not expanded in a request (a request
 must not read the server's environment).
 
@@ -15,6 +15,12 @@ decode start: in the decode worker with the fewest running sources (sharing that
 slots), or in a thread of this process without workers. Removing a source stops its reading;
 what it queued drains and its outputs are finalised as for a file that ended. The other
 sources are not touched either way: no frame of theirs waits or is lost.
+
+**A name used again.** The name of a source that was removed or has ended may be added again
+once its outputs are final. Its earlier outputs are never touched: the new source writes under
+the next free numbered name, ``NAME.2.jsonl`` (``.3``, ...: the number goes before the
+suffix of every output file ``output`` names, the same number for all of them), the first
+number whose final and ``.partial`` names are all free on disk and unused in this run.
 """
 
 from __future__ import annotations
@@ -27,7 +33,15 @@ from typing import Any
 
 import structlog
 
-from pipeline.config import ConfigError, PipelineConfig, SourceConfig, build_section, check_config
+from pipeline.config import (
+    OUTPUT_KEYS,
+    ConfigError,
+    PipelineConfig,
+    SourceConfig,
+    build_section,
+    check_config,
+    partial_path,
+)
 from pipeline.graph import Graph, SourceConflict
 from pipeline.slots import SlotRing, i420_bytes
 from pipeline.stage import SourceStage, Stage
@@ -72,7 +86,8 @@ class SourceControl:
         self.make_sink, self.probe_size = make_sink, probe_size
         self.base_dir, self.track_gone_margin_s = base_dir, track_gone_margin_s
         self.sources: list[SourceConfig] = list(config.sources)  # every source of the run
-        self.removed: set[str] = set()
+        self.retired: set[int] = set()  # ids (positions in sources) removed or replaced
+        self.outputs: dict[int, list[Path]] = {}  # a reused name's source id -> its outputs
         self._lock = threading.Lock()  # one change at a time
         stages = {type(stage): stage for stage in graph.chain}
         self._batcher: BatcherStage = stages[BatcherStage]  # type: ignore[assignment]
@@ -84,7 +99,7 @@ class SourceControl:
     def current(self) -> list[SourceConfig]:
         """The sources of the run that were not removed, in the order they came."""
         with self._lock:
-            return [s for s in self.sources if s.name not in self.removed]
+            return [s for i, s in enumerate(self.sources) if i not in self.retired]
 
     def add(self, data: Any) -> SourceConfig:
         """Validate a ``sources[]`` entry and start it (returns once its threads started);
@@ -92,7 +107,8 @@ class SourceControl:
 
         Raises:
             ConfigError: the entry is not valid (a one-line message naming the key).
-            SourceConflict: its name was used in this run, or the run is ending.
+            SourceConflict: its name is in use (a source running, or one whose outputs are
+                being finalised), or the run is ending.
         """
         self.graph.wait_until_started()  # the decode workers take new sources once started
         with self._lock:
@@ -102,20 +118,25 @@ class SourceControl:
                 raise ConfigError(f"{key}: expected a mapping of a source's keys, got "
                                   f"{type(data).__name__}")
             source = build_section(SourceConfig, data, key)
-            if any(s.name == source.name for s in self.sources):
-                raise SourceConflict(f"{key}.name: source name {source.name!r} is already "
-                                     "used in this run (a removed source's outputs keep it)")
-            candidate = dataclasses.replace(self.config, sources=[*self.sources, source])
+            earlier = [i for i, s in enumerate(self.sources) if s.name == source.name]
+            if earlier and not self.graph.reusable(source.name):
+                raise SourceConflict(f"{key}.name: source name {source.name!r} is in use in "
+                                     "this run (running, or its outputs are being finalised)")
+            others = [s for i, s in enumerate(self.sources)
+                      if i not in self.retired and i not in earlier]
+            candidate = dataclasses.replace(self.config, sources=[*others, source])
             check_config(candidate, self.base_dir)
             parts = self._stage_parts(key, source)
+            sink_config = self._config_for(source) if earlier else self.config
             stage = self._decoder(index, source)
-            sink = self.make_sink(self.config, source, parts["tracker"] is not None,
+            sink = self.make_sink(sink_config, source, parts["tracker"] is not None,
                                   bool(parts["regions"]))
             assigned = self._batcher.add_source(source.name, source.detect_every,
                                                 source.detect_fps)
             if assigned != index:  # the batcher numbers sources as this list does
                 raise RuntimeError(f"source id {assigned} != {index}: out of step")
             self.sources.append(source)
+            self.retired.update(earlier)
             self._register(index, source, parts)
             in_worker = self.pool is not None and getattr(stage, "pool", None) is self.pool
             try:
@@ -129,21 +150,73 @@ class SourceControl:
         log.info("source added at runtime", source=source.name, id=index, live=source.is_live)
         return source
 
-    def remove(self, name: str) -> None:
-        """Stop source ``name``; its outputs are final once ``done(name)``.
+    def remove(self, name: str) -> bool:
+        """Stop source ``name``, or forget it when it has ended; its outputs are final once
+        ``done(name)``. Returns True when it was running (it is being stopped now).
 
         Raises:
-            SourceConflict: no source of that name is running.
+            SourceConflict: no source of that name is running or has ended in this run.
         """
         with self._lock:
-            self.graph.remove_source(name)
-            self.removed.add(name)
+            ids = [i for i, s in enumerate(self.sources) if s.name == name
+                   and i not in self.retired]
+            if not ids:
+                raise SourceConflict(f"no source named {name!r}")
+            try:
+                self.graph.remove_source(name)
+                stopped = True
+            except SourceConflict:  # it has ended (or is ending) by itself
+                stopped = False
+            self.retired.update(ids)
+        return stopped
+
+    def output_paths(self, name: str) -> list[Path]:
+        """The final output paths of the source now named ``name`` (for a name used again,
+        its numbered ones), whichever exist or not."""
+        with self._lock:
+            index = max(i for i, s in enumerate(self.sources) if s.name == name)
+            return self.outputs.get(index) or self._paths(self.config, self.sources[index])
 
     def done(self, name: str) -> bool:
         """Whether a removed (or ended) source's outputs are final."""
         return self.graph.source_done(name)
 
     # -- internals -----------------------------------------------------------------------
+    @staticmethod
+    def _paths(config: PipelineConfig, source: SourceConfig) -> list[Path]:
+        """The final paths of every output ``config.output`` names for ``source``."""
+        found = []
+        for key in OUTPUT_KEYS:
+            template = getattr(config.output, key)
+            if template and (key != "events" or source.analytics):
+                found.append(config.output_path(template, source.name))
+        return found
+
+    def _config_for(self, source: SourceConfig) -> PipelineConfig:
+        """The run's configuration with ``output`` naming the next free numbered outputs of
+        a name used again (module docstring); the caller holds ``_lock``."""
+        taken = {path for paths in self.outputs.values() for path in paths}
+        number = 2
+        while True:
+            output = self.config.output
+            changes: dict[str, str] = {}
+            for key in OUTPUT_KEYS:
+                template = getattr(output, key)
+                if not template:
+                    continue
+                path = self.base_dir / self.config.output_path(template, source.name)
+                numbered = path.with_name(f"{path.stem}.{number}{path.suffix}")
+                changes[key] = str(numbered.absolute()).replace("{", "{{").replace("}", "}}")
+            candidate = dataclasses.replace(self.config,
+                                            output=dataclasses.replace(output, **changes))
+            paths = self._paths(candidate, source)
+            if not any(p in taken or p.exists() or partial_path(p).exists() for p in paths):
+                self.outputs[len(self.sources)] = paths
+                log.info("source name used again: its outputs get new names",
+                         source=source.name, outputs=[str(p) for p in paths])
+                return candidate
+            number += 1
+
     def _stage_parts(self, key: str, source: SourceConfig) -> dict[str, Any]:
         """What the chain's stages need for ``source``, checked against the run."""
         source_filter = SourceFilter.from_config(key, source, self.class_names, self.num_classes)

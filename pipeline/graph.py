@@ -24,7 +24,10 @@ When the run ends by itself is ``stop_when`` (``runtime.stop_when``): ``all_ende
 source ended, ``files_ended`` once every file source ended (the cameras are stopped then),
 ``never`` only on ``request_stop``. Until then sources can be added (``add_source``) and
 removed (``remove_source``) while the others run: the first stage's queue has a ``control``
-lane, closed only when the run ends, so the chain never sees its input close in between.
+lane, closed only when the run ends, so the chain never sees its input close in between. The
+name of a source that was removed or ended may be used again once its outputs are final: the
+new source replaces it (its counters start afresh; ``pipeline.control`` gives it new output
+names).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 
 import structlog
 
-from pipeline.metrics import SourceMetrics, StageMetrics
+from pipeline.metrics import STALE_AFTER_S, SourceMetrics, StageMetrics, source_state
 from pipeline.queues import CLOSED, StageQueue, Stopped
 from pipeline.records import BatchDetections, EndOfStream, Frame
 from pipeline.slots import SlotRing
@@ -110,6 +113,9 @@ class Graph:
         self._source_threads: dict[str, threading.Thread] = {}
         self._sink_threads: dict[str, threading.Thread] = {}
         self._source_stops = {source.name: threading.Event() for source in sources}
+        self._lanes = {source.name: source.name for source in sources}  # name -> first lane
+        self._lane_serial = 0
+        self.removed: frozenset[str] = frozenset()  # asked to stop (``remove_source``)
         self.stop_reading = threading.Event()
         self.ready = threading.Event()  # every stage opened (the model warmed up), sources start
         self._stop = stop or threading.Event()  # shared with stages that wait on GPU buffers
@@ -158,12 +164,13 @@ class Graph:
         (also after a failure), in reverse order of starting."""
         self._services.append((start, close, with_sources))
 
-    def _add_source_lane(self, source: SourceStage) -> None:
+    def _add_source_lane(self, source: SourceStage, lane: str | None = None) -> None:
+        lane = lane or source.name
         if source.live:
-            self._inboxes[0].add_lane(source.name, self.queue_size, "drop_oldest",
+            self._inboxes[0].add_lane(lane, self.queue_size, "drop_oldest",
                                       on_drop=self._drop_frame)
         else:
-            self._inboxes[0].add_lane(source.name, self.queue_size, "block")
+            self._inboxes[0].add_lane(lane, self.queue_size, "block")
 
     def _make_sink_inbox(self, source: SourceStage) -> StageQueue:
         inbox = StageQueue(self.sinks[source.name].name, self._stop)
@@ -216,16 +223,27 @@ class Graph:
         While the graph starts (its stages open: the model warms up), this waits until it has
         started, at most ``START_WAIT_S``.
 
+        The name of a source that was removed or ended may be used again once its outputs
+        are final (``reusable``): the new one replaces it (the caller gives it other outputs).
+
         Raises:
-            SourceConflict: its name is in use (also by a source removed in this run: its
-                outputs would be overwritten), or the run is ending, or it did not start.
+            SourceConflict: its name is in use (a source running, or one whose outputs are
+                being finalised), or the run is ending, or it did not start.
         """
         self.wait_until_started()
         with self._sources_lock:
             if not self._accepting or not self._running:
                 raise SourceConflict("the run is ending: no source can be added")
+            lane = source.name
             if source.name in self._source_stops:
-                raise SourceConflict(f"source name {source.name!r} is already used in this run")
+                if not self.reusable(source.name):
+                    raise SourceConflict(f"source name {source.name!r} is in use in this run "
+                                         "(running, or its outputs are being finalised)")
+                self.sources = [s for s in self.sources if s.name != source.name]
+                self.removed = self.removed - {source.name}
+                self._lane_serial += 1  # the old lane is closed: a lane of its own
+                lane = f"{source.name}#{self._lane_serial}"
+            self._lanes = {**self._lanes, source.name: lane}
             self.sinks = {**self.sinks, source.name: sink}
             self._source_stops[source.name] = threading.Event()
             self.stage_metrics = {**self.stage_metrics, sink.name: StageMetrics(sink.name)}
@@ -235,12 +253,12 @@ class Graph:
                 self._dropped[source.name] = 0
             self._sink_of = {**self._sink_of, sink.name: source.name}
             self._sink_inboxes = {**self._sink_inboxes, source.name: self._make_sink_inbox(source)}
-            self._add_source_lane(source)
+            self._add_source_lane(source, lane)
             self.sources = [*self.sources, source]
             try:
                 sink.open()
             except BaseException:
-                self._inboxes[0].close(source.name)
+                self._inboxes[0].close(lane)
                 raise
             self._start_sink(source.name, sink)
             self._start_source(source)
@@ -258,13 +276,33 @@ class Graph:
             thread = self._source_threads.get(name)
         if stop is None or thread is None or not thread.is_alive():
             raise SourceConflict(f"no running source named {name!r}")
+        with self._sources_lock:
+            self.removed = self.removed | {name}
         stop.set()
         log.info("source removed: its outputs are being finalised", source=name)
 
     def source_done(self, name: str) -> bool:
         """Whether source ``name``'s sink thread has ended (its outputs are final)."""
         thread = self._sink_threads.get(name)
-        return thread is not None and not thread.is_alive()
+        # (a thread made but not started yet is not alive either)
+        return thread is not None and thread.ident is not None and not thread.is_alive()
+
+    def reusable(self, name: str) -> bool:
+        """Whether ``name`` was a source's that has ended or was removed, its reading
+        stopped and its outputs final: a new source may take the name."""
+        reader = self._source_threads.get(name)
+        return self.source_done(name) and (reader is None or not reader.is_alive())
+
+    def source_state(self, name: str, shown_since: float,
+                     stale_after_s: float = STALE_AFTER_S) -> str:
+        """Source ``name``'s state (``pipeline.metrics.SOURCE_STATES``); call
+        ``refresh_source_metrics`` first for the latest connection news."""
+        done = self.source_done(name)
+        if name in self.removed and done:
+            return "removed"
+        live = next((s.live for s in self.sources if s.name == name), False)
+        return source_state(self.source_metrics[name], live, done, name in self.removed,
+                            shown_since, stale_after_s)
 
     def abort(self) -> None:
         """Stop every thread as soon as possible."""
@@ -296,7 +334,7 @@ class Graph:
 
     # -- threads -------------------------------------------------------------------------
     def _run_source(self, source: SourceStage) -> None:
-        inbox = self._inboxes[0]
+        inbox, lane = self._inboxes[0], self._lanes[source.name]
         try:
             stop = self._source_stops[source.name]
             for item in source.frames(stop):
@@ -305,13 +343,13 @@ class Graph:
                 elif isinstance(item, EndOfStream) and stop.is_set():  # the sink tells cut short
                     item = replace(item, stopped=True,
                                    total=getattr(source, "expected_frames", None))
-                inbox.put(source.name, item)
+                inbox.put(lane, item)
         except Stopped:
             pass
         except BaseException as error:  # noqa: BLE001 - surfaces from run()
             self._fail(source.name, error)
         finally:
-            inbox.close(source.name)
+            inbox.close(lane)
             self._close_quietly(source)
 
     def _run_stage(self, stage: Stage, inbox: StageQueue, emit: Callable[[Any], float],
@@ -496,6 +534,7 @@ class Graph:
             metrics = metrics_of[source.name]
             metrics.dropped = dropped[source.name] + source.dropped
             metrics.reconnects = source.reconnects
+            metrics.link = source.link
 
     def queue_depths(self) -> dict[str, int]:
         """Items waiting now in front of each stage and sink, by its name."""

@@ -19,29 +19,41 @@ route                                    answer
 ``POST /api/sources``                    body: one ``sources[]`` entry as JSON; adds it to
                                          the running pipeline (``pipeline.control``): 201
                                          and the source; 400 ``{"error"}`` with the config
-                                         file's one-line message; 409 for a name used in
-                                         this run or a run that is ending
-``DELETE /api/sources/{name}``           stops it and finalises its outputs: 200 ``{"name",
-                                         "state": "removed", "frames"}`` once they are final
-                                         (waits up to ``REMOVE_WAIT_S``), else 202 with
-                                         ``"state": "removing"``; 404 unknown, 409 ended
+                                         file's one-line message; 409 for a name in use
+                                         (running, or its outputs being finalised) or a run
+                                         that is ending. The name of a removed or ended
+                                         source may be used again: its new outputs get
+                                         numbered names (``pipeline.control``)
+``DELETE /api/sources/{name}``           stops it and finalises its outputs (an ended
+                                         source: its card leaves the list): 200 ``{"name",
+                                         "state": "removed", "frames", "outputs"}`` once they
+                                         are final (waits up to ``REMOVE_WAIT_S``), else 202
+                                         with ``"state": "removing"``; 404 unknown
 ``POST /login``                          form field ``token``: sets the page's cookie
 =======================================  ==================================================
 
 A source: ``{"name", "uri" (credentials shown as ***), "live", "state", "frames", "fps"
-(over the last ~5 s), "dropped", "reconnects", "last_frame_age_s" (since the capture of the
-latest frame that reached its sink; null before the first), "latency_ms": {"p50", "p99"},
-"error", "picture": {"width", "height"} or null, "viewers", "counts"}`` (``counts``: its
-zones' and lines' counts, as ``AnalyticsCounts.to_json``, for a source with analytics).
-States: ``starting`` (no frame yet), ``running``, ``removing`` (``DELETE`` asked, outputs
-being finalised; the source leaves the list once they are), ``stalled`` (live, no frame for
-``stale_after_s``, or none since the view started that long ago), ``reconnecting`` (lost;
-its stream or its decode worker is being restarted), ``ended``, ``failed``. A camera decoded
-in a worker process reports its reconnections with its next frame only: while it is down it
-shows as ``stalled``.
+(over the last ~5 s), "dropped", "reconnects" (failed connection attempts and decode worker
+restarts, counted from the first failure, before any first connection too), "reconnect"
+(while ``reconnecting``: ``{"attempt": N, "next_try_in_s": S}``, else null), "error" (why it
+is not running: a failed source's error, or the last failed attempt's while reconnecting or
+stalled; else null), "last_error" (the latest failed attempt's reason, kept once it is
+running again; null before any), "last_frame_age_s" (since the capture of the latest frame
+that reached its sink; null before the first), "latency_ms": {"p50", "p99"}, "picture":
+{"width", "height"} or null, "viewers", "counts"}`` (``counts``: its zones' and lines'
+counts, as ``AnalyticsCounts.to_json``, for a source with analytics).
+
+States (``pipeline.metrics.source_state``): ``starting`` (no frame yet, no attempt failed),
+``running``, ``reconnecting`` (an attempt to connect failed, before any first connection
+too, and the next is due, or its decode worker is being restarted: attempt N, next try in S
+s, the last error), ``stalled`` (live and connected, but no frame for ``stale_after_s``, or
+none since it was shown that long ago), ``failed`` (it ended with an error), ``ended``
+(its outputs are final), ``removing`` (``DELETE`` asked, outputs being finalised; the source
+leaves the list once they are). Decode worker processes report each attempt as it happens.
 
 Health is ``starting`` until the graph has opened its stages (the model is warming up: no
-source has started yet), then ``degraded`` when a source failed, is reconnecting, or is live and stalled, or
+source has started yet), then ``degraded`` when a source failed, or a camera is reconnecting
+or stalled (each named, with why: the attempt, the next try and the last error), or
 when a queue was full in every sample for ``FULL_FOR_S`` while the graph has a live source
 (the pipeline is not keeping up: a live source's frames are being dropped; a queue full for
 an instant is a burst, and with files only a full queue is back-pressure, by design).
@@ -89,6 +101,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pipeline.config import ConfigError, PipelineConfig, SourceConfig, redact_url
 from pipeline.graph import SourceConflict
+from pipeline.metrics import STALE_AFTER_S, source_state
 from pipeline.preview import PreviewHub
 from stages.analytics import AnalyticsStage
 
@@ -98,7 +111,6 @@ PAGE = Path(__file__).with_name("web") / "index.html"
 COOKIE = "streamdet_session"
 SAMPLE_S = 0.5  # the monitor's period
 FPS_WINDOW_S = 5.0
-STALE_AFTER_S = 10.0
 FULL_FOR_S = 2.0  # a queue full in every sample this long makes the health degraded
 SNAPSHOT_WAIT_S = 2.0  # a snapshot with no fresh picture waits this long for one
 REMOVE_WAIT_S = 30.0  # a DELETE waits this long for the outputs to be final (then 202)
@@ -160,14 +172,9 @@ def secrets_of(config: PipelineConfig, token: str | None) -> list[str]:
 
 @dataclass
 class _Sampled:
-    """The monitor's view of one source: (monotonic time, frames out) samples, and when its
-    reconnection or restart counters last grew."""
+    """The monitor's view of one source: (monotonic time, frames out) samples."""
 
     history: deque[tuple[float, int]] = field(default_factory=deque)
-    reconnects: int = 0
-    restarts: int = 0
-    reconnected_at: float | None = None
-    restarted_at: float | None = None
 
 
 class SourceMonitor:
@@ -205,9 +212,11 @@ class SourceMonitor:
         self._lock = threading.Lock()
 
     def add(self, source: SourceConfig) -> None:
-        """Show a source added while the pipeline runs (after the graph took it)."""
+        """Show a source added while the pipeline runs (after the graph took it); one that
+        takes the name of an ended source replaces its card."""
         with self._lock:
-            self.names = [*self.names, source.name]
+            self.names = [*(n for n in self.names if n != source.name), source.name]
+            self.removing = self.removing - {source.name}
             self._uris = {**self._uris, source.name: redact_url(source.uri)}
             self._live = {**self._live, source.name: source.is_live}
             self._sampled = {**self._sampled, source.name: _Sampled()}
@@ -237,17 +246,9 @@ class SourceMonitor:
         """Take one sample of every source's counters (the monitor thread, twice a second)."""
         self.graph.refresh_source_metrics()
         now = time.monotonic()
-        stages = {stage.name: stage for stage in self.graph.sources}
         with self._lock:
             for name, sampled in self._sampled.items():
-                metrics, stage = self.graph.source_metrics[name], stages.get(name)
-                restarts = int(getattr(stage, "restarts", 0))
-                reconnects = metrics.reconnects - restarts
-                if reconnects > sampled.reconnects:
-                    sampled.reconnected_at = now
-                if restarts > sampled.restarts:
-                    sampled.restarted_at = now
-                sampled.reconnects, sampled.restarts = reconnects, restarts
+                metrics = self.graph.source_metrics[name]
                 sampled.history.append((now, metrics.frames_out))
                 while len(sampled.history) > 2 and now - sampled.history[1][0] >= FPS_WINDOW_S:
                     sampled.history.popleft()
@@ -269,47 +270,62 @@ class SourceMonitor:
         return (frames - before) / (now - then) if now > then else 0.0
 
     def state(self, name: str) -> str:
-        """One of the states of the module docstring."""
-        metrics, activity = self.graph.source_metrics[name], self.hub.activity(name)
-        if metrics.error or activity.error:
-            return "failed"
-        if name in self.removing:
-            return "removing"
-        if activity.ended:
-            return "ended"
+        """One of the states of the module docstring (the graph's counters as last
+        refreshed: ``sample``, or a request)."""
         with self._lock:
-            sampled = self._sampled[name]
-            lost_at = max((t for t in (sampled.reconnected_at, sampled.restarted_at)
-                           if t is not None), default=None)
-            shown_since = self._shown_since[name]
-        last = activity.last_frame_at
-        if lost_at is not None and (last is None or last < lost_at):
-            return "reconnecting"
-        since = shown_since if last is None else last
-        if self._live[name] and time.monotonic() - since > self.stale_after_s:
-            return "stalled"
-        return "starting" if last is None else "running"
+            shown_since, live = self._shown_since[name], self._live[name]
+            removing = name in self.removing
+        return source_state(self.graph.source_metrics[name], live, self.graph.source_done(name),
+                            removing, shown_since, self.stale_after_s)
+
+    def why(self, name: str, state: str) -> str | None:
+        """Why ``name`` is not running, in a few words (``state``: its state), or None."""
+        metrics = self.graph.source_metrics[name]
+        link = metrics.link
+        if state == "failed":
+            return metrics.error or self.hub.activity(name).error
+        if state == "reconnecting" and link is not None:
+            wait = link.retry_in_s()
+            return (f"attempt {link.attempt}, next try in {wait:.1f} s"
+                    if wait else f"attempt {link.attempt}, trying now") + f": {link.error}"
+        if state == "stalled":
+            last = metrics.last_frame_at
+            with self._lock:
+                since = self._shown_since[name] if last is None else last
+            return (f"no frame for {time.monotonic() - since:.0f} s"
+                    + (" (none yet)" if last is None else "")
+                    + (f"; last error: {link.error}" if link is not None and link.error else ""))
+        return None
 
     def source(self, name: str, counts: dict[str, dict[str, Any]] | None = None
                ) -> dict[str, Any]:
         """The JSON of one source (module docstring); ``counts``: ``self.counts()`` when
         the caller has it already."""
+        self.graph.refresh_source_metrics()  # the latest connection news, not 0.5 s old
         metrics, activity = self.graph.source_metrics[name], self.hub.activity(name)
         age = (None if activity.last_capture_time is None
                else round(max(0.0, time.time() - activity.last_capture_time), 3))
+        state, link = self.state(name), metrics.link
+        wait = link.retry_in_s() if link is not None else None
         return {
             "name": name,
             "uri": self._uris[name],
             "live": self._live[name],
-            "state": self.state(name),
+            "state": state,
             "frames": metrics.frames_out,
             "fps": round(self.fps(name), 2),
             "dropped": metrics.dropped,
             "reconnects": metrics.reconnects,
+            "reconnect": ({"attempt": link.attempt,
+                           "next_try_in_s": None if wait is None else round(wait, 1)}
+                          if state == "reconnecting" and link is not None else None),
             "last_frame_age_s": age,
             "latency_ms": {"p50": metrics.latency_percentile(50),
                            "p99": metrics.latency_percentile(99)},
-            "error": metrics.error or activity.error,
+            "error": (metrics.error or activity.error
+                      or (link.error if link is not None and state in ("reconnecting", "stalled")
+                          else None)),
+            "last_error": metrics.error or (link.error if link is not None else None),
             "picture": ({"width": activity.width, "height": activity.height}
                         if activity.picture_seq else None),
             "viewers": self.hub.viewers(name),
@@ -330,25 +346,16 @@ class SourceMonitor:
         if not self.graph.ready.is_set():
             return {"status": "starting", "reasons": ["the model is warming up"],
                     "sources": {name: "starting" for name in self.names}}
+        self.graph.refresh_source_metrics()
         for name in self.names:
             states[name] = state = self.state(name)
-            metrics = self.graph.source_metrics[name]
+            why = self.why(name, state)
             if state == "failed":
-                reasons.append(f"source {name} failed: "
-                               f"{metrics.error or self.hub.activity(name).error}")
+                reasons.append(f"source {name} failed: {why}")
             elif state == "reconnecting":
-                with self._lock:
-                    sampled = self._sampled[name]
-                    restarting = (sampled.restarted_at or 0) >= (sampled.reconnected_at or 0)
-                reasons.append(f"source {name}: its decode worker is restarting" if restarting
-                               else f"source {name} is reconnecting "
-                                    f"(attempt {sampled.reconnects})")
+                reasons.append(f"source {name} is reconnecting ({why})")
             elif state == "stalled":
-                last = self.hub.activity(name).last_frame_at
-                with self._lock:
-                    since = self._shown_since[name] if last is None else last
-                reasons.append(f"source {name}: no frame for {time.monotonic() - since:.0f} s"
-                               + (" (none yet)" if last is None else ""))
+                reasons.append(f"source {name}: {why}")
         if any(self._live.values()):
             now = time.monotonic()
             with self._lock:
@@ -620,7 +627,7 @@ class HttpServer:
         try:
             await run_in_threadpool(control.remove, name)
         except SourceConflict as error:
-            return self.json({"error": f"{error} (it ended)"}, 409)
+            return self.json({"error": str(error)}, 409)
         self.monitor.mark_removing(name)
         deadline = time.monotonic() + REMOVE_WAIT_S
         while not self.graph.source_done(name) and time.monotonic() < deadline:
@@ -628,8 +635,10 @@ class HttpServer:
         if not self.graph.source_done(name):
             return self.json({"name": name, "state": "removing"}, 202)
         frames = self.graph.source_metrics[name].frames_out
+        outputs = [str(path) for path in control.output_paths(name)]
         self.monitor.forget(name)
-        return self.json({"name": name, "state": "removed", "frames": frames})
+        return self.json({"name": name, "state": "removed", "frames": frames,
+                          "outputs": outputs})
 
     def _learn_secrets(self, data: Any) -> None:
         """Add the credentials in a POSTed source's URI to what responses are scrubbed of."""

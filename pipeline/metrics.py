@@ -70,6 +70,38 @@ class StageMetrics:
 
 # Latency percentiles are over the most recent frames, so a long run reports its present.
 LATENCY_WINDOW = 10_000
+STALE_AFTER_S = 10.0  # a live source with no frame this long is ``stalled``
+# What a source can be, in the order ``source_state`` decides (module docstring of
+# pipeline/http.py); ``removing`` and ``removed`` follow a DELETE.
+SOURCE_STATES = ("starting", "running", "reconnecting", "stalled", "failed", "ended",
+                 "removing", "removed")
+
+
+@dataclass(frozen=True)
+class LinkStatus:
+    """Where a live source's connection stands, as its decoder last reported it (at once,
+    also from a decode worker process, and before any first connection).
+
+    Attributes:
+        state: ``connecting`` (opening, no attempt failed yet), ``connected`` (the session
+            delivers pictures) or ``reconnecting`` (the last attempt failed; waiting for the
+            next, or making it).
+        attempt: failed attempts in a row, from 1 at the first failure; 0 when connected.
+        retry_at: ``time.monotonic()`` of the next attempt while reconnecting, else None.
+        error: the last failure's one-line reason (credentials redacted); kept once the
+            source is connected again, None before any failure.
+    """
+
+    state: str = "connecting"
+    attempt: int = 0
+    retry_at: float | None = None
+    error: str | None = None
+
+    def retry_in_s(self, now: float | None = None) -> float | None:
+        """Seconds until the next attempt (0 while it is being made), or None."""
+        if self.retry_at is None:
+            return None
+        return max(0.0, self.retry_at - (time.monotonic() if now is None else now))
 
 
 @dataclass
@@ -79,8 +111,11 @@ class SourceMetrics:
     Attributes:
         frames_out: frames that reached the sinks.
         dropped: frames a live source discarded because the pipeline was behind.
-        reconnects: reconnection attempts of a stream (successful or not).
+        reconnects: reconnection attempts of a stream (successful or not), counted from the
+            first failed attempt (before any first connection too).
         error: why the source ended early, or None.
+        link: its connection as its decoder last reported it (live sources), or None.
+        last_frame_at: ``time.monotonic()`` when its latest frame reached the sink, or None.
         latency_s: (read-only) capture-to-sink latencies of the last ``LATENCY_WINDOW`` frames,
             seconds, oldest first: a copy, ``(min(frames_out, LATENCY_WINDOW),) float64``.
     """
@@ -90,6 +125,8 @@ class SourceMetrics:
     dropped: int = 0
     reconnects: int = 0
     error: str | None = None
+    link: LinkStatus | None = None
+    last_frame_at: float | None = None
     # The latency window: a ring of LATENCY_WINDOW float64, written at _head, _filled valid.
     _ring: np.ndarray = field(default_factory=lambda: np.zeros(LATENCY_WINDOW, np.float64),
                               repr=False)
@@ -111,6 +148,8 @@ class SourceMetrics:
         kept = len(latencies)
         with self._lock:
             self.frames_out += count
+            if count:
+                self.last_frame_at = time.monotonic()
             if kept:
                 first = min(kept, LATENCY_WINDOW - self._head)
                 self._ring[self._head:self._head + first] = latencies[:first]
@@ -147,3 +186,33 @@ class SourceMetrics:
             "latency_p99_ms": self.latency_percentile(99),
             "error": self.error,
         }
+
+
+def source_state(metrics: SourceMetrics, live: bool, done: bool, removing: bool,
+                 shown_since: float, stale_after_s: float = STALE_AFTER_S,
+                 now: float | None = None) -> str:
+    """One of ``SOURCE_STATES`` (but ``removed``) for a source of the graph.
+
+    Args:
+        metrics: its counters (``error``, ``link``, ``last_frame_at``).
+        live: it is a live camera (only a camera stalls).
+        done: its outputs are final (its sink ended).
+        removing: it was asked to stop (``DELETE``).
+        shown_since: ``time.monotonic()`` from which a camera without any frame counts as
+            stalled (when it was added, or the view started).
+        stale_after_s: a camera with no frame this long is ``stalled``.
+    """
+    now = time.monotonic() if now is None else now
+    if metrics.error:
+        return "failed"
+    if removing:
+        return "removing"
+    if done:
+        return "ended"
+    link = metrics.link
+    if link is not None and link.state == "reconnecting":
+        return "reconnecting"
+    last = metrics.last_frame_at
+    if live and now - (shown_since if last is None else last) > stale_after_s:
+        return "stalled"
+    return "starting" if last is None else "running"

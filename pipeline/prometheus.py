@@ -1,6 +1,10 @@
 """A Prometheus exporter for a running graph (``runtime.metrics_port``).
 
-Serves ``http://ADDR:PORT/metrics`` from a daemon thread (prometheus-client's server). Counters
+Serves ``http://ADDR:PORT/metrics`` from a daemon thread (prometheus-client's WSGI app).
+``ADDR`` is ``runtime.metrics_host``, 127.0.0.1 unless configured; a bind that is not
+loopback needs ``runtime.metrics_token`` (the HTTP API's rule), and then every request must
+carry ``Authorization: Bearer TOKEN`` (Prometheus: ``authorization: {credentials: TOKEN}``
+in the scrape config), else it is answered 401. Counters
 and gauges are read from the graph when Prometheus scrapes, so the hot path pays nothing for
 them; only the latency histogram is fed, once per batch slice of one source, by
 :meth:`PrometheusExporter.observe_batch` (numpy bucketing, one lock operation per call).
@@ -16,7 +20,17 @@ pipeline_stage_blocked_seconds_total       counter  stage: time waiting on a ful
 pipeline_source_frames_total               counter  source: frames that reached its sink
 pipeline_source_fps                        gauge    source: frames/s over the last ~5 s
 pipeline_source_dropped_frames_total       counter  source: frames dropped (live, behind)
-pipeline_source_reconnects_total           counter  source: reconnection attempts
+pipeline_source_reconnects_total           counter  source: reconnection attempts (from the
+                                                    first failed one, before any first
+                                                    connection too)
+pipeline_source_state                      gauge    source, state: 1 for the state it is in
+                                                    (``pipeline.metrics.SOURCE_STATES``), 0
+                                                    for the others
+pipeline_source_reconnect_attempt          gauge    source: failed attempts in a row while
+                                                    reconnecting, 0 otherwise
+pipeline_source_last_error_info            gauge    source, error: 1, its latest error (a
+                                                    failed attempt's or why it failed), for
+                                                    sources that had one
 pipeline_queue_depth                       gauge    queue (the stage or sink it feeds): items
 pipeline_frame_latency_seconds             histo    source: capture to sink (``_bucket`` with
                                                     ``le``, ``_sum``, ``_count``)
@@ -34,18 +48,24 @@ configured classes appear from the start, with zeros, other classes from their f
 
 from __future__ import annotations
 
+import hmac
+import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from wsgiref.simple_server import make_server
 
 import numpy as np
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from pipeline.config import is_loopback
+from pipeline.metrics import SOURCE_STATES
 from stages.analytics import AnalyticsStage
 
 # Capture-to-sink latency: a few ms (GPU, batch 1) up to seconds (a backlog of file frames).
@@ -122,6 +142,7 @@ class GraphCollector(Collector):
         self.latency = latency
         self._history: dict[str, deque[tuple[float, int]]] = {}
         self._started = time.monotonic()
+        self._seen: dict[str, float] = {}  # source -> first scrape it was in (stalled from)
         self._lock = threading.Lock()  # two scrapes at once must not interleave the history
 
     def collect(self) -> Iterator[Metric]:
@@ -153,13 +174,33 @@ class GraphCollector(Collector):
                                       labels=["source"])
         reconnects = CounterMetricFamily("pipeline_source_reconnects",
                                          "Reconnection attempts of a stream.", labels=["source"])
+        states = GaugeMetricFamily("pipeline_source_state",
+                                   "1 for the state the source is in, 0 for the others.",
+                                   labels=["source", "state"])
+        attempt = GaugeMetricFamily("pipeline_source_reconnect_attempt",
+                                    "Failed connection attempts in a row while reconnecting.",
+                                    labels=["source"])
+        errors = GaugeMetricFamily("pipeline_source_last_error_info",
+                                   "The source's latest error (a failed attempt's, or why it "
+                                   "failed).", labels=["source", "error"])
         now = time.monotonic()
         for source in graph.source_metrics.values():
-            done.add_metric([source.name], source.frames_out)
-            fps.add_metric([source.name], self._rate(source.name, source.frames_out, now))
-            dropped.add_metric([source.name], source.dropped)
-            reconnects.add_metric([source.name], source.reconnects)
-        yield from (done, fps, dropped, reconnects)
+            name = source.name
+            done.add_metric([name], source.frames_out)
+            fps.add_metric([name], self._rate(name, source.frames_out, now))
+            dropped.add_metric([name], source.dropped)
+            reconnects.add_metric([name], source.reconnects)
+            if hasattr(graph, "source_state"):
+                state = graph.source_state(name, self._seen.setdefault(name, now))
+                for known in SOURCE_STATES:
+                    states.add_metric([name, known], 1.0 if known == state else 0.0)
+            link = source.link
+            reconnecting = link is not None and link.state == "reconnecting"
+            attempt.add_metric([name], link.attempt if reconnecting else 0)
+            error = source.error or (link.error if link is not None else None)
+            if error:
+                errors.add_metric([name, error[:200]], 1.0)
+        yield from (done, fps, dropped, reconnects, states, attempt, errors)
 
         depth = GaugeMetricFamily("pipeline_queue_depth", "Items waiting in front of a stage.",
                                   labels=["queue"])
@@ -226,11 +267,17 @@ class PrometheusExporter:
 
     Args:
         port: TCP port; 0 picks a free one (``start`` returns it).
-        addr: address to bind; all interfaces by default, as Prometheus scrapes remotely.
+        addr: address to bind (``runtime.metrics_host``); this machine only by default.
+        token: the bearer token every request must carry, or None; required when ``addr``
+            is not loopback (``runtime.metrics_token``).
+
+    Raises:
+        ValueError: ``addr`` is not loopback and no token is given, or the token is empty.
     """
 
-    def __init__(self, port: int, addr: str = "0.0.0.0") -> None:
-        self.port, self.addr = port, addr
+    def __init__(self, port: int, addr: str = "127.0.0.1", token: str | None = None) -> None:
+        check_bind(addr, token)
+        self.port, self.addr, self.token = port, addr, token
         self.registry = CollectorRegistry()
         self.latency = LatencyHistogram()
         self._server: Any = None
@@ -254,7 +301,7 @@ class PrometheusExporter:
             OSError: the port is taken or cannot be bound (the message names it).
         """
         self.registry.register(GraphCollector(graph, self.latency))
-        self._server = serve(self.registry, self.port, self.addr)
+        self._server = serve(self.registry, self.port, self.addr, self.token)
         return int(self._server.server_port)
 
     def stop(self) -> None:
@@ -263,18 +310,54 @@ class PrometheusExporter:
         stop_serving(server)
 
 
-def serve(registry: Any, port: int, addr: str) -> Any:
-    """Serve ``registry`` at http://ADDR:PORT/metrics from a daemon thread; returns the
-    server (``server_port``: the port bound).
+def check_bind(addr: str, token: str | None) -> None:
+    """Raise ValueError (one line naming the key) unless metrics may be served on ``addr``:
+    a token whenever it is not loopback, as ``runtime.http`` (``HttpConfig.check``)."""
+    if token is not None and not token.strip():
+        raise ValueError("runtime.metrics_token: expected a non-empty token (an unset "
+                         "variable?), got ''")
+    if token is None and not is_loopback(addr):
+        raise ValueError(f"runtime.metrics_token: required when runtime.metrics_host is not "
+                         f"a loopback address (got {addr!r}); use metrics_token: ${{VAR}}")
+
+
+def bearer_gate(app: Callable[..., Any], token: str) -> Callable[..., Any]:
+    """The WSGI ``app`` behind a check of ``Authorization: Bearer TOKEN`` (401 without)."""
+    expected = token.encode()
+
+    def gated(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        scheme, _, value = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                            ("WWW-Authenticate", 'Bearer realm="streamdet"')])
+        return [b"missing or wrong token\n"]
+
+    return gated
+
+
+def serve(registry: Any, port: int, addr: str, token: str | None = None) -> Any:
+    """Serve ``registry`` at http://ADDR:PORT/metrics from a daemon thread, behind
+    ``bearer_gate`` when ``token`` is set; returns the server (``server_port``: the port
+    bound).
 
     Raises:
         OSError: the port is taken or cannot be bound (the message names it).
     """
+    app = make_wsgi_app(registry)
+    if token is not None:
+        app = bearer_gate(app, token)
+
+    class Server(ThreadingWSGIServer):
+        """prometheus-client's threading server, for this address's family."""
+
+    Server.address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     try:
-        server, _ = start_http_server(port, addr, registry=registry)
+        server = make_server(addr, port, app, Server, handler_class=_SilentHandler)
     except OSError as error:
         raise OSError(error.errno, f"runtime.metrics_port: cannot serve metrics on "
                                    f"{addr}:{port}: {error.strerror}") from None
+    threading.Thread(target=server.serve_forever, name="metrics:server", daemon=True).start()
     return server
 
 

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from pipeline.metrics import LinkStatus
 from pipeline.records import EndOfStream, Frame
 
 
@@ -65,6 +66,7 @@ class SourceStage:
             instead of blocking).
         expected_frames: frame count announced by a file's container, or None when unknown.
         reconnects: reconnection attempts so far (live streams).
+        link: a live stream's connection as last reported (``LinkStatus``), or None.
         dropped: frames a live source decoded but discarded because every frame slot was in
             flight (the pipeline is behind); they still count in the frame index.
     """
@@ -73,6 +75,7 @@ class SourceStage:
     expected_frames: int | None = None
     reconnects: int = 0
     dropped: int = 0
+    link: LinkStatus | None = None
 
     def __init__(self, name: str) -> None:
         self.name = name

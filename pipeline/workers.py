@@ -4,6 +4,8 @@
 worker process k (owns some sources, one thread each: DecodeStage as in-process)
    decode -> copy the planes once into one of ITS slots of the shared SlotRing
    -> pipe: ("frame", source, slot, index, pts, capture time, size, rate)   (a few numbers)
+   -> pipe: ("link", source, reconnects, state, attempt, retry in s, error)  (as it changes:
+            each failed attempt, each connection, before any first frame too)
 pipeline process: one receiver thread -> per-source inbox -> WorkerSource (the graph's source)
    ... batch, infer, ... the last reader of the images: ring.release(slots)
    -> pipe: ("free", slots) back to the worker that owns them
@@ -49,13 +51,14 @@ import numpy as np
 import structlog
 
 from pipeline.config import PipelineConfig, SourceConfig
+from pipeline.metrics import LinkStatus
 from pipeline.records import EndOfStream, Frame
 from pipeline.slots import SlotRing
 from pipeline.stage import SourceStage
 
 log = structlog.get_logger("workers")
 
-FRAME, END, STATS = "frame", "end", "stats"
+FRAME, END, STATS, LINK = "frame", "end", "stats", "link"
 RESTART_INITIAL_S, RESTART_MAX_S = 0.5, 10.0
 MAX_FAILED_STARTS = 5  # a worker that dies this often before its first frame is given up
 JOIN_TIMEOUT_S = 5.0
@@ -117,6 +120,9 @@ def worker_main(worker: int, sources: list[tuple[int, SourceConfig, int]], shm_n
 
     def decode(source_id: int, config: SourceConfig, first_index: int) -> None:
         decoder = DecodeStage(config, ring, stop, first_index, threads_per_source)
+        # Each failed attempt is told at once, not with the next frame (there may be none).
+        decoder.on_link = lambda link: send((LINK, source_id, decoder.reconnects, link.state,
+                                             link.attempt, link.retry_in_s(), link.error))
         reported = (0, 0)
         try:
             for item in decoder.frames(stops[source_id]):
@@ -186,6 +192,8 @@ class WorkerSource(SourceStage):
     Attributes:
         reconnects: the worker's reconnection attempts, plus restarts after a worker died.
         dropped: frames the worker dropped for want of a free slot (live).
+        link: the connection as the worker last reported it (live), or ``reconnecting``
+            while its dead worker is restarted.
     """
 
     def __init__(self, source_id: int, config: SourceConfig, pool: DecodeWorkerPool,
@@ -199,6 +207,7 @@ class WorkerSource(SourceStage):
         self.inbox: queue.SimpleQueue[Frame | EndOfStream] = queue.SimpleQueue()
         self.restarts = 0
         self.worker_reconnects = 0
+        self.link = LinkStatus() if self.live else None
 
     @property
     def reconnects(self) -> int:  # type: ignore[override]
@@ -477,6 +486,8 @@ class DecodeWorkerPool:
             with self._lock:
                 worker.in_pipeline.add(slot)
                 self.next_index[source_id] = index + 1
+            if stage.link is not None and stage.link.state != "connected":
+                stage.link = LinkStatus("connected", error=stage.link.error)  # after a restart
             stage.inbox.put(Frame(
                 source=stage.name, index=index, pts=None if pts != pts else pts,
                 capture_time=capture_time, width=width, height=height,
@@ -484,6 +495,11 @@ class DecodeWorkerPool:
                 image=self.ring.image(slot, width, height), slot=slot))
         elif kind == STATS:
             stage.worker_reconnects, stage.dropped = message[2], message[3]
+        elif kind == LINK:
+            _, _, reconnects, state, attempt, retry_in_s, error = message
+            stage.worker_reconnects = reconnects
+            stage.link = LinkStatus(state, attempt, None if retry_in_s is None
+                                    else time.monotonic() + retry_in_s, error)
         elif kind == END:
             with self._lock:
                 self.ended.add(source_id)
@@ -526,9 +542,14 @@ class DecodeWorkerPool:
         nominal = min(RESTART_MAX_S, RESTART_INITIAL_S * 2 ** worker.restarts)
         delay = nominal / 2 + nominal / 2 * random.random()
         worker.restarts += 1
-        for sid in pending:
-            self.stages[sid].restarts += 1
         worker.restart_at = time.monotonic() + delay
+        for sid in pending:
+            stage = self.stages[sid]
+            stage.restarts += 1
+            previous = stage.link or LinkStatus()
+            stage.link = LinkStatus("reconnecting", max(previous.attempt, 0) + 1,
+                                    worker.restart_at,
+                                    f"its decode worker died (exit code {code})")
         log.error("decode worker died: restarting its sources", worker=worker.number,
                   exit_code=code, sources=[self.names[sid] for sid in pending],
                   retry_in_s=round(delay, 2), restarts=worker.restarts)

@@ -4,8 +4,15 @@ A stream (rtsp://...) is opened with its transport (TCP by default) and two time
 for opening, one for each read, so a stalled camera counts as lost after ``read_timeout_s``.
 A live stream that fails in any way (refused, timeout, end of stream, a run of undecodable
 packets) is reopened after an exponential backoff with jitter, until the run stops; its frame
-index keeps counting across reconnections. A file is read once: its undecodable packets are
+index keeps counting across reconnections. Every attempt that fails is reported at once
+(``DecodeStage.link``, and ``on_link`` for a decode worker to pass on), before any first
+connection too. A file is read once: its undecodable packets are
 skipped, and a file that ends early (truncated) yields every decodable frame and a warning.
+
+Every frame has a pts, in seconds (float): a file's own presentation times (a frame without
+one: the previous one's plus a frame period); a camera's from 0.0 at its first frame, on its
+stream's clock, and increasing across reconnections: a new session goes on from the last pts
+plus the wall-clock time the camera was away (at least a frame period).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import numpy as np
 import structlog
 
 from pipeline.config import SourceConfig, is_stream_url, redact_url
+from pipeline.metrics import LinkStatus
 from pipeline.records import EndOfStream, Frame
 from pipeline.slots import SlotRing, copy_i420_planes
 from pipeline.stage import SourceStage
@@ -32,6 +40,7 @@ log = structlog.get_logger("decode")
 
 # A live stream with this many undecodable packets in a row is reconnected.
 MAX_BAD_PACKETS_IN_A_ROW = 50
+DEFAULT_PERIOD_S = 0.04  # a frame period when the stream announces no rate (25 fps)
 
 
 class Dropped:
@@ -157,6 +166,9 @@ class DecodeStage(SourceStage):
 
     Attributes:
         reconnects: reconnection attempts so far (successful or not).
+        link: a live stream's connection (``LinkStatus``): changes as attempts fail and
+            succeed; None for a file.
+        on_link: called (on the source's thread) with each new ``link``, or None.
     """
 
     def __init__(self, source: SourceConfig, ring: SlotRing | None = None,
@@ -172,6 +184,12 @@ class DecodeStage(SourceStage):
         self.display_uri = redact_url(source.uri)
         self.is_file = not is_stream_url(source.uri)
         self.reconnects = 0
+        self.link: LinkStatus | None = LinkStatus() if self.live else None
+        self.on_link: Callable[[LinkStatus], None] | None = None
+        self._last_pts: float | None = None  # the pts of the latest frame (``timestamp``)
+        self._last_pts_at = 0.0  # time.monotonic() of it
+        self._shift: float | None = None  # this session: pts = picture time + shift
+        self._session_pts: float | None = None  # this session's first pts, None before it
         self._cropped = False  # the odd-size warning was given
         self.thread_type = "SLICE" if self.live else "AUTO"
         self._container: av.container.InputContainer | None = None
@@ -185,8 +203,11 @@ class DecodeStage(SourceStage):
         while True:
             first = index
             error, fatal = None, False
+            self._shift = self._session_pts = None  # a new session: its clock starts anew
             try:
                 for picture, rate in self._pictures(stop_reading):
+                    if self.link is not None and self.link.state != "connected":
+                        self._report(LinkStatus("connected", error=self.link.error))
                     if lost_at is not None:
                         log.info("source reconnected", source=self.name,
                                  down_s=round(time.monotonic() - lost_at, 2),
@@ -222,6 +243,8 @@ class DecodeStage(SourceStage):
             attempt += 1
             lost_at = lost_at or time.monotonic()
             self.reconnects += 1
+            self._report(LinkStatus("reconnecting", attempt, time.monotonic() + delay,
+                                    error or "the stream ended"))
             log.warning("source lost, reconnecting", source=self.name,
                         reason=error or "the stream ended", frames=index,
                         retry_in_s=round(delay, 2), reconnects=self.reconnects)
@@ -232,6 +255,37 @@ class DecodeStage(SourceStage):
             log.error("source failed", source=self.name, reason=error)
         log.info("source ended", source=self.name, frames=index, reconnects=self.reconnects)
         yield EndOfStream(self.name, index, error=error)
+
+    def _report(self, link: LinkStatus) -> None:
+        """The connection changed: keep it, and tell ``on_link``."""
+        self.link = link
+        if self.on_link is not None:
+            self.on_link(link)
+
+    def timestamp(self, picture_time: float | None, rate: Fraction | None) -> float:
+        """The pts of the next frame, in seconds (module docstring), from its decoder's
+        presentation time (None when it has none) and the stream's nominal rate."""
+        period = 1.0 / float(rate) if rate else DEFAULT_PERIOD_S
+        now = time.monotonic()
+        last = self._last_pts
+        if not self.live:
+            pts = picture_time if picture_time is not None else (
+                0.0 if last is None else last + period)
+        else:
+            if self._session_pts is None:  # a session's first frame
+                self._session_pts = 0.0 if last is None else last + max(period,
+                                                                        now - self._last_pts_at)
+                pts = self._session_pts
+            elif picture_time is None or self._shift is None:
+                pts = last + period if last is not None else 0.0
+            else:
+                pts = picture_time + self._shift
+            if picture_time is not None and self._shift is None:
+                self._shift = pts - picture_time
+            if last is not None and pts <= last:  # a clock going back never shows
+                pts = last + 1e-6
+        self._last_pts, self._last_pts_at = pts, now
+        return pts
 
     def open_container(self) -> av.container.InputContainer:
         """Open the source (a subclass adds options, e.g. a hardware decoder)."""
@@ -257,7 +311,7 @@ class DecodeStage(SourceStage):
             log.warning("odd frame size: the last column or row is left out (boxes keep the "
                         "original pixel coordinates)", source=self.name,
                         size=f"{picture.width}x{picture.height}", used=f"{width}x{height}")
-        pts = float(picture.time) if picture.time is not None else None
+        pts = self.timestamp(float(picture.time) if picture.time is not None else None, rate)
         captured = time.time() if capture_time is None else capture_time
         if self.ring is None:
             image = np.empty((height * 3 // 2, width), np.uint8)

@@ -191,7 +191,8 @@ class GpuDecodeStage(DecodeStage):
                               f"{self.ring.slot_bytes} bytes (sized for the largest file source, "
                               "at least 1920x1080)")
         return Frame(source=self.name, index=index,
-                     pts=float(picture.time) if picture.time is not None else None,
+                     pts=self.timestamp(float(picture.time) if picture.time is not None
+                                        else None, rate),
                      capture_time=time.time() if capture_time is None else capture_time,
                      width=width, height=height, rate=rate, pixel_format="nv12",
                      device_planes=(y[:height, :width], uv[:height // 2, :width // 2]))

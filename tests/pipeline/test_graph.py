@@ -359,14 +359,22 @@ def test_stop_when_never_runs_on_with_no_source_left_and_takes_new_ones() -> Non
         time.sleep(0.01)
     time.sleep(0.3)
     assert thread.is_alive()  # every source ended, and the run goes on
-    late, late_sink = ListSource("late", 7), ListSink("sink:late")
+    late, late_sink = ListSource("late", 7, delay_s=0.1), ListSink("sink:late")
     graph.chain[0].add_source("late")  # the batcher numbers it (pipeline.control does this)
     graph.add_source(late, late_sink)
-    with pytest.raises(SourceConflict, match="already used"):
-        graph.add_source(ListSource("clip", 1), ListSink("sink:clip2"))
-    while not graph.source_done("late") and time.monotonic() < deadline:
+    with pytest.raises(SourceConflict, match="'late' is in use"):  # running
+        graph.add_source(ListSource("late", 1), ListSink("sink:late2"))
+    # An ended source's name may be used again once its outputs are final.
+    again, again_sink = ListSource("clip", 3), ListSink("sink:clip2")
+    graph.chain[0].add_source("clip")
+    graph.add_source(again, again_sink)
+    while not (graph.source_done("late") and graph.source_done("clip")) \
+            and time.monotonic() < deadline:
         time.sleep(0.01)
     assert late_sink.frames == list(range(7)) and late_sink.closed
+    assert again_sink.frames == list(range(3)) and again_sink.closed
+    assert sinks["clip"].frames == list(range(5))
+    assert [s.name for s in graph.sources] == ["late", "clip"]
     graph.request_stop()
     thread.join(10)
     assert not thread.is_alive()

@@ -24,7 +24,7 @@ from pipeline.build import build_graph
 from pipeline.config import parse_config
 from pipeline.graph import Graph
 from pipeline.http import HttpServer, SourceMonitor, check_settings, is_loopback
-from pipeline.metrics import SourceMetrics
+from pipeline.metrics import LinkStatus, SourceMetrics
 from pipeline.preview import PreviewHub
 from tests.e2e.conftest import pipeline_config, wait_for
 from tests.support.live_view import HttpSettings, running
@@ -252,8 +252,12 @@ class FakeGraph:
         self.chain = [SimpleNamespace(name="batch"), SimpleNamespace(name="infer")]
         self.sinks = {name: SimpleNamespace(name=f"sink:{name}") for name in names}
         self.depths: dict[str, int] = {}
+        self.done: set[str] = set()  # sources whose outputs are final
         self.ready = threading.Event()  # the stages opened (the model warmed up)
         self.ready.set()
+
+    def source_done(self, name: str) -> bool:
+        return name in self.done
 
     def refresh_source_metrics(self) -> None:
         pass
@@ -269,7 +273,7 @@ def test_states_and_health_reasons(samples, tmp_path: Path,
         {"name": "cam", "uri": "rtsp://127.0.0.1:8554/cam"}]))
     graph, hub = FakeGraph(["cam"]), PreviewHub()
     monitor = SourceMonitor(graph, hub, config, stale_after_s=0.2)
-    metrics, stage = graph.source_metrics["cam"], graph.sources[0]
+    metrics = graph.source_metrics["cam"]
 
     def check(state: str, reasons: list[str]) -> None:
         monitor.sample()
@@ -278,7 +282,7 @@ def test_states_and_health_reasons(samples, tmp_path: Path,
         assert health["status"] == ("degraded" if reasons else "ok")
 
     def frame() -> None:
-        hub.offer("cam", None, 64, 48, time.time())
+        metrics.frames_done(np.zeros(1))
 
     graph.ready.clear()  # the model is warming up: starting, whatever the sources do
     time.sleep(0.25)
@@ -292,16 +296,18 @@ def test_states_and_health_reasons(samples, tmp_path: Path,
     check("stalled", ["source cam: no frame for 0 s (none yet)"])
     frame()
     check("running", [])
+    refused = "cannot open rtsp://127.0.0.1:8554/cam: Connection refused"
     metrics.reconnects = 1
-    check("reconnecting", ["source cam is reconnecting (attempt 1)"])
-    frame()
-    check("running", [])
-    stage.restarts, metrics.reconnects = 1, 2  # a worker restart counts as a reconnection
-    check("reconnecting", ["source cam: its decode worker is restarting"])
+    metrics.link = LinkStatus("reconnecting", 1, time.monotonic() + 30, refused)
+    check("reconnecting", [f"source cam is reconnecting (attempt 1, next try in 30.0 s: "
+                           f"{refused})"])
+    metrics.link = LinkStatus("reconnecting", 2, None, refused)
+    check("reconnecting", [f"source cam is reconnecting (attempt 2, trying now: {refused})"])
+    metrics.link = LinkStatus("connected", error=refused)
     frame()
     check("running", [])
     time.sleep(0.25)
-    check("stalled", ["source cam: no frame for 0 s"])
+    check("stalled", [f"source cam: no frame for 0 s; last error: {refused}"])
     frame()
     graph.depths = {"infer": 4, "sink:cam": 3}  # queue_size 4: infer full, the sink not
     check("running", [])  # full for an instant: a burst
@@ -312,7 +318,7 @@ def test_states_and_health_reasons(samples, tmp_path: Path,
     metrics.error = "reading rtsp://127.0.0.1:8554/cam failed: refused"
     check("failed", ["source cam failed: reading rtsp://127.0.0.1:8554/cam failed: refused"])
     metrics.error = None
-    hub.end("cam")
+    graph.done.add("cam")
     check("ended", [])
 
 

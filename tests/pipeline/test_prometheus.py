@@ -12,8 +12,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline.config import ConfigError, RuntimeConfig, build_section
 from pipeline.metrics import SourceMetrics, StageMetrics
 from pipeline.prometheus import LATENCY_BUCKETS_S, PrometheusExporter
+from tests.pipeline.test_http import non_loopback_address
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -239,5 +241,57 @@ def test_analytics_counts_are_exported_by_source_region_class_and_direction() ->
         samples = scrape(port)
         assert value(samples, "pipeline_zone_objects", **person) == 0
         assert value(samples, "pipeline_zone_events_total", kind="exit", **person) == 3
+    finally:
+        exporter.stop()
+
+
+def test_metrics_bind_this_machine_only_unless_configured() -> None:
+    exporter = PrometheusExporter(0)  # what runtime.metrics_port alone gives
+    port = exporter.start(FakeGraph(["infer"], ["cam"]))
+    try:
+        assert exporter._server.server_address[0] == "127.0.0.1"
+        assert value(scrape(port), "pipeline_source_frames_total", source="cam") == 0
+    finally:
+        exporter.stop()
+    assert RuntimeConfig().metrics_host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(("host", "token", "error"), [
+    ("0.0.0.0", None, "runtime.metrics_token: required when runtime.metrics_host is not a "
+                      "loopback address (got '0.0.0.0'); use metrics_token: ${VAR}"),
+    ("cam-box.local", None, "runtime.metrics_token: required when runtime.metrics_host is not "
+                            "a loopback address (got 'cam-box.local'); use metrics_token: ${VAR}"),
+    ("127.0.0.1", " ", "runtime.metrics_token: expected a non-empty token (an unset "
+                       "variable?), got ''"),
+])
+def test_a_non_loopback_bind_without_a_token_is_refused(host: str, token: str | None,
+                                                        error: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        PrometheusExporter(0, host, token)
+    assert str(raised.value) == error
+    with pytest.raises(ConfigError) as refused:
+        build_section(RuntimeConfig, {"metrics_port": 9100, "metrics_host": host,
+                                      "metrics_token": token}, "runtime")
+    assert str(refused.value) == error
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "interface"])
+def test_a_non_loopback_bind_serves_only_with_the_token(host: str) -> None:
+    host = non_loopback_address() if host == "interface" else host
+    target = "127.0.0.1" if host == "0.0.0.0" else host
+    build_section(RuntimeConfig, {"metrics_host": host, "metrics_token": "tok-77"}, "runtime")
+    exporter = PrometheusExporter(0, host, "tok-77")
+    port = exporter.start(FakeGraph(["infer"], ["cam"]))
+    url = f"http://{target}:{port}/metrics"
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "tok-77"}):
+            with pytest.raises(urllib.error.HTTPError) as denied:
+                urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5)
+            assert denied.value.code == 401
+            assert denied.value.headers["WWW-Authenticate"].startswith("Bearer")
+        request = urllib.request.Request(url, headers={"Authorization": "Bearer tok-77"})
+        with urllib.request.urlopen(request, timeout=5) as response:
+            assert response.status == 200
+            assert 'pipeline_source_frames_total{source="cam"} 0.0' in response.read().decode()
     finally:
         exporter.stop()
