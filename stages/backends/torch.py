@@ -543,8 +543,7 @@ class TorchBackend(InferenceBackend):
         module = convert(model_path)
         if self.compile:
             make_compile_friendly(module)
-        # where a start's seconds go: ONNX to torch, then the weights to the device
-        self.start_seconds = {"convert": round(time.perf_counter() - begun, 2)}
+        converted = time.perf_counter()
         module = module.to(self._device, self._dtype)
         self.module = module.to(memory_format=torch.channels_last) if self.channels_last else module
         # A model with a fixed batch of 1 runs image by image (inside the same graph).
@@ -556,8 +555,9 @@ class TorchBackend(InferenceBackend):
         self._cache_env: dict[str, str] = {}
         self._cache_folder: Path | None = None
         self.cache_key: CompileKey | None = None
-        self.start_seconds["to_device"] = round(time.perf_counter() - begun, 2) - (
-            self.start_seconds["convert"])
+        # where a start's seconds go: ONNX to torch, then the weights to the device
+        self.start_seconds = {"convert": round(converted - begun, 2),
+                              "to_device": round(time.perf_counter() - converted, 2)}
         if self.compile:
             # A fixed-batch model compiles its batch-1 module, called image by image.
             self._compiled = torch.compile(self.module, backend="inductor")
