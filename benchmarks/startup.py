@@ -178,29 +178,18 @@ def main_launch(args: argparse.Namespace) -> int:
 
 
 def time_infer(backend, batch: int, seconds: float = 2.0) -> float:
-    """Images/s of ``backend.infer`` on ``batch`` random images in its own input buffer,
-    timed with CUDA events over about ``seconds``."""
+    """Images/s of ``backend.infer`` on ``batch`` random images in its own input buffer
+    (``benchmarks.throughput.infer_rate``: CUDA events over about ``seconds``)."""
     import cupy
     import numpy as np
+
+    from benchmarks.throughput import infer_rate
 
     stream = backend._stream
     images = backend.input_buffer(batch)
     with stream:
         images[...] = cupy.random.random(images.shape, np.float32).astype(images.dtype)
-    for _ in range(3):
-        backend.infer(images, stream)
-    stream.synchronize()
-    probe = time.perf_counter()
-    backend.infer(images, stream)
-    stream.synchronize()
-    runs = max(20, int(seconds / max(time.perf_counter() - probe, 1e-5)))
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record(stream)
-    for _ in range(runs):
-        backend.infer(images, stream)
-    end.record(stream)
-    end.synchronize()
-    return batch * runs / (cupy.cuda.get_elapsed_time(start, end) / 1000)
+    return infer_rate(backend, images, stream, seconds, min_runs=20)
 
 
 def main_inference(args: argparse.Namespace) -> int:

@@ -675,21 +675,35 @@ def measure_inference(setup: Setup, row: InferenceRow) -> None:
             shape, getattr(backend, "input_dtype", info.input_dtype))
         with stream:
             images[...] = cupy.random.random(shape, np.float32).astype(images.dtype)
-        backend.infer(images, stream)
-        stream.synchronize()
-        probe = time.perf_counter()
-        backend.infer(images, stream)
-        stream.synchronize()
-        runs = max(10, int(setup.seconds / 2 / max(time.perf_counter() - probe, 1e-4)))
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        for _ in range(runs):
-            backend.infer(images, stream)
-        end.record(stream)
-        end.synchronize()
-        row.images_s = batch * runs / (cupy.cuda.get_elapsed_time(start, end) / 1000)
+        row.images_s = infer_rate(backend, images, stream, setup.seconds / 2)
     finally:
         backend.close()
+
+
+def infer_rate(backend: Any, images: Any, stream: Any, seconds: float, min_runs: int = 10
+               ) -> float:
+    """Images/s of ``backend.infer(images, stream)`` over about ``seconds`` of runs, timed
+    with CUDA events on ``stream`` after one warm run.
+
+    Args:
+        images: (B, 3, H, W) CuPy array of the backend's input dtype, valid on ``stream``
+            (the backend's own input buffer saves it a copy).
+    """
+    import cupy
+
+    backend.infer(images, stream)
+    stream.synchronize()
+    probe = time.perf_counter()
+    backend.infer(images, stream)
+    stream.synchronize()
+    runs = max(min_runs, int(seconds / max(time.perf_counter() - probe, 1e-4)))
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    for _ in range(runs):
+        backend.infer(images, stream)
+    end.record(stream)
+    end.synchronize()
+    return images.shape[0] * runs / (cupy.cuda.get_elapsed_time(start, end) / 1000)
 
 
 def measure_naive(setup: Setup, row: Row) -> None:
