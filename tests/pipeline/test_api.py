@@ -11,6 +11,7 @@ import pytest
 from pipeline.api import Pipeline, SourceFailed
 from pipeline.config import ConfigError
 from tests.e2e.conftest import pipeline_config
+from tests.support import free_port
 
 
 def test_results_are_every_frame_in_order_and_match_the_jsonl(samples, tmp_path):
@@ -70,13 +71,28 @@ def test_a_bad_configuration_is_the_cli_s_one_line_error(samples, tmp_path):
 
 
 def test_a_failed_source_is_raised_after_the_other_sources_results(samples, tmp_path):
+    port = free_port()  # nothing listens: the camera fails at its first connection
+    config = pipeline_config(samples, tmp_path / "out", [
+        {"name": "good", "uri": str(samples.carphone)},
+        {"name": "bad", "uri": f"rtsp://127.0.0.1:{port}/cam", "reconnect": False,
+         "open_timeout_s": 2}],
+        output={"jsonl": None})
+    results = []
+    with pytest.raises(SourceFailed, match=rf"source bad: cannot open rtsp://127.0.0.1:{port}"):
+        for result in Pipeline(config).results():
+            results.append(result)
+    assert [r.index for r in results if r.source == "good"] == list(range(120))
+
+
+def test_an_unreadable_file_is_a_config_error_before_any_result(samples, tmp_path):
     bad = tmp_path / "notavideo.mp4"
     bad.write_text("not a video\n")
     config = pipeline_config(samples, tmp_path / "out", [
         {"name": "good", "uri": str(samples.carphone)}, {"name": "bad", "uri": str(bad)}],
         output={"jsonl": None})
     results = []
-    with pytest.raises(SourceFailed, match=r"source bad: cannot open .*notavideo.mp4"):
+    with pytest.raises(ConfigError, match=r"sources\[1\].uri \(source 'bad'\): cannot read "
+                                          r".*notavideo.mp4'"):
         for result in Pipeline(config).results():
             results.append(result)
-    assert [r.index for r in results if r.source == "good"] == list(range(120))
+    assert results == []
