@@ -32,7 +32,8 @@
 # run.py; a warm start with runtime.http whose /api/health is polled; the bucketed graphs'
 # inference rates (batch 64, 37 padded to its bucket and 37 captured exactly); then a warm start
 # of STARTUP_CAMERAS (default 100) paced cameras over STARTUP_PIPELINES (default 4) processes.
-# Each start's log, with seconds since its launch, is written under $OUT.
+# Each start's log, with seconds since its launch, is written under $OUT. The runtime.http start
+# needs starlette and uvicorn there (not on the H200's image: carry their wheels).
 #
 # multigpu: benchmarks.multi_gpu, the same runs on 1 and on 2 GPUs (runtime.gpus, one process
 # per GPU): MULTI_GPUS (layouts, default 1,2; 1x3: three processes on one GPU), MULTI_CAMERAS
