@@ -362,7 +362,7 @@ class InferenceConfig:
         metadata=_doc("torch backend on the GPU: the batch sizes captured as CUDA graphs at "
                       "start; a batch of n frames runs in the graph of the smallest bucket >= n "
                       "(the padding rows are never read). Each must be 1..batch_size; "
-                      "batch_size is always one. null: 2, 4, 8, then every 8 up to 64, every "
+                      "batch_size is always a bucket. null: 2, 4, 8, then every 8 up to 64, every "
                       "16 up to 128, every 32 up to 256, every 64 beyond, up to batch_size."),
     )
     batch_timeout_ms: float = field(

