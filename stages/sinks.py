@@ -329,8 +329,9 @@ class SinkStage(Stage):
         events_path: the analytics events JSONL path, or None.
         resume_from: the source resumes at this frame (``SourceConfig.start_frame``: it was
             moved from a pipeline that died): its JSONL and events files are appended to
-            (complete lines kept), and its video goes to a new file, ``NAME.from-FRAME.mp4``
-            (the earlier part stays as the dead pipeline left it). None: a fresh start.
+            (complete lines kept), and its video goes to a new file, ``NAME.from-FRAME.mp4``;
+            when it completes, the earlier parts cut short get final names too
+            (``NAME.from-FIRST.mp4``). None: a fresh start.
         release_slots: called once per batch part, after all its frames were written, with
             ``item.frames.slot`` ((k,) int32 host array: the slot-ring slots of the part's k
             frames; -1 for a frame that holds none, which the callable must ignore), so the
@@ -370,12 +371,14 @@ class SinkStage(Stage):
         self.complete = False
         # A file source stopped before its end: (frames read, frames it has or None).
         self.stopped_at: tuple[int, int | None] | None = None
+        self._video_base: Path | None = video_path  # set again by open()
 
     def open(self) -> None:
         if self.segment_s is not None:
             self._delete_old_segments()  # a segment's writers open at its first frame
             return
         resumed = self.resume_from is not None
+        self._video_base = self.video_path  # the final name of a whole run's video
         if self.video_path is not None and resumed:
             self.video_path = resumed_video_path(self.video_path, self.resume_from)
         # The final names stay as an older run left them until this run's files replace them
@@ -482,11 +485,35 @@ class SinkStage(Stage):
 
     def close(self) -> None:
         self._close_writers(self.complete)
-        if self.complete and self.resume_from is None and self.segment_s is None \
-                and self.video_path is not None:  # an older run's resumed parts: replaced too
+        if not self.complete or self.segment_s is not None or self.video_path is None:
+            return
+        if self.resume_from is None:  # an older run's resumed parts: replaced too
             for old in self.video_path.parent.glob(
                     f"{self.video_path.stem}.from-*{self.video_path.suffix}"):
                 old.unlink(missing_ok=True)
+        else:
+            self._name_earlier_parts()
+
+    def _name_earlier_parts(self) -> None:
+        """A resumed file source just completed: the video parts earlier runs cut short get
+        their final names too, ``NAME.from-FIRST.mp4`` (FIRST: the first frame of the records,
+        for the first part), so every part of the finished file has a final name and no
+        ``.partial`` file is left."""
+        base = self._video_base
+        first_part = partial_path(base)
+        if first_part.exists():
+            os.replace(first_part, resumed_video_path(base, self._first_recorded_frame()))
+        for part in base.parent.glob(f"{base.stem}.from-*.partial{base.suffix}"):
+            final = part.name[:-len(f".partial{base.suffix}")] + base.suffix
+            os.replace(part, part.with_name(final))
+
+    def _first_recorded_frame(self) -> int:
+        """The ``frame`` of the first record of the (final) JSONL file, or 0 without one."""
+        try:
+            with open(self.jsonl_path) as records:  # type: ignore[arg-type]
+                return int(json.loads(records.readline())["frame"])
+        except (OSError, TypeError, ValueError, KeyError):
+            return 0
 
     def _close_writers(self, complete: bool) -> None:
         for writer in self.writers:

@@ -18,7 +18,7 @@ import yaml
 from pipeline.build import build_graph
 from pipeline.config import parse_config
 from tests.e2e.conftest import pipeline_config, records, wait_for
-from tests.support import free_port
+from tests.support import free_port, read_frames
 from tests.support.live_view import running
 
 BIKES_FRAMES = 250
@@ -81,6 +81,10 @@ def test_a_stopped_file_stays_partial_and_the_next_run_resumes_it(samples, tmp_p
     assert not (tmp_path / "bikes.partial.jsonl").exists()
     (resumed,) = again.events("resuming a file cut short after its last record")
     assert resumed["frame"] == len(cut)
+    # every video part of the finished file has a final name, and together they hold it all
+    videos = sorted(p.name for p in tmp_path.glob("bikes*.mp4"))
+    assert videos == ["bikes.from-0.mp4", f"bikes.from-{len(cut)}.mp4"]
+    assert sum(len(read_frames(tmp_path / name)) for name in videos) == BIKES_FRAMES
 
 
 def test_a_cut_file_resumes_after_its_last_record_unless_restart(samples,

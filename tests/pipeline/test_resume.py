@@ -14,6 +14,7 @@ from pipeline.records import EndOfStream, Frame
 from pipeline.resume import cut_torn_line, resume_point, resumed_sources
 from stages.decode import DecodeStage
 from stages.sinks import SinkStage
+from tests.support import read_frames
 from tests.support.batches import batch_detections, grey_image, make_frame
 
 RECORD = '{{"source":"cam","frame":{},"detections":[]}}\n'
@@ -96,7 +97,9 @@ def test_a_resumed_sink_appends_to_the_records_and_writes_its_video_anew(tmp_pat
         list(range(16))
     assert not partial.exists() and not video.exists()
     assert (tmp_path / "cam.from-10.mp4").stat().st_size > 0
-    assert (tmp_path / "cam.partial.mp4").exists()  # the dead pipeline's part, as it left it
+    # the dead pipeline's part, complete up to its cut, gets a final name with the file
+    assert not (tmp_path / "cam.partial.mp4").exists()
+    assert len(read_frames(tmp_path / "cam.from-0.mp4")) == 10
     # A fresh start removes what resumed runs left.
     write(SinkStage("sink:cam", video, jsonl, None), frames(range(3)), end=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cam.jsonl", "cam.mp4"]
