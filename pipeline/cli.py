@@ -187,9 +187,15 @@ def run_pipeline(config: PipelineConfig, restart: bool = False) -> int:
         print(f"error: source {name}: {reason}", file=sys.stderr)
     if failed:
         return EXIT_FAILED
+    in_config = {source.name for source in config.sources}
     for name, where in cut.items():
-        log.warning("stopped early: outputs kept as .partial; run the same command again to "
-                    "resume (--restart: start over)", source=name, at=where)
+        if name in in_config:
+            log.warning("stopped early: outputs kept as .partial; run the same command again "
+                        "to resume (--restart: start over)", source=name, at=where)
+        else:  # added through the API: a rerun of the config does not know it
+            log.warning("stopped early: outputs kept as .partial (a source added while "
+                        "running: add it to the config file to resume it)", source=name,
+                        at=where)
     return EXIT_STOPPED if cut else EXIT_OK
 
 

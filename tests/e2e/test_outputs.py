@@ -203,3 +203,37 @@ def test_with_two_pipelines_a_stopped_file_stays_partial_and_the_next_run_resume
     assert again.wait(180) == 0, again.stderr()[-3000:]
     assert [r["frame"] for r in records(tmp_path / "bikes.jsonl")] == list(range(BIKES_FRAMES))
     assert not (tmp_path / "bikes.partial.jsonl").exists()
+
+
+def test_a_source_added_while_running_and_cut_short_is_not_promised_a_resume(
+        samples, tmp_path: Path, run_pipeline) -> None:
+    """A rerun of the config resumes its own files only: a file added through the API and
+    stopped early is told apart in the warning."""
+    import httpx
+
+    port = free_port()
+    config = bikes(samples, tmp_path)
+    config["sources"][0]["pace_fps"] = 25
+    config["runtime"] = {**config.get("runtime", {}), "http": {"port": port}}
+    run = run_pipeline(config, tmp_path)
+    url = f"http://127.0.0.1:{port}"
+
+    def answers() -> bool:
+        try:
+            return httpx.get(f"{url}/api/health", timeout=2).json()["status"] != "starting"
+        except httpx.HTTPError:
+            return False
+
+    wait_for(answers, 90, "the live view", run)
+    added = httpx.post(f"{url}/api/sources", timeout=60, json={
+        "name": "car", "uri": str(samples.carphone), "pace_fps": 10})
+    assert added.status_code == 201, added.text
+    wait_for(lambda: len(records(tmp_path / "car.partial.jsonl")) >= 3, 60, "car's records", run)
+    run.signal(signal.SIGINT)
+    assert run.wait(60) == STOPPED, run.stderr()[-3000:]
+    rerun = "stopped early: outputs kept as .partial; run the same command again to resume " \
+        "(--restart: start over)"
+    added_hint = "stopped early: outputs kept as .partial (a source added while running: add " \
+        "it to the config file to resume it)"
+    assert [e["source"] for e in run.events(rerun)] == ["bikes"]
+    assert [e["source"] for e in run.events(added_hint)] == ["car"]
