@@ -177,15 +177,15 @@ def main_launch(args: argparse.Namespace) -> int:
     return 0 if times.all_cameras is not None else 1
 
 
-def time_infer(backend, batch: int, seconds: float = 2.0) -> float:
-    """Images/s of ``backend.infer`` on ``batch`` random images in its own input buffer
-    (``benchmarks.throughput.infer_rate``: CUDA events over about ``seconds``)."""
+def time_infer(backend, stream, batch: int, seconds: float = 2.0) -> float:
+    """Images/s of ``backend.infer`` on ``stream`` (CuPy) on ``batch`` random images in its
+    own input buffer (``benchmarks.throughput.infer_rate``: CUDA events over about
+    ``seconds``)."""
     import cupy
     import numpy as np
 
     from benchmarks.throughput import infer_rate
 
-    stream = backend._stream
     images = backend.input_buffer(batch)
     with stream:
         images[...] = cupy.random.random(images.shape, np.float32).astype(images.dtype)
@@ -216,7 +216,8 @@ def main_inference(args: argparse.Namespace) -> int:
             profiler = cProfile.Profile()
             profiler.enable()
         began = time.perf_counter()
-        backend = create_backend(config.inference, model, info, create_gpu_context(config))
+        gpu = create_gpu_context(config)
+        backend = create_backend(config.inference, model, info, gpu)
         built = time.perf_counter() - began
         if args.no_cudnn_benchmark:
             import torch
@@ -224,25 +225,26 @@ def main_inference(args: argparse.Namespace) -> int:
             torch.backends.cudnn.benchmark = False
         began = time.perf_counter()
         backend.warmup()
-        print(f"backend built in {built:.1f} s, warmed up in {time.perf_counter() - began:.1f} s")
+        warmup_s = time.perf_counter() - began
+        print(f"backend built in {built:.1f} s, warmed up in {warmup_s:.1f} s")
         if args.profile:
             profiler.disable()
             stats = pstats.Stats(profiler, stream=sys.stdout)
             stats.sort_stats("cumulative").print_stats(args.profile)
             args.profile = 0
-        return backend, time.perf_counter() - began
+        return backend, gpu.compute_stream, warmup_s
 
-    default, warmup_s = build(None)
-    full = time_infer(default, args.batch)
-    padded = time_infer(default, args.odd)
+    default, stream, warmup_s = build(None)
+    full = time_infer(default, stream, args.batch)
+    padded = time_infer(default, stream, args.odd)
     print(f"default buckets {default.buckets}: warm-up {warmup_s:.1f} s (per bucket "
           f"{default.capture_seconds}), cache hit {default.cache_hit}")
     print(f"  batch {args.batch}: {full:,.0f} images/s")
-    bucket = default._bucket_of[args.odd]
+    bucket = next(b for b in default.buckets if b >= args.odd)
     print(f"  batch {args.odd} (padded to {bucket}): {padded:,.0f} images/s")
     default.close()
-    exact_backend, exact_warmup_s = build([args.odd])
-    exact = time_infer(exact_backend, args.odd)
+    exact_backend, stream, exact_warmup_s = build([args.odd])
+    exact = time_infer(exact_backend, stream, args.odd)
     print(f"buckets {exact_backend.buckets}: warm-up {exact_warmup_s:.1f} s")
     print(f"  batch {args.odd} (a graph captured at exactly {args.odd}): {exact:,.0f} images/s")
     print(f"padded / exact at {args.odd}: {padded / exact:.2f}")

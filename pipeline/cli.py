@@ -15,6 +15,7 @@ Exit status (``EXIT_*``, one table):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import time
@@ -201,26 +202,18 @@ def run_pipeline(config: PipelineConfig, restart: bool = False) -> int:
 
 def resume_cut_files(config: PipelineConfig) -> dict[str, int]:
     """Set the ``start_frame`` of every file source whose records an earlier run left cut
-    short (a ``.partial`` JSONL file with records) to the frame after its last record, as the
-    cluster supervisor resumes a moved source (``pipeline.resume.resumed_sources``). Returns
-    {source name: resume frame} of those; their sinks must append (``resume_from``).
+    short to the frame after its last record (``pipeline.resume.cut_files``), as the cluster
+    supervisor resumes a moved source. Returns {source name: resume frame} of those; their
+    sinks must append (``resume_from``).
 
     Raises:
         ValueError: a ``.partial`` JSONL file whose last line is not a record (not ours).
     """
-    from pipeline.config import is_stream_url
-    from pipeline.resume import resumed_sources
+    from pipeline.resume import cut_files
 
-    files = [s.name for s in config.sources if not s.is_live and not is_stream_url(s.uri)]
-    by_name = {source.name: source for source in resumed_sources(config, files)}
-    resumed = {}
-    for i, source in enumerate(config.sources):
-        moved = by_name.get(source.name)
-        if moved is not None and moved.start_frame > source.start_frame:
-            resumed[source.name] = moved.start_frame
-            log.info("resuming a file cut short after its last record", source=source.name,
-                     frame=moved.start_frame)
-            config.sources[i] = moved
+    resumed = cut_files(config)
+    config.sources = [dataclasses.replace(s, start_frame=resumed[s.name])
+                      if s.name in resumed else s for s in config.sources]
     return resumed
 
 

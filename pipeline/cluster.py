@@ -32,7 +32,6 @@ Executors start and reach the hosts: ``LocalExecutor`` (spawned processes, here)
 
 from __future__ import annotations
 
-import copy
 import multiprocessing
 import os
 import signal
@@ -515,16 +514,16 @@ def run_cluster(config: PipelineConfig, ray_address: str | None = None,
         EXIT_OK,
         EXIT_STOPPED,
         EXIT_USAGE,
-        resume_cut_files,
     )
     from pipeline.config import ConfigError
+    from pipeline.resume import cut_files
     from stages.backends.base import read_model_info
 
     try:  # what a host would find only when building: stop here, once, with exit 2
         check_extras(config)
         read_model_info(config.model.path, config.model.layout)
         probe_file_sources(config)  # every file's first frame decodes
-        resume = () if restart else tuple(resume_cut_files(copy.deepcopy(config)))
+        resume = () if restart else tuple(cut_files(config))
         if config.runtime.http is not None:
             raise ConfigError("runtime.http: the live view serves one pipeline; it is not "
                               "available with runtime.gpus, runtime.pipelines or --ray")
@@ -593,14 +592,8 @@ def run_cluster(config: PipelineConfig, ray_address: str | None = None,
 def cut_short_files(config: PipelineConfig) -> list[str]:
     """The file sources whose outputs a run left under their ``.partial`` names (a source
     stopped before its end keeps them; one that finished renamed them)."""
-    from pipeline.config import OUTPUT_KEYS, is_stream_url, partial_path
+    from pipeline.config import is_stream_url, partial_path
 
-    cut = []
-    for source in config.sources:
-        if source.is_live or is_stream_url(source.uri):
-            continue
-        paths = [config.output_path(template, source.name) for key in OUTPUT_KEYS
-                 if (template := getattr(config.output, key)) is not None and key != "events"]
-        if any(partial_path(path).exists() for path in paths):
-            cut.append(source.name)
-    return cut
+    return [source.name for source in config.sources
+            if not source.is_live and not is_stream_url(source.uri)
+            and any(partial_path(path).exists() for path in config.output_paths(source))]

@@ -679,6 +679,13 @@ class PipelineConfig:
         """The path of one output file of ``source`` from its template."""
         return Path(self.output.dir) / template.format(source=source)
 
+    def output_paths(self, source: SourceConfig) -> list[Path]:
+        """The final paths of every output ``output`` names for ``source`` (events only for
+        a source with analytics), whether they exist or not."""
+        return [self.output_path(template, source.name) for key in OUTPUT_KEYS
+                if (template := getattr(self.output, key)) and (key != "events"
+                                                                or source.analytics)]
+
     def sources_writing(self, key: str) -> list[SourceConfig]:
         """The sources that write output ``key`` (one of ``OUTPUT_KEYS``) when it is set:
         every source, except for ``events``: the sources with analytics."""

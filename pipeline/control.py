@@ -176,23 +176,13 @@ class SourceControl:
         its numbered ones), whichever exist or not."""
         with self._lock:
             index = max(i for i, s in enumerate(self.sources) if s.name == name)
-            return self.outputs.get(index) or self._paths(self.config, self.sources[index])
+            return self.outputs.get(index) or self.config.output_paths(self.sources[index])
 
     def done(self, name: str) -> bool:
         """Whether a removed (or ended) source's outputs are final."""
         return self.graph.source_done(name)
 
     # -- internals -----------------------------------------------------------------------
-    @staticmethod
-    def _paths(config: PipelineConfig, source: SourceConfig) -> list[Path]:
-        """The final paths of every output ``config.output`` names for ``source``."""
-        found = []
-        for key in OUTPUT_KEYS:
-            template = getattr(config.output, key)
-            if template and (key != "events" or source.analytics):
-                found.append(config.output_path(template, source.name))
-        return found
-
     def _config_for(self, source: SourceConfig) -> PipelineConfig:
         """The run's configuration with ``output`` naming the next free numbered outputs of
         a name used again (module docstring); the caller holds ``_lock``."""
@@ -210,7 +200,7 @@ class SourceControl:
                 changes[key] = str(numbered.absolute()).replace("{", "{{").replace("}", "}}")
             candidate = dataclasses.replace(self.config,
                                             output=dataclasses.replace(output, **changes))
-            paths = self._paths(candidate, source)
+            paths = candidate.output_paths(source)
             if not any(p in taken or p.exists() or partial_path(p).exists() for p in paths):
                 self.outputs[len(self.sources)] = paths
                 log.info("source name used again: its outputs get new names",

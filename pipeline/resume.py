@@ -85,3 +85,25 @@ def resumed_sources(config: PipelineConfig, names: list[str]) -> list[SourceConf
             source.start_frame = max(source.start_frame, point)
         resumed.append(source)
     return resumed
+
+
+def cut_files(config: PipelineConfig) -> dict[str, int]:
+    """{name: resume frame} of every file source whose records an earlier run left cut short
+    (a ``.partial`` JSONL file with records): the frame after its last record. Logs each.
+
+    Raises:
+        ValueError: a ``.partial`` JSONL file whose last line is not a record (not ours).
+    """
+    import structlog
+
+    from pipeline.config import is_stream_url
+
+    files = [s for s in config.sources if not s.is_live and not is_stream_url(s.uri)]
+    cut = {}
+    for old, moved in zip(files, resumed_sources(config, [s.name for s in files])):
+        if moved.start_frame > old.start_frame:
+            cut[old.name] = moved.start_frame
+            structlog.get_logger("resume").info(
+                "resuming a file cut short after its last record", source=old.name,
+                frame=moved.start_frame)
+    return cut

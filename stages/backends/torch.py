@@ -556,7 +556,7 @@ class TorchBackend(InferenceBackend):
         self._cache_folder: Path | None = None
         self.cache_key: CompileKey | None = None
         # where a start's seconds go: ONNX to torch, then the weights to the device
-        self.start_seconds = {"convert": round(converted - begun, 2),
+        self.build_seconds = {"convert": round(converted - begun, 2),
                               "to_device": round(time.perf_counter() - converted, 2)}
         if self.compile:
             # A fixed-batch model compiles its batch-1 module, called image by image.
@@ -703,7 +703,7 @@ class TorchBackend(InferenceBackend):
                  cache="hit" if self.cache_hit else "miss", compiled=self.compiled,
                  cuda_graphs=self.cuda_graphs, max_batch=self.max_batch,
                  buckets=self.buckets if self.cuda_graphs else None,
-                 capture_s=self.capture_seconds or None, build_s=self.start_seconds)
+                 capture_s=self.capture_seconds or None, build_s=self.build_seconds)
         return output
 
     @contextlib.contextmanager
