@@ -30,10 +30,10 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline.app.workers import default_worker_count
 from pipeline.config import SourceConfig
 from pipeline.records import Frame
 from pipeline.slots import SlotRing, i420_bytes
-from pipeline.workers import default_worker_count
 
 SLOTS_PER_SOURCE = 4
 

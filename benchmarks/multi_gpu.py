@@ -11,7 +11,7 @@ pipeline process per GPU, the sources shared out by load), in one command.
 feed it. ``--decode`` runs every layout with CPU decode in worker processes (``cpu``) and/or
 NVDEC in each pipeline process (``gpu``).
 
-The runs are what users run: the supervisor of ``pipeline.cluster`` with its local
+The runs are what users run: the supervisor of ``pipeline.app.supervisor`` with its local
 executor (spawned processes, no Ray), each host building its pipeline with the public
 ``build_graph``. Frames and drops are read from the hosts' metrics snapshots (the ones the
 Prometheus endpoint serves, once a second), so a window's numbers are whole seconds of every
@@ -214,7 +214,7 @@ class Totals:
 
 def measure(setup: Setup, row: Row, out: Path, small: bool, warmup_s: float,
             cores: int) -> None:
-    from pipeline.cluster import LocalExecutor, Supervisor
+    from pipeline.app.supervisor import LocalExecutor, Supervisor
 
     config = pipeline_config(setup, row.cameras, row.decode, setup.batch_cap, out,
                              paced=row.paced)

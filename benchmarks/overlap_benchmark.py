@@ -82,7 +82,7 @@ def steady(ranges: list[tuple[float, float]], since: float) -> list[tuple[float,
 def run_once(clip: Path, samples: Any, out: Path, sources: int, batch: int, compile: bool,
              engine_cache: str) -> dict[str, Any]:
     """One pipeline run with the GPU timeline on; the figures of the module docstring."""
-    from pipeline.build import build_graph
+    from pipeline.app.build import build_graph
     from pipeline.config import parse_config
 
     config = parse_config({

@@ -193,7 +193,7 @@ def time_infer(backend, stream, batch: int, seconds: float = 2.0) -> float:
 
 
 def main_inference(args: argparse.Namespace) -> int:
-    from pipeline.build import create_gpu_context
+    from pipeline.app.build import create_gpu_context
     from pipeline.config import parse_config
     from stages.backends.base import read_model_info
     from stages.infer import create_backend

@@ -16,7 +16,7 @@ core count less 2), ``cpu-threads`` on the CPU in threads of the pipeline proces
 Full mode (a GPU): every camera reads a long 1080p H.264 file: bikes.mp4 (natural footage)
 upscaled to 1080p at 4 Mbps, like a camera, then repeated end to end by a stream copy (no
 re-encode) often enough that no camera runs out within a measurement. The cameras are plain
-file sources built by the public ``pipeline.build.build_graph``; nothing inside a built graph
+file sources built by the public ``pipeline.app.build.build_graph``; nothing inside a built graph
 is touched. The model is the real YOLOv8s export (``samples.yolov8``, dynamic batch) at 640,
 torch backend, FP16, compiled (``inference.compile``; ``--no-compile`` runs it eagerly), with
 its compile artefacts in ``--engine-cache`` (persistent, default ``assets/engines``) or, with
@@ -151,7 +151,7 @@ class Setup:
         """Decode worker processes a ``mode`` run of ``cameras`` sources uses (0: threads)."""
         if mode != "cpu":
             return 0
-        from pipeline.workers import default_worker_count
+        from pipeline.app.workers import default_worker_count
 
         wanted = (default_worker_count(cameras) if self.decode_workers is None
                   else self.decode_workers)
@@ -408,7 +408,7 @@ def stage_lines(graph: Any) -> list[StageLine]:
 
 
 def measure_pipeline(setup: Setup, row: Row, out: Path) -> None:
-    from pipeline.build import build_graph
+    from pipeline.app.build import build_graph
 
     config = pipeline_config(setup, row.cameras, row.decode, row.batch, out)
     row.workers = config.runtime.decode_workers or 0
@@ -470,7 +470,7 @@ def measure_pipeline(setup: Setup, row: Row, out: Path) -> None:
 
 def measure_paced(setup: Setup, row: PacedRow, out: Path) -> None:
     """One paced run (module docstring): warm-up, then a window of ``setup.seconds``."""
-    from pipeline.build import build_graph
+    from pipeline.app.build import build_graph
 
     config = pipeline_config(setup, row.cameras, row.decode, row.batch, out, paced=True)
     row.workers = config.runtime.decode_workers or 0
@@ -582,8 +582,8 @@ def measure_decode(setup: Setup, decode: str, cameras: int,
     received through its pipes, one reading thread per source as in the graph); otherwise
     one thread per source (``DecodeStage`` / ``GpuDecodeStage``) into a slot ring.
     ``counted["frames"]`` is set to every frame received, window or not."""
-    from pipeline.build import frame_slots
-    from pipeline.workers import DecodeWorkerPool
+    from pipeline.app.build import frame_slots
+    from pipeline.app.workers import DecodeWorkerPool
 
     stop = threading.Event()
     width, height = probe_size(setup.clip)
@@ -645,7 +645,7 @@ def probe_size(clip: Path) -> tuple[int, int]:
 def measure_inference(setup: Setup, row: InferenceRow) -> None:
     """Images/s of ``backend.infer`` on one preallocated batch of random images, the backend
     built as the pipeline builds it; also how long its ``warmup()`` took."""
-    from pipeline.build import create_gpu_context
+    from pipeline.app.build import create_gpu_context
     from stages.backends.base import read_model_info
     from stages.infer import create_backend
 
@@ -709,7 +709,7 @@ def infer_rate(backend: Any, images: Any, stream: Any, seconds: float, min_runs:
 def measure_naive(setup: Setup, row: Row) -> None:
     """One thread, one frame at a time: decode, upload, preprocess, infer, NMS, D2H."""
     from kernels.preprocess import letterbox_geometry
-    from pipeline.build import create_gpu_context
+    from pipeline.app.build import create_gpu_context
     from stages.backends.base import read_model_info
     from stages.infer import create_backend
 

@@ -526,7 +526,7 @@ class MqttConfig:
 @dataclass
 class HttpConfig:
     """The live view: a read-only HTTP API and a page with every source's preview, state
-    and counters (``pipeline/http.py``)."""
+    and counters (``pipeline/app/http.py``)."""
 
     host: str = field(
         default="127.0.0.1",

@@ -26,7 +26,7 @@ source ended, ``files_ended`` once every file source ended (the cameras are stop
 removed (``remove_source``) while the others run: the first stage's queue has a ``control``
 lane, closed only when the run ends, so the chain never sees its input close in between. The
 name of a source that was removed or ended may be used again once its outputs are final: the
-new source replaces it (its counters start afresh; ``pipeline.control`` gives it new output
+new source replaces it (its counters start afresh; ``pipeline.app.control`` gives it new output
 names).
 """
 
@@ -121,7 +121,7 @@ class Graph:
         self._stop = stop or threading.Event()  # shared with stages that wait on GPU buffers
         self.gpu: Any = None  # the GpuContext on the GPU path (for profiling), else None
         self.preview: Any = None  # the live view's PreviewHub (runtime.http), else None
-        self.control: Any = None  # the pipeline.control.SourceControl, when built from a config
+        self.control: Any = None  # the pipeline.app.control.SourceControl, when built from a config
         self.ring = ring
         self._on_batch_done = on_batch_done
         self._error: tuple[str, BaseException] | None = None
@@ -218,7 +218,7 @@ class Graph:
     def add_source(self, source: SourceStage, sink: Stage) -> None:
         """Add a source and its sink to the running graph (any thread): the sink is opened,
         then both threads start. The stages in the chain must know the source already
-        (``pipeline.control``).
+        (``pipeline.app.control``).
 
         While the graph starts (its stages open: the model warms up), this waits until it has
         started, at most ``START_WAIT_S``.

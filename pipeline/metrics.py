@@ -72,7 +72,7 @@ class StageMetrics:
 LATENCY_WINDOW = 10_000
 STALE_AFTER_S = 10.0  # a live source with no frame this long is ``stalled``
 # What a source can be, in the order ``source_state`` decides (module docstring of
-# pipeline/http.py); ``removing`` and ``removed`` follow a DELETE.
+# pipeline/app/http.py); ``removing`` and ``removed`` follow a DELETE.
 SOURCE_STATES = ("starting", "running", "reconnecting", "stalled", "failed", "ended",
                  "removing", "removed")
 

@@ -13,7 +13,7 @@ batch by the last stage that reads the host images: the postprocess stage when n
 written (by then the batch's H2D copy has completed), else the source's sink. A live frame
 dropped in a queue returns its slot at once.
 
-With decode worker processes (``pipeline.workers``) the ring lives in shared memory
+With decode worker processes (``pipeline.app.workers``) the ring lives in shared memory
 (``multiprocessing.shared_memory``): each worker owns a fixed share of the slots, keeps its
 own free list of them, and gets them back through its pipe when the pipeline releases them
 (``release`` routes every slot to its owner). On the GPU path the ring is page-locked

@@ -314,7 +314,7 @@ def class_key(class_id: int, class_names: list[str] | None) -> str:
 
 
 class EventPublisher(Protocol):
-    """Where events and counts go besides the batch (``pipeline.mqtt.MqttPublisher``)."""
+    """Where events and counts go besides the batch (``pipeline.app.mqtt.MqttPublisher``)."""
 
     def publish_event(self, source: str, event: dict) -> None: ...
 

@@ -38,17 +38,28 @@ import time
 from collections.abc import Callable, Iterable
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import av
 import numpy as np
 import structlog
 
 from pipeline.config import partial_path
-from pipeline.preview import PreviewHub
 from pipeline.records import BatchDetections, EndOfStream
 from pipeline.resume import cut_torn_line
 from pipeline.stage import Stage
+
+
+class PreviewSink(Protocol):
+    """Where a sink offers its pictures for the live view (``pipeline.app.preview.PreviewHub``:
+    the app layer implements it; stages never import it)."""
+
+    def offer_part(self, part: BatchDetections, annotated: bool) -> None:
+        """One source's batch part reached its sink; ``annotated``: boxes drawn already."""
+
+    def end(self, source: str, error: str | None) -> None:
+        """``source``'s stream ended (``error``: why, when it failed)."""
+
 
 log = structlog.get_logger("sinks")
 
@@ -352,7 +363,7 @@ class SinkStage(Stage):
                  class_names: list[str] | None, crf: int = 23,
                  release_slots: Callable[[np.ndarray], None] | None = None,
                  live: bool = False, tracked: bool = False,
-                 events_path: Path | None = None, preview: PreviewHub | None = None,
+                 events_path: Path | None = None, preview: PreviewSink | None = None,
                  resume_from: int | None = None, segment_s: float | None = None,
                  keep_hours: float | None = None,
                  clock: Callable[[], float] = time.time) -> None:

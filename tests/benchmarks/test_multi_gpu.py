@@ -21,7 +21,7 @@ def test_paced_verdict_names_the_largest_count_held_per_gpu_count():
 
 
 def test_layouts_and_the_stage_profile_of_a_window():
-    from pipeline.cluster_metrics import FamilySnapshot as Family
+    from pipeline.app.cluster_metrics import FamilySnapshot as Family
 
     def families(frames, work, blocked, sink_work, fast=0):
         stage = (("pipeline", "p"), ("stage", "infer"))

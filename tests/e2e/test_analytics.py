@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from pipeline.build import build_graph
+from pipeline.app.build import build_graph
+from pipeline.app.prometheus import PrometheusExporter
 from pipeline.config import parse_config
-from pipeline.prometheus import PrometheusExporter
 from stages.analytics import AnalyticsStage
 from tests.e2e.conftest import pipeline_config, records
-from tests.pipeline.test_prometheus import scrape
+from tests.pipeline.app.test_prometheus import scrape
 from tests.support import free_port
 
 WIDTH, HEIGHT = 640, 272  # bikes.mp4
@@ -68,7 +68,7 @@ def iou_chains(lines: list[dict]) -> list[list[dict]]:
 
 
 class FakePublisher:
-    """Stands in for ``pipeline.mqtt.MqttPublisher`` (same interface), keeping what it gets."""
+    """Stands in for ``pipeline.app.mqtt.MqttPublisher`` (same interface), keeping what it gets."""
 
     made: list[FakePublisher] = []
 
@@ -105,7 +105,7 @@ def analytics_run(samples, tmp_path_factory) -> dict[str, Any]:
         output={"mqtt": {"host": "broker.invalid"}}))
     exporter = PrometheusExporter(config.runtime.metrics_port, "127.0.0.1")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(sys.modules, "pipeline.mqtt",
+        patch.setitem(sys.modules, "pipeline.app.mqtt",
                       types.SimpleNamespace(MqttPublisher=FakePublisher))
         FakePublisher.made.clear()
         graph = build_graph(config)
@@ -239,7 +239,7 @@ def test_skipped_frames_carry_the_tracks_predictions(samples, tmp_path: Path) ->
 
 
 def test_mqtt_gets_every_event_and_the_counts(analytics_run: dict[str, Any]) -> None:
-    """With ``output.mqtt``, the publisher (``pipeline.mqtt.MqttPublisher``'s interface) is
+    """With ``output.mqtt``, the publisher (``pipeline.app.mqtt.MqttPublisher``'s interface) is
     made for the sources with analytics, started and closed with the run, and given every
     event of the events file and, last, the final counts."""
     publisher = analytics_run["publisher"]
@@ -260,7 +260,7 @@ def test_events_reach_a_real_broker_across_its_restart(samples, tmp_path: Path) 
     import threading
     import time
 
-    from tests.pipeline.test_mqtt import Subscriber
+    from tests.pipeline.app.test_mqtt import Subscriber
     from tests.support.mosquitto import MosquittoBroker, require_mosquitto
 
     require_mosquitto()

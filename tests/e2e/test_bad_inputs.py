@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline.cli import main
+from pipeline.app.cli import main
 from tests.e2e.conftest import pipeline_config
 from tests.support import (
     damage_packets,
@@ -279,12 +279,12 @@ def test_a_fault_while_starting_is_not_called_a_bad_configuration(
         samples, media, tmp_path, monkeypatch, capfd, error, status, message):
     """Exit 2 means "fix your configuration": a fault of the machine while the pipeline is
     built (here raised in place of ``build_graph``) is exit 1 with its own words."""
-    import pipeline.build
+    import pipeline.app.build
 
     def fail(*args: Any, **kwargs: Any) -> None:
         raise error
 
-    monkeypatch.setattr(pipeline.build, "build_graph", fail)
+    monkeypatch.setattr(pipeline.app.build, "build_graph", fail)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(pipeline_config(
         samples, tmp_path / "out", [{"name": "cam", "uri": media["clean"]}])))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cluster import LocalExecutor, Supervisor, absolute_paths
+from pipeline.app.supervisor import LocalExecutor, Supervisor, absolute_paths
 from pipeline.config import PipelineConfig, parse_config, partial_path
 from tests.e2e.conftest import pipeline_config, records
 from tests.support import read_frames, write_clip
@@ -115,7 +115,7 @@ def require_ray():
 @pytest.mark.slow
 def test_ray_actors_a_killed_actor_s_sources_continue_on_the_other(samples, tmp_path, clip):
     ray = require_ray()
-    from pipeline.ray_cluster import RayExecutor
+    from pipeline.app.ray_cluster import RayExecutor
 
     out = tmp_path / "out"
     config = cluster_config(samples, out, clip)

@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.build import build_graph
+from pipeline.app.build import build_graph
+from pipeline.app.http import HttpServer
 from pipeline.config import ConfigError, parse_config
-from pipeline.http import HttpServer
 from tests.e2e.conftest import pipeline_config
 from tests.support import free_port
 from tests.support.live_view import running

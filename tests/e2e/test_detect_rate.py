@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline.cli import main
+from pipeline.app.cli import main
 from tests.e2e.conftest import pipeline_config
 from tests.support import read_frames, write_clip
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.build import build_graph
+from pipeline.app.build import build_graph
 from pipeline.config import parse_config
 from pipeline.gpu import gpu_unavailable_reason
 

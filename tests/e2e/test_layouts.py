@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
-from pipeline.cli import main
+from pipeline.app.cli import main
 from stages.backends.base import detect_layout, metadata_names, read_model_info
 from tests.e2e.conftest import pipeline_config
 from tests.support import read_frames, write_clip

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from pipeline.build import build_graph
+from pipeline.app.build import build_graph
 from pipeline.config import parse_config
 from pipeline.graph import Graph
 from pipeline.records import BatchDetections

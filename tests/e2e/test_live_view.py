@@ -12,9 +12,9 @@ import cv2
 import numpy as np
 import pytest
 
-from pipeline.build import build_graph
+from pipeline.app.build import build_graph
+from pipeline.app.http import HttpServer
 from pipeline.config import parse_config
-from pipeline.http import HttpServer
 from tests.e2e.conftest import pipeline_config
 from tests.support import headless_page, require_chromium
 from tests.support.live_view import running

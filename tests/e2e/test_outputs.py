@@ -15,14 +15,14 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.build import build_graph
+from pipeline.app.build import build_graph
 from pipeline.config import parse_config
 from tests.e2e.conftest import pipeline_config, records, wait_for
 from tests.support import free_port, read_frames
 from tests.support.live_view import running
 
 BIKES_FRAMES = 250
-STOPPED = 3  # pipeline.cli.EXIT_STOPPED
+STOPPED = 3  # pipeline.app.cli.EXIT_STOPPED
 OLDER = "an older run's complete output\n"
 
 
@@ -91,7 +91,7 @@ def test_a_cut_file_resumes_after_its_last_record_unless_restart(samples,
                                                                   tmp_path: Path) -> None:
     """The resume point is the frame after the last complete record (a torn line is cut);
     ``--restart`` skips resuming (the sink then starts the ``.partial`` files over)."""
-    from pipeline.cli import parse_args, resume_cut_files
+    from pipeline.app.cli import parse_args, resume_cut_files
 
     (tmp_path / "bikes.partial.jsonl").write_text(
         "".join(f'{{"source":"bikes","frame":{i}}}\n' for i in range(3)) + '{"sou')
@@ -154,7 +154,7 @@ def test_an_output_through_a_symlinked_folder_collides(samples, tmp_path: Path,
 def test_an_output_over_the_input_collides(samples, tmp_path: Path) -> None:
     """The records written over the video they are read from, reached through a symlinked
     folder (a copy of the sample: never the shared asset)."""
-    from pipeline.cli import main
+    from pipeline.app.cli import main
 
     (tmp_path / "real").mkdir()
     video = tmp_path / "real" / "bikes.mp4"

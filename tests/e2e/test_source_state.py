@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 
-from pipeline.build import build_graph
+from pipeline.app.build import build_graph
+from pipeline.app.http import HttpServer
+from pipeline.app.prometheus import PrometheusExporter
 from pipeline.config import parse_config
-from pipeline.http import HttpServer
 from pipeline.metrics import STALE_AFTER_S
-from pipeline.prometheus import PrometheusExporter
 from tests.e2e.conftest import pipeline_config, records, wait_for
 from tests.support.live_view import running
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.build import build_graph
+from pipeline.app.build import build_graph
+from pipeline.app.workers import WorkerSource
 from pipeline.config import parse_config
 from pipeline.records import BatchDetections
-from pipeline.workers import WorkerSource
 from tests.e2e.conftest import Run, pipeline_config, records, wait_for
 from tests.support import read_frames, write_clip
 

@@ -360,7 +360,7 @@ def test_stop_when_never_runs_on_with_no_source_left_and_takes_new_ones() -> Non
     time.sleep(0.3)
     assert thread.is_alive()  # every source ended, and the run goes on
     late, late_sink = ListSource("late", 7, delay_s=0.1), ListSink("sink:late")
-    graph.chain[0].add_source("late")  # the batcher numbers it (pipeline.control does this)
+    graph.chain[0].add_source("late")  # the batcher numbers it (pipeline.app.control does this)
     graph.add_source(late, late_sink)
     with pytest.raises(SourceConflict, match="'late' is in use"):  # running
         graph.add_source(ListSource("late", 1), ListSink("sink:late2"))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline.cli import main
+from pipeline.app.cli import main
 from pipeline.config import ConfigError, SourceConfig
 from pipeline.records import BatchDetections
 from stages.filters import DetectionFilterStage, SourceFilter

@@ -47,7 +47,7 @@ ON_GPU = SimpleNamespace(device_id=0)  # decoder_kind reads only whether there i
     ("gpu", "{source}.mp4", ON_GPU, "cannot be used: output.video needs the frames on the host"),
 ])
 def test_the_source_kind_follows_the_config(samples, decode, video, gpu, expected):
-    from pipeline.build import DeviceUnavailable, decoder_kind
+    from pipeline.app.build import DeviceUnavailable, decoder_kind
     from pipeline.config import parse_config
 
     config = parse_config({"sources": [{"name": "b", "uri": str(samples.bikes), "decode": decode}],

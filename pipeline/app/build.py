@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 import av
 import structlog
 
+from pipeline.app.preview import PreviewHub
+from pipeline.app.workers import DecodeWorkerPool, default_worker_count
 from pipeline.config import ConfigError, PipelineConfig, SourceConfig, is_stream_url
 from pipeline.gpu import GpuContext, gpu_unavailable_reason
 from pipeline.graph import Graph
-from pipeline.preview import PreviewHub
 from pipeline.records import BatchDetections
 from pipeline.slots import SlotRing, i420_bytes
 from pipeline.stage import SourceStage, Stage
-from pipeline.workers import DecodeWorkerPool, default_worker_count
 from stages.analytics import AnalyticsStage, Region
 from stages.annotate import AnnotateStage
 from stages.backends.base import read_model_info
@@ -33,7 +33,7 @@ from stages.sinks import SinkStage
 from stages.tracking import TrackerSettings, TrackerStage
 
 if TYPE_CHECKING:
-    from pipeline.mqtt import MqttPublisher
+    from pipeline.app.mqtt import MqttPublisher
 
 log = structlog.get_logger("build")
 
@@ -157,7 +157,7 @@ def build_graph(config: PipelineConfig,
     allocated here; the model is warmed up and every kernel compiled when the graph opens the
     infer stage (``Graph.run``), before any source starts.
     """
-    from pipeline.control import SourceControl  # it builds sources with this module
+    from pipeline.app.control import SourceControl  # it builds sources with this module
 
     check_extras(config)
     try:
@@ -321,7 +321,7 @@ def create_publisher(config: PipelineConfig, sources: list[str]) -> MqttPublishe
     if not sources:
         log.warning("output.mqtt is set but no source has analytics: nothing to publish")
         return None
-    from pipeline.mqtt import MqttPublisher
+    from pipeline.app.mqtt import MqttPublisher
 
     return MqttPublisher(config.output.mqtt, sources)
 

@@ -2,11 +2,11 @@
 without GPUs (``runtime.pipelines``), or Ray actors across hosts (``--ray``).
 
 ```
-supervisor (this process)                         hosts (pipeline.host: processes or actors)
-  placement by load (pipeline.placement)  ──start(Assignment)──>  gpu0: pipeline, pipeline ...
+supervisor (this process)                         hosts (pipeline.app.host: processes or actors)
+  placement by load (pipeline.app.placement)  ──start(Assignment)──>  gpu0: pipeline, pipeline ...
   watches every host: poll()              <──HostReport────────  gpu1: pipeline ...
   a host died: its sources, placed again on the live hosts, resume (after a backoff)
-  one Prometheus endpoint (pipeline.cluster_metrics)
+  one Prometheus endpoint (pipeline.app.cluster_metrics)
 ```
 
 The supervisor places the sources by load, starts each host's share as one assignment (an
@@ -27,7 +27,7 @@ every source ended. ``request_stop`` (first Ctrl-C) stops every pipeline gracefu
 ``abort`` (second) at once.
 
 Executors start and reach the hosts: ``LocalExecutor`` (spawned processes, here) and
-``pipeline.ray_cluster.RayExecutor``. Nothing of Ray is imported unless ``--ray`` is used.
+``pipeline.app.ray_cluster.RayExecutor``. Nothing of Ray is imported unless ``--ray`` is used.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from typing import Any, Protocol
 
 import structlog
 
+from pipeline.app.host import Assignment, AssignmentEnded, HostReport, host_main
+from pipeline.app.placement import SourceLoad, rebalance, source_loads
 from pipeline.config import PipelineConfig
-from pipeline.host import Assignment, AssignmentEnded, HostReport, host_main
-from pipeline.placement import SourceLoad, rebalance, source_loads
 
 log = structlog.get_logger("cluster")
 
@@ -144,7 +144,7 @@ class Supervisor:
     def add_source(self, source: Any, load: SourceLoad | None = None) -> None:
         """Add a source (a ``SourceConfig`` whose name is new) to the running cluster: it is
         placed on the least loaded host and started there."""
-        from pipeline.placement import probe_load
+        from pipeline.app.placement import probe_load
 
         with self._lock:
             if any(s.name == source.name for s in self.config.sources):
@@ -332,7 +332,7 @@ class Supervisor:
 
 
 class LocalExecutor:
-    """Hosts as spawned processes on this machine (``pipeline.host.host_main``), one per GPU
+    """Hosts as spawned processes on this machine (``pipeline.app.host.host_main``), one per GPU
     of ``devices`` (None: without a GPU, on ``inference.device`` as configured).
 
     Args:
@@ -504,11 +504,11 @@ def run_cluster(config: PipelineConfig, ray_address: str | None = None,
                 restart: bool = False) -> int:
     """Run ``config`` over several pipelines (``runtime.gpus``, ``runtime.pipelines``) or
     Ray actors (``ray_address``: ``--ray``), with signals, the summary and the exit status as
-    ``run.py`` (``pipeline.cli``'s table): a file source an earlier run left cut short
+    ``run.py`` (``pipeline.app.cli``'s table): a file source an earlier run left cut short
     resumes after its last record unless ``restart``; one stopped before its end keeps its
     ``.partial`` outputs and makes the status EXIT_STOPPED."""
-    from pipeline.build import check_extras, probe_file_sources
-    from pipeline.cli import (
+    from pipeline.app.build import check_extras, probe_file_sources
+    from pipeline.app.cli import (
         EXIT_FAILED,
         EXIT_INTERRUPTED,
         EXIT_OK,
@@ -530,14 +530,14 @@ def run_cluster(config: PipelineConfig, ray_address: str | None = None,
         config = absolute_paths(config)
         exporter = None
         if config.runtime.metrics_port is not None:
-            from pipeline.cluster_metrics import ClusterExporter
+            from pipeline.app.cluster_metrics import ClusterExporter
 
             runtime = config.runtime
             exporter = ClusterExporter(runtime.metrics_port, runtime.metrics_host,
                                        runtime.metrics_token)
         metrics = exporter is not None
         if ray_address is not None:
-            from pipeline.ray_cluster import RayExecutor, connect
+            from pipeline.app.ray_cluster import RayExecutor, connect
 
             connect(ray_address)
             executor: Any = RayExecutor(config, metrics=metrics)
@@ -558,7 +558,7 @@ def run_cluster(config: PipelineConfig, ray_address: str | None = None,
         log.info("serving Prometheus metrics",
                  url=f"http://{config.runtime.metrics_host}:{port}/metrics")
     log.info("sources placed by load", pipelines=executor.names, sources=len(config.sources))
-    from pipeline.cli import install_signal_handlers  # cli imports this module lazily
+    from pipeline.app.cli import install_signal_handlers  # cli imports this module lazily
 
     interrupts, previous = install_signal_handlers(supervisor)
     started = time.monotonic()

@@ -23,8 +23,8 @@ import paho.mqtt.client as mqtt
 import pytest
 from structlog.testing import capture_logs
 
+from pipeline.app.mqtt import FLUSH_S, GOODBYE_S, MqttPublisher
 from pipeline.config import ConfigError, MqttConfig
-from pipeline.mqtt import FLUSH_S, GOODBYE_S, MqttPublisher
 from tests.support import MosquittoBroker, require_mosquitto
 from tests.support.mosquitto import free_loopback_port, make_tls_files
 
@@ -270,7 +270,7 @@ def test_close_without_anything_waiting_is_quick_even_with_the_broker_down(
 WILL_SCRIPT = """
 import sys, threading
 from pipeline.config import MqttConfig
-from pipeline.mqtt import MqttPublisher
+from pipeline.app.mqtt import MqttPublisher
 publisher = MqttPublisher(MqttConfig(host="127.0.0.1", port=int(sys.argv[1]),
                                      client_id="will-test"), ["cam"])
 publisher.start()

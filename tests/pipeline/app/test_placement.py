@@ -1,12 +1,20 @@
-"""pipeline.placement: sources shared out over pipelines by load, and placed again after a
+"""pipeline.app.placement: sources shared out over pipelines by load, and placed again after a
 change (a source added or removed, a pipeline dead)."""
 
 from __future__ import annotations
 
 import pytest
 
+from pipeline.app.placement import (
+    CAMERA_FPS,
+    CAMERA_SIZE,
+    SourceLoad,
+    assign,
+    host_loads,
+    probe_load,
+    rebalance,
+)
 from pipeline.config import SourceConfig
-from pipeline.placement import CAMERA_FPS, CAMERA_SIZE, SourceLoad, assign, host_loads, probe_load, rebalance
 
 
 def load(name: str, megapixels_per_s: float) -> SourceLoad:

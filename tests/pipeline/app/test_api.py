@@ -1,4 +1,4 @@
-"""pipeline.api: the pipeline from Python code, on the real sample model and video (CPU)."""
+"""pipeline.app.api: the pipeline from Python code, on the real sample model and video (CPU)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from pipeline.api import Pipeline, SourceFailed
+from pipeline.app.api import Pipeline, SourceFailed
 from pipeline.config import ConfigError
 from tests.e2e.conftest import pipeline_config
 from tests.support import free_port

@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-import pipeline.workers as workers
-from pipeline.build import build_graph
+import pipeline.app.workers as workers
+from pipeline.app.build import build_graph
+from pipeline.app.workers import DecodeWorkerPool, WorkerSource, default_worker_count
 from pipeline.config import parse_config
 from pipeline.graph import Graph
 from pipeline.records import BatchDetections
 from pipeline.slots import SlotRing
-from pipeline.workers import DecodeWorkerPool, WorkerSource, default_worker_count
 from tests.e2e.conftest import pipeline_config, records
 from tests.support import read_frames, write_clip
 
@@ -171,7 +171,7 @@ def test_files_through_worker_processes_match_the_threaded_decode(samples, clips
 
 
 class TimedLog:
-    """Stands in for ``pipeline.workers.log``: notes when each event was logged."""
+    """Stands in for ``pipeline.app.workers.log``: notes when each event was logged."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner

@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     if args.ray is not None:
-        from pipeline.ray_cluster import ray_missing
+        from pipeline.app.ray_cluster import ray_missing
 
         if (missing := ray_missing()) is not None:
             print(f"error: {missing}", file=sys.stderr)
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "build-engine":
             return build_engine(config)
         if args.ray is not None or runtime.gpus is not None or runtime.pipelines is not None:
-            from pipeline.cluster import run_cluster
+            from pipeline.app.supervisor import run_cluster
 
             return run_cluster(config, args.ray, restart=args.restart)
         return run_pipeline(config, restart=args.restart)
@@ -114,9 +114,9 @@ def run_pipeline(config: PipelineConfig, restart: bool = False) -> int:
         restart: start the file sources a stopped run left cut short from their beginning
             instead of resuming them (``resume_cut_files``).
     """
-    from pipeline.build import DeviceUnavailable, build_graph
+    from pipeline.app.build import DeviceUnavailable, build_graph
+    from pipeline.app.progress import Progress
     from pipeline.graph import PipelineError
-    from pipeline.progress import Progress
     from pipeline.records import BatchDetections
     from stages.infer import BackendUnavailable
     from stages.sinks import stopped_text
@@ -129,7 +129,7 @@ def run_pipeline(config: PipelineConfig, restart: bool = False) -> int:
 
     exporter = server = None
     if config.runtime.metrics_port is not None:
-        from pipeline.prometheus import PrometheusExporter
+        from pipeline.app.prometheus import PrometheusExporter
 
         runtime = config.runtime
         exporter = PrometheusExporter(runtime.metrics_port, runtime.metrics_host,
@@ -149,7 +149,7 @@ def run_pipeline(config: PipelineConfig, restart: bool = False) -> int:
                 log.info("serving Prometheus metrics",
                          url=f"http://{config.runtime.metrics_host}:{port}/metrics")
             if config.runtime.http is not None:
-                from pipeline.http import HttpServer
+                from pipeline.app.http import HttpServer
 
                 server = HttpServer(config.runtime.http, graph, graph.preview, config)
                 server.start()  # logs "serving the live view" with its URL
@@ -250,7 +250,7 @@ def _log_summary(graph: object, elapsed: float, cut: dict[str, str]) -> None:
 
 def build_engine(config: PipelineConfig) -> int:
     """Build (or find in the cache) the TensorRT engine for the configured model."""
-    from pipeline.build import first_file_source
+    from pipeline.app.build import first_file_source
     from stages.backends.tensorrt import EngineBuildError, build_engine_cli
 
     inference = config.inference

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline.app.prometheus import LATENCY_BUCKETS_S, PrometheusExporter
 from pipeline.config import ConfigError, RuntimeConfig, build_section
 from pipeline.metrics import SourceMetrics, StageMetrics
-from pipeline.prometheus import LATENCY_BUCKETS_S, PrometheusExporter
-from tests.pipeline.test_http import non_loopback_address
+from tests.pipeline.app.test_http import non_loopback_address
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -1,7 +1,7 @@
 """The Python API: run the pipeline from your own code, with the configuration of ``run.py``.
 
 ```python
-from pipeline.api import Pipeline
+from pipeline.app.api import Pipeline
 
 # Iterate over results, frame by frame (like Ultralytics' ``predict(stream=True)``):
 with Pipeline("configs/file.yaml") as pipeline:
@@ -152,7 +152,7 @@ class Pipeline:
     def _build(self) -> Any:
         import structlog
 
-        from pipeline.build import build_graph
+        from pipeline.app.build import build_graph
         from pipeline.logging import configure_logging
 
         if not structlog.is_configured():  # structlog's default prints to stdout

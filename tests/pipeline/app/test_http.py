@@ -19,13 +19,13 @@ import httpx
 import numpy as np
 import pytest
 
-import pipeline.http as http
-from pipeline.build import build_graph
+import pipeline.app.http as http
+from pipeline.app.build import build_graph
+from pipeline.app.http import HttpServer, SourceMonitor, check_settings, is_loopback
+from pipeline.app.preview import PreviewHub
 from pipeline.config import parse_config
 from pipeline.graph import Graph
-from pipeline.http import HttpServer, SourceMonitor, check_settings, is_loopback
 from pipeline.metrics import LinkStatus, SourceMetrics
-from pipeline.preview import PreviewHub
 from tests.e2e.conftest import pipeline_config, wait_for
 from tests.support.live_view import HttpSettings, running
 

@@ -1,9 +1,9 @@
 """Hosts as Ray actors (``python run.py --config ... --ray auto|ADDRESS|local``): past one
 machine, Ray places the per-GPU pipelines and restarts them; the supervisor
-(``pipeline.cluster.Supervisor``) assigns the sources and moves those of an actor or node
+(``pipeline.app.supervisor.Supervisor``) assigns the sources and moves those of an actor or node
 that died.
 
-Each actor is a ``pipeline.host.PipelineHost`` asking Ray for one GPU (``num_gpus=1``: Ray
+Each actor is a ``pipeline.app.host.PipelineHost`` asking Ray for one GPU (``num_gpus=1``: Ray
 sets ``CUDA_VISIBLE_DEVICES``, the pipeline uses device 0) when inference may use the GPU
 and the cluster has GPUs, or for a share of one when ``runtime.pipelines`` asks for more
 actors than there are GPUs (``actor_gpus``: several pipelines feed a GPU better than one),
@@ -27,8 +27,8 @@ from typing import Any
 
 import structlog
 
+from pipeline.app.host import Assignment, HostReport, PipelineHost
 from pipeline.config import ConfigError, PipelineConfig
-from pipeline.host import Assignment, HostReport, PipelineHost
 
 log = structlog.get_logger("ray")
 

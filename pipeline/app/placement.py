@@ -1,6 +1,6 @@
 """Placement: which pipeline (one per GPU, process or Ray actor) runs which source.
 
-Pure functions over records, no processes: the supervisor (``pipeline.cluster``) calls them
+Pure functions over records, no processes: the supervisor (``pipeline.app.supervisor``) calls them
 when the run starts, when a source is added or removed, and when a pipeline dies.
 
 A source's load is what decoding and inferring it costs per second, ``width x height x

@@ -4,7 +4,7 @@
 route                                    answer
 =======================================  ==================================================
 ``GET /``                                the page: every source with its live picture,
-                                         state and counters (``pipeline/web/index.html``)
+                                         state and counters (``pipeline/app/web/index.html``)
 ``GET /api/health``                      ``{"status": "starting" | "ok" | "degraded",
                                          "reasons": [...], "sources": {name: state}}``
                                          (200 always)
@@ -17,13 +17,13 @@ route                                    answer
                                          at most ``preview_fps`` a second; ends with the
                                          source
 ``POST /api/sources``                    body: one ``sources[]`` entry as JSON; adds it to
-                                         the running pipeline (``pipeline.control``): 201
+                                         the running pipeline (``pipeline.app.control``): 201
                                          and the source; 400 ``{"error"}`` with the config
                                          file's one-line message; 409 for a name in use
                                          (running, or its outputs being finalised) or a run
                                          that is ending. The name of a removed or ended
                                          source may be used again: its new outputs get
-                                         numbered names (``pipeline.control``)
+                                         numbered names (``pipeline.app.control``)
 ``DELETE /api/sources/{name}``           stops it and finalises its outputs (an ended
                                          source: its card leaves the list): 200 ``{"name",
                                          "state": "removed", "frames", "outputs"}`` once they
@@ -99,10 +99,10 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response, Stream
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pipeline.app.preview import PreviewHub
 from pipeline.config import ConfigError, PipelineConfig, SourceConfig, partial_path, redact_url
 from pipeline.graph import SourceConflict
 from pipeline.metrics import STALE_AFTER_S, source_state
-from pipeline.preview import PreviewHub
 from stages.analytics import AnalyticsStage
 
 log = structlog.get_logger("http")
@@ -178,7 +178,7 @@ class _Sampled:
 
 
 class SourceMonitor:
-    """Reads a running graph's per-source and per-queue counters (as ``pipeline.prometheus``
+    """Reads a running graph's per-source and per-queue counters (as ``pipeline.app.prometheus``
     does) and the preview hub's activity, and derives rates, states and health.
 
     Args:

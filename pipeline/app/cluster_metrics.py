@@ -2,7 +2,7 @@
 ``runtime.gpus``, ``runtime.pipelines`` or ``--ray``).
 
 Each pipeline process or Ray actor reads its graphs' metrics with the single-pipeline
-``GraphCollector`` (``pipeline.prometheus``) and sends them to the supervisor as plain
+``GraphCollector`` (``pipeline.app.prometheus``) and sends them to the supervisor as plain
 records (``FamilySnapshot``: picklable, no prometheus-client objects), every sample labelled
 with the pipeline (``pipeline="gpu0"``, ``"actor1"``) and the run of a group of sources on
 it (``run="3"``: a source moved to another pipeline continues as a new series there). The
@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from pipeline.prometheus import check_bind, serve, stop_serving
+from pipeline.app.prometheus import check_bind, serve, stop_serving
 
 METRIC_TYPES = ("counter", "gauge", "histogram", "summary", "info", "stateset", "unknown")
 
@@ -90,7 +90,7 @@ class ClusterExporter:
         port: TCP port; 0 picks a free one (``start`` returns it).
         addr: address to bind (``runtime.metrics_host``); this machine only by default.
         token: the bearer token requests must carry, or None; required when ``addr`` is not
-            loopback (``pipeline.prometheus.check_bind``).
+            loopback (``pipeline.app.prometheus.check_bind``).
     """
 
     def __init__(self, port: int, addr: str = "127.0.0.1", token: str | None = None) -> None:

@@ -2,7 +2,7 @@
 sources the supervisor gave it.
 
 Each ``Assignment`` (a group of sources the supervisor placed here together) runs as one
-ordinary pipeline, ``pipeline.build.build_graph`` and ``Graph.run``, on a thread of its own:
+ordinary pipeline, ``pipeline.app.build.build_graph`` and ``Graph.run``, on a thread of its own:
 its own decode workers, batcher, model and sinks. A source moved here from a pipeline that
 died arrives as a new assignment beside the ones already running, which go on untouched; the
 sources named in ``Assignment.resume`` start after their last written record
@@ -12,9 +12,9 @@ next pipeline to resume from.
 
 The supervisor reads the host through ``poll()``: the assignments that ended since, each
 with what became of its sources (ended by themselves, cut short, failed), and the metrics
-of its running pipelines (``pipeline.cluster_metrics``). ``host_main`` serves a host in a
+of its running pipelines (``pipeline.app.cluster_metrics``). ``host_main`` serves a host in a
 spawned process over a pipe (``runtime.gpus``, ``runtime.pipelines``); the Ray actor of
-``pipeline.ray_cluster`` wraps the same class.
+``pipeline.app.ray_cluster`` wraps the same class.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ class PipelineHost:
             for name, source in list(run.graph.source_metrics.items()):
                 frames[name] = source.frames_out
             if metrics and run.collector is not None:
-                from pipeline.cluster_metrics import snapshot
+                from pipeline.app.cluster_metrics import snapshot
 
                 try:
                     families.extend(snapshot(run.collector, {
@@ -205,8 +205,8 @@ class PipelineHost:
         return HostReport(ended, frames, tuple(families) if metrics else None)
 
     def _run(self, run: _Run) -> None:
-        from pipeline.build import build_graph
-        from pipeline.prometheus import GraphCollector, LatencyHistogram
+        from pipeline.app.build import build_graph
+        from pipeline.app.prometheus import GraphCollector, LatencyHistogram
 
         assignment = run.assignment
         latency = LatencyHistogram()
@@ -291,8 +291,8 @@ def host_main(name: str, device: int | None, config: PipelineConfig, conn: Conne
             None for all: pipelines on the CPU path share the cores out, else each would
             size its inference threads for every core and they would fight over them.
     """
+    from pipeline.app.workers import name_this_process
     from pipeline.logging import configure_logging
-    from pipeline.workers import name_this_process
 
     if cpus:  # before onnxruntime sizes its thread pool from the cores it may use
         os.sched_setaffinity(0, cpus)

@@ -10,8 +10,8 @@ import cv2
 import numpy as np
 import pytest
 
-import pipeline.preview as preview
-from pipeline.preview import PreviewHub, encode_jpeg
+import pipeline.app.preview as preview
+from pipeline.app.preview import PreviewHub, encode_jpeg
 from pipeline.records import Detections
 from tests.support.batches import batch_detections, make_frame
 

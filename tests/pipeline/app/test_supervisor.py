@@ -1,4 +1,4 @@
-"""pipeline.cluster's supervisor against a scripted executor (no processes), the command
+"""pipeline.app.supervisor's supervisor against a scripted executor (no processes), the command
 line's --ray, and Ray staying out of a normal run. The real processes and Ray actors are
 in tests/e2e/test_cluster.py."""
 
@@ -11,8 +11,10 @@ import time
 
 import pytest
 
-from pipeline import cli
-from pipeline.cluster import (
+from pipeline.app import cli
+from pipeline.app.host import Assignment, AssignmentEnded, HostReport, assignment_config
+from pipeline.app.placement import SourceLoad
+from pipeline.app.supervisor import (
     Supervisor,
     absolute_paths,
     backoff_s,
@@ -21,8 +23,6 @@ from pipeline.cluster import (
     share_cores,
 )
 from pipeline.config import ConfigError, parse_config
-from pipeline.host import Assignment, AssignmentEnded, HostReport, assignment_config
-from pipeline.placement import SourceLoad
 
 
 class ScriptedExecutor:
@@ -244,7 +244,7 @@ def test_hosts_are_named_by_their_gpu_and_their_place_on_it():
 @pytest.mark.parametrize("gpus, actors, share", [
     (0, 4, 0), (2, 2, 1), (2, 1, 1), (2, 3, 0.5), (2, 6, 1 / 3), (1, 3, 1 / 3), (0.5, 2, 0)])
 def test_ray_actors_share_a_gpu_when_there_are_more_of_them_than_gpus(gpus, actors, share):
-    from pipeline.ray_cluster import actor_gpus
+    from pipeline.app.ray_cluster import actor_gpus
 
     assert actor_gpus(gpus, actors) == pytest.approx(share)
 
@@ -281,14 +281,14 @@ def test_ray_without_the_package_is_a_one_line_error(samples, tmp_path, monkeypa
 
 
 def test_a_normal_run_imports_nothing_of_ray(repo_root):
-    code = ("import sys, pkgutil, importlib, pipeline, stages\n"
-            "for package in (pipeline, stages):\n"
+    code = ("import sys, pkgutil, importlib, pipeline, pipeline.app, stages\n"
+            "for package in (pipeline, pipeline.app, stages):\n"
             "    for module in pkgutil.iter_modules(package.__path__):\n"
             "        if module.name != 'ray_cluster':\n"
             "            importlib.import_module(f'{package.__name__}.{module.name}')\n"
-            "from pipeline.cli import main\n"
+            "from pipeline.app.cli import main\n"
             "assert main(['--help-config']) == 0\n"
-            "assert 'pipeline.cluster' in sys.modules and 'pipeline.host' in sys.modules\n"
+            "assert 'pipeline.app.supervisor' in sys.modules and 'pipeline.app.host' in sys.modules\n"
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True,
                           text=True, timeout=120)

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from pipeline.build import check_extras
+from pipeline.app.build import check_extras
 from pipeline.config import ConfigError, parse_config
 
 

@@ -1,4 +1,4 @@
-"""pipeline.cluster_metrics: the metrics of several pipelines merged on one endpoint."""
+"""pipeline.app.cluster_metrics: the metrics of several pipelines merged on one endpoint."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import urllib.request
 import pytest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pipeline.cluster_metrics import ClusterExporter, FamilySnapshot, merge, snapshot
+from pipeline.app.cluster_metrics import ClusterExporter, FamilySnapshot, merge, snapshot
 
 
 class Fixed:

@@ -33,6 +33,7 @@ from typing import Any
 
 import structlog
 
+from pipeline.app.workers import DecodeWorkerPool
 from pipeline.config import (
     OUTPUT_KEYS,
     ConfigError,
@@ -45,7 +46,6 @@ from pipeline.config import (
 from pipeline.graph import Graph, SourceConflict
 from pipeline.slots import SlotRing, i420_bytes
 from pipeline.stage import SourceStage, Stage
-from pipeline.workers import DecodeWorkerPool
 from stages.analytics import AnalyticsStage, Region
 from stages.annotate import AnnotateStage
 from stages.batcher import BatcherStage

@@ -1,0 +1,79 @@
+"""The layers hold: the runtime core (``pipeline``, not ``pipeline.app``) imports neither
+``stages`` nor the app layer, and ``stages`` and ``kernels`` never import the app layer.
+
+Read from the source (``ast``), every import counted, also those inside functions and under
+``TYPE_CHECKING``: a lazy import is still a dependency."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imported_modules(path: Path, package: str | None = None) -> set[str]:
+    """Every module ``path`` imports (absolute names; relative imports resolved against
+    ``package``, by default the one ``path`` is in)."""
+    tree = ast.parse(path.read_text(), str(path))
+    if package is None:
+        package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def modules_of(folder: str, exclude: str | None = None) -> list[Path]:
+    paths = sorted((ROOT / folder).rglob("*.py"))
+    return [p for p in paths if exclude is None or not p.is_relative_to(ROOT / exclude)]
+
+
+def reaches(imported: set[str], package: str) -> list[str]:
+    return sorted(m for m in imported if m == package or m.startswith(package + "."))
+
+
+CORE = modules_of("pipeline", exclude="pipeline/app")
+
+
+@pytest.mark.parametrize("path", CORE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_runtime_core_imports_no_stage_and_no_app_module(path: Path) -> None:
+    imported = imported_modules(path)
+    assert reaches(imported, "stages") == []
+    assert reaches(imported, "pipeline.app") == []
+
+
+@pytest.mark.parametrize("path", modules_of("stages") + modules_of("kernels"),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_stages_and_kernels_never_import_the_app_layer(path: Path) -> None:
+    assert reaches(imported_modules(path), "pipeline.app") == []
+
+
+def test_the_core_is_what_the_design_names() -> None:
+    """The runtime core's modules (a new one is a decision: add it here, or to the app)."""
+    names = {p.stem for p in CORE} - {"__init__"}
+    assert names == {"config", "gpu", "graph", "logging", "metrics", "queues", "records",
+                     "resume", "slots", "stage"}
+
+
+def test_a_core_module_that_imported_a_stage_would_be_caught(tmp_path: Path) -> None:
+    """The check itself: lazy and ``TYPE_CHECKING`` imports count."""
+    module = tmp_path / "probe.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                      "    from stages.sinks import SinkStage\n"
+                      "def f():\n    import pipeline.app.http\n")
+    imported = imported_modules(module, package="")
+    assert reaches(imported, "stages") == ["stages.sinks", "stages.sinks.SinkStage"]
+    assert reaches(imported, "pipeline.app") == ["pipeline.app.http"]
+
