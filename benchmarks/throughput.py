@@ -584,6 +584,7 @@ def measure_decode(setup: Setup, decode: str, cameras: int,
     ``counted["frames"]`` is set to every frame received, window or not."""
     from pipeline.app.build import frame_slots
     from pipeline.app.workers import DecodeWorkerPool
+    from stages.decode import decoder_threads
 
     stop = threading.Event()
     width, height = probe_size(setup.clip)
@@ -592,7 +593,8 @@ def measure_decode(setup: Setup, decode: str, cameras: int,
     if workers:
         config = pipeline_config(setup, cameras, decode, setup.batch_cap, Path("."))
         ring = SlotRing(frame_slots(config), i420_bytes(width, height), shared=True)
-        pool = DecodeWorkerPool(config, list(enumerate(config.sources)), ring, workers)
+        pool = DecodeWorkerPool(config, ring, workers, decoder_threads(len(config.sources)),
+                                list(enumerate(config.sources)))
         sources: list[SourceStage] = pool.sources
     else:
         ring = SlotRing(4 * cameras, i420_bytes(width, height))

@@ -53,7 +53,6 @@ JOIN_TIMEOUT_S = 10.0
 # within its read timeout; its thread is a daemon and holds no output open).
 SOURCE_ABORT_WAIT_S = 1.0
 REPORT_INTERVAL_S = 60.0  # a "source stats" log line per source this often
-START_WAIT_S = 300.0  # add_source waits this long for a graph still opening its stages
 CONTROL_LANE = "control"  # the first queue's lane that stays open until the run ends
 STOP_WHEN = ("all_ended", "files_ended", "never")
 
@@ -141,6 +140,7 @@ class Graph:
         self._release_at_sink = release_at_sink
         for source in sources:
             self._sink_inboxes[source.name] = self._make_sink_inbox(source)
+        self._sink_of = {sink.name: name for name, sink in self.sinks.items()}
         self._threads: list[threading.Thread] = []
         self._services: list[tuple[Callable[[], None], Callable[[], None], bool]] = []
 
@@ -200,39 +200,22 @@ class Graph:
             self._accepting = False
         self._inboxes[0].close(CONTROL_LANE)
 
-    def wait_until_started(self) -> None:
-        """Wait until the run has opened its stages and started its services and sources (at
-        most ``START_WAIT_S``); return at once when it is ending.
-
-        Raises:
-            SourceConflict: it did not start in time.
-        """
-        waited = time.monotonic()
-        while not self.ready.wait(0.05):
-            if not self._accepting or self._stop.is_set():
-                return
-            if time.monotonic() - waited > START_WAIT_S:
-                raise SourceConflict(f"the pipeline has not started within {START_WAIT_S:g} s: "
-                                     "no source can be added yet")
-
     def add_source(self, source: SourceStage, sink: Stage) -> None:
-        """Add a source and its sink to the running graph (any thread): the sink is opened,
-        then both threads start. The stages in the chain must know the source already
-        (``pipeline.app.control``).
-
-        While the graph starts (its stages open: the model warms up), this waits until it has
-        started, at most ``START_WAIT_S``.
+        """Add a source and its sink (any thread, before or during the run). Before the run
+        has started its threads (the stages may still be opening: the model warming up),
+        the source waits: its sink is opened and both threads start with the others, once
+        the stages are open. During the run, the sink is opened and both threads start now.
+        The stages in the chain must know the source already (``pipeline.app.control``).
 
         The name of a source that was removed or ended may be used again once its outputs
         are final (``reusable``): the new one replaces it (the caller gives it other outputs).
 
         Raises:
             SourceConflict: its name is in use (a source running, or one whose outputs are
-                being finalised), or the run is ending, or it did not start.
+                being finalised), or the run is ending.
         """
-        self.wait_until_started()
         with self._sources_lock:
-            if not self._accepting or not self._running:
+            if not self._accepting:
                 raise SourceConflict("the run is ending: no source can be added")
             lane = source.name
             if source.name in self._source_stops:
@@ -241,6 +224,11 @@ class Graph:
                                          "(running, or its outputs are being finalised)")
                 self.sources = [s for s in self.sources if s.name != source.name]
                 self.removed = self.removed - {source.name}
+                # its threads have ended: the new source's are not started yet
+                self._source_threads = {n: t for n, t in self._source_threads.items()
+                                        if n != source.name}
+                self._sink_threads = {n: t for n, t in self._sink_threads.items()
+                                      if n != source.name}
                 self._lane_serial += 1  # the old lane is closed: a lane of its own
                 lane = f"{source.name}#{self._lane_serial}"
             self._lanes = {**self._lanes, source.name: lane}
@@ -255,28 +243,31 @@ class Graph:
             self._sink_inboxes = {**self._sink_inboxes, source.name: self._make_sink_inbox(source)}
             self._add_source_lane(source, lane)
             self.sources = [*self.sources, source]
-            try:
-                sink.open()
-            except BaseException:
-                self._inboxes[0].close(lane)
-                raise
-            self._start_sink(source.name, sink)
-            self._start_source(source)
-        log.info("source added", source=source.name, live=source.live)
+            if self._running:
+                try:
+                    sink.open()
+                except BaseException:
+                    self._inboxes[0].close(lane)
+                    raise
+                self._start_sink(source.name, sink)
+                self._start_source(source)
+        log.info("source added", source=source.name, live=source.live,
+                 started=self._running)
 
     def remove_source(self, name: str) -> None:
         """Stop reading source ``name`` (any thread): what it queued still drains, then its
-        outputs are finalised, as for a file that ended. Returns at once.
+        outputs are finalised, as for a file that ended. Returns at once. A source added
+        before the run started ends as soon as it starts.
 
         Raises:
-            SourceConflict: no running source has that name.
+            SourceConflict: no running (or waiting) source has that name.
         """
         with self._sources_lock:
             stop = self._source_stops.get(name)
             thread = self._source_threads.get(name)
-        if stop is None or thread is None or not thread.is_alive():
-            raise SourceConflict(f"no running source named {name!r}")
-        with self._sources_lock:
+            waiting = thread is None and any(s.name == name for s in self.sources)
+            if stop is None or not (waiting or (thread is not None and thread.is_alive())):
+                raise SourceConflict(f"no running source named {name!r}")
             self.removed = self.removed | {name}
         stop.set()
         log.info("source removed: its outputs are being finalised", source=name)
@@ -440,17 +431,20 @@ class Graph:
                     start()
                     started.append(close)
             opened = self._open_stages()
-            try:
-                for start, close, with_sources in self._services:
-                    if with_sources:
-                        start()
-                        started.append(close)
-            except BaseException:
-                self._accepting = False
-                for stage in opened:
-                    self._close_quietly(stage)
-                raise
-            self._run()
+            with self._sources_lock:  # a source added meanwhile waits for its threads
+                try:
+                    opened += self._open_sinks()
+                    for start, close, with_sources in self._services:
+                        if with_sources:
+                            start()
+                            started.append(close)
+                except BaseException:
+                    self._accepting = False
+                    for stage in opened:
+                        self._close_quietly(stage)
+                    raise
+                self._start_threads()
+            self._join_all()
         finally:
             for close in reversed(started):
                 try:
@@ -459,15 +453,15 @@ class Graph:
                     log.error("closing a service failed", error=f"{type(error).__name__}: {error}")
 
     def _open_stages(self) -> list[Stage]:
-        """Open the chain's stages and the sinks, in order; on a failure close those opened.
+        """Open the chain's stages, in order; on a failure close those opened (the sinks
+        open when the threads start: ``_start_threads``).
 
         Raises:
             PipelineError: naming the stage that failed to open.
         """
-        self._sink_of = {sink.name: name for name, sink in self.sinks.items()}
         opened: list[Stage] = []
         try:
-            for stage in [*self.chain, *self.sinks.values()]:
+            for stage in self.chain:
                 stage.open()
                 opened.append(stage)
         except BaseException as error:
@@ -478,7 +472,28 @@ class Graph:
             raise PipelineError(f"stage {failed} failed to start: {error}") from error
         return opened
 
-    def _run(self) -> None:
+    def _open_sinks(self) -> list[Stage]:
+        """Open the sinks of the sources added before the run (the caller holds the sources
+        lock); on a failure close those opened.
+
+        Raises:
+            PipelineError: naming the sink that failed to open.
+        """
+        opened: list[Stage] = []
+        for source in self.sources:
+            sink = self.sinks[source.name]
+            try:
+                sink.open()
+            except BaseException as error:
+                for started in opened:
+                    self._close_quietly(started)
+                raise PipelineError(f"stage {sink.name} failed to start: {error}") from error
+            opened.append(sink)
+        return opened
+
+    def _start_threads(self) -> None:
+        """Start the chain's threads, then every source's sink and source thread (the caller
+        holds the sources lock)."""
         for i, stage in enumerate(self.chain):
             if i + 1 < len(self.chain):
                 queue = self._inboxes[i + 1]
@@ -492,13 +507,15 @@ class Graph:
                 name=f"stage:{stage.name}", daemon=True))
         for thread in self._threads:
             thread.start()
-        with self._sources_lock:
-            self._running = True
-            self.ready.set()
-            for source in self.sources:
-                self._start_sink(source.name, self.sinks[source.name])
-            for source in self.sources:
-                self._start_source(source)
+        self._running = True
+        self.ready.set()
+        for source in self.sources:
+            self._start_sink(source.name, self.sinks[source.name])
+        for source in self.sources:
+            self._start_source(source)
+
+    def _join_all(self) -> None:
+        """Wait for every thread (the run's end), then raise the first failure."""
         self._join()
         self.refresh_source_metrics()
         if self._error is not None:

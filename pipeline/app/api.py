@@ -15,6 +15,12 @@ summary = Pipeline(config_dict, on_batch=lambda source, part: ...).run()
 A script must run this under ``if __name__ == "__main__":``: decode workers are spawned
 processes that import the main module (as with any ``multiprocessing`` code).
 
+It runs the way ``run.py`` does, through the supervisor (``pipeline.app.supervisor``): with
+``runtime.pipelines`` (or several ``runtime.gpus``) the pipelines are processes of their own
+and ``run()`` and the outputs work as with ``run.py``; the per-frame results (``results()``,
+``on_batch``) need the one pipeline in this process, and ask for it (a ``ConfigError``
+otherwise).
+
 The configuration is a YAML path, a dict in the YAML's shape, or a ``PipelineConfig``; it is
 validated exactly as ``run.py`` validates it (``ConfigError`` with the one-line message). The
 outputs the configuration asks for (video, JSONL) are written as with ``run.py``; set
@@ -131,15 +137,16 @@ class Pipeline:
             ``BatchDetections``) after its outputs were written; keep it quick.
 
     Raises:
-        ConfigError: the configuration is invalid (also: model and outputs, checked when
-            the graph is built).
+        ConfigError: the configuration is invalid (also: the model, the files and the
+            outputs, checked before anything starts).
     """
 
     def __init__(self, config: str | Path | dict | PipelineConfig,
                  on_batch: Callable[[str, BatchDetections], None] | None = None) -> None:
         self.config = as_config(config)
         self._on_batch = on_batch
-        self._graph: Any = None
+        self._supervisor: Any = None
+        self._results: dict[str, str | None] = {}
         self._listeners: list[Callable[[str, BatchDetections], None]] = []
         self._lock = threading.Lock()
 
@@ -149,30 +156,41 @@ class Pipeline:
         for listener in self._listeners:
             listener(source, part)
 
-    def _build(self) -> Any:
+    def _start(self, per_batch: bool) -> Any:
         import structlog
 
-        from pipeline.app.build import build_graph
+        from pipeline.app.run import make_executor, prepare
+        from pipeline.app.supervisor import Supervisor
         from pipeline.logging import configure_logging
 
         if not structlog.is_configured():  # structlog's default prints to stdout
             runtime = self.config.runtime
             configure_logging(runtime.log_format, runtime.log_level)
         with self._lock:
-            if self._graph is not None:
+            if self._supervisor is not None:
                 raise RuntimeError("a Pipeline runs once; make a new one to run again")
-            self._graph = build_graph(self.config, on_batch_done=self._batch_done)
-            return self._graph
+            resume = prepare(self.config)
+            executor = make_executor(self.config, on_batch_done=self._batch_done
+                                     if per_batch or self._on_batch is not None else None)
+            self._supervisor = Supervisor(self.config, executor,
+                                          self.config.runtime.max_restarts, resume=resume)
+            return self._supervisor
+
+    def _run(self, supervisor: Any) -> None:
+        from pipeline.graph import PipelineError
+
+        self._results = supervisor.run()
+        if supervisor.failure is not None:
+            raise PipelineError(supervisor.failure[0])
 
     def run(self) -> RunSummary:
-        """Build and run until every source ended (or ``stop()``); returns the summary.
+        """Run until every source ended (or ``stop()``); returns the summary.
 
         Raises:
             PipelineError: a stage failed (a source that fails does not raise: it is in the
                 summary's ``errors``).
         """
-        graph = self._build()
-        graph.run()
+        self._run(self._start(per_batch=False))
         return self.summary()
 
     def results(self) -> Iterator[FrameResult]:
@@ -184,6 +202,8 @@ class Pipeline:
             SourceFailed: at the end, when a source failed (its reason; the other sources'
                 results all came).
         """
+        from pipeline.app.build import model_setup
+
         parts: queue.Queue[Any] = queue.Queue(RESULTS_QUEUE_PARTS)
         failure: list[BaseException] = []
         stopped = threading.Event()
@@ -197,13 +217,12 @@ class Pipeline:
                     continue
 
         self._listeners.append(hand_over)
-        graph = self._build()
-        # The names the build settled on (the file's, else the model's metadata), as the sinks.
-        names = next(iter(graph.sinks.values())).class_names
+        supervisor = self._start(per_batch=True)
+        names = model_setup(self.config).class_names  # the names the sinks write
 
         def run() -> None:
             try:
-                graph.run()
+                self._run(supervisor)
             except BaseException as error:  # noqa: BLE001 - raised in the consumer's thread
                 failure.append(error)
             finally:
@@ -221,7 +240,7 @@ class Pipeline:
                 yield from frame_results(part, names)
         finally:
             if runner.is_alive():  # left early: stop, and stop handing over
-                graph.request_stop()
+                supervisor.request_stop()
                 stopped.set()
                 while runner.is_alive():
                     try:
@@ -237,18 +256,20 @@ class Pipeline:
 
     def stop(self) -> None:
         """Stop reading the sources; what is queued drains and outputs are finalised."""
-        if self._graph is not None:
-            self._graph.request_stop()
+        if self._supervisor is not None:
+            self._supervisor.request_stop()
 
     def summary(self) -> RunSummary:
         """Frames done, dropped and errors per source so far."""
-        if self._graph is None:
+        supervisor = self._supervisor
+        if supervisor is None:
             return RunSummary({}, {}, {})
-        self._graph.refresh_source_metrics()
-        metrics = self._graph.source_metrics
-        return RunSummary({name: m.frames_out for name, m in metrics.items()},
-                          {name: m.dropped for name, m in metrics.items()},
-                          {name: m.error for name, m in metrics.items()})
+        frames = supervisor.frames
+        dropped = {name: int((run.ended.summary.get("dropped") or 0) if run.ended else 0)
+                   for name, run in supervisor.sources.items()}
+        errors = {name: self._results.get(name, supervisor.results.get(name))
+                  for name in supervisor.sources}
+        return RunSummary(frames, dropped, errors)
 
     def __enter__(self) -> Pipeline:
         return self

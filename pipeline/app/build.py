@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +23,7 @@ from pipeline.slots import SlotRing, i420_bytes
 from pipeline.stage import SourceStage, Stage
 from stages.analytics import AnalyticsStage, Region
 from stages.annotate import AnnotateStage
-from stages.backends.base import read_model_info
+from stages.backends.base import ModelInfo, read_model_info
 from stages.batcher import BatcherStage, DetectionSchedule
 from stages.decode import DecodeStage, decoder_threads
 from stages.filters import DetectionFilterStage, SourceFilter
@@ -42,7 +44,7 @@ TRACK_GONE_MARGIN_S = 0.5  # analytics: a track unseen this long past tracker_lo
 BATCH_SETS = 3  # batch sets: one being copied in, one on the GPU, one being read back
 
 
-class DeviceUnavailable(RuntimeError):
+class DeviceUnavailable(ConfigError):
     """``inference.device: cuda`` was asked for and the GPU path cannot run."""
 
 
@@ -134,32 +136,39 @@ def probe_file_sources(config: PipelineConfig) -> dict[int, tuple[int, int]]:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def frame_slots(config: PipelineConfig) -> int:
+def frame_slots(config: PipelineConfig, sources: int | None = None) -> int:
     """How many ring slots: ``runtime.staging_slots``, or enough for every batch set in
     flight plus two frames per source (one being decoded, one waiting), and as much again
-    for the sinks' queues when the sinks read the images (video is written)."""
+    for the sinks' queues when the sinks read the images (video is written).
+
+    Args:
+        sources: the sources the graph is sized for (default: every configured one).
+    """
     if config.runtime.staging_slots:
         return config.runtime.staging_slots
-    batch, sources = config.inference.batch_size, len(config.sources)
+    batch = config.inference.batch_size
+    sources = len(config.sources) if sources is None else sources
     slots = batch * (BATCH_SETS + 2) + 2 * sources
     if config.output.video is not None or config.runtime.http is not None:
         slots += batch * 2 + 2 * sources
     return slots
 
 
-def build_graph(config: PipelineConfig,
-                on_batch_done: Callable[[str, BatchDetections], None] | None = None,
-                profile_gpu: bool = False) -> Graph:
-    """Create every stage the configuration asks for and connect them.
+@dataclass(frozen=True)
+class ModelSetup:
+    """What the build settled on for the model: its ``ModelInfo`` and class names (the
+    file's, else the model's metadata, else None)."""
 
-    sources (decode into the slot ring) -> batch -> infer -> postprocess -> [filter] ->
-    [track] -> [analytics] -> [annotate] -> sinks. On the GPU path every device buffer is
-    allocated here; the model is warmed up and every kernel compiled when the graph opens the
-    infer stage (``Graph.run``), before any source starts.
+    info: ModelInfo
+    class_names: list[str] | None
+
+
+def model_setup(config: PipelineConfig) -> ModelSetup:
+    """Read the model's shape and class names.
+
+    Raises:
+        ConfigError: the model cannot be read, or ``model.class_names`` does not match it.
     """
-    from pipeline.app.control import SourceControl  # it builds sources with this module
-
-    check_extras(config)
     try:
         info = read_model_info(config.model.path, config.model.layout)
     except ValueError as error:
@@ -171,11 +180,56 @@ def build_graph(config: PipelineConfig,
         raise ConfigError(f"model.class_names: {len(class_names)} names in "
                           f"{config.model.class_names!r}, but the model has {info.num_classes} "
                           "classes (one name per line, in class order)")
-    filters = {i: f for i, source in enumerate(config.sources)
-               if (f := SourceFilter.from_config(f"sources[{i}]", source, class_names,
-                                                 info.num_classes)) is not None}
-    frame_sizes: dict[int, tuple[int, int] | None] = dict(probe_file_sources(config))
-    regions = analytics_regions(config, class_names, info.num_classes, frame_sizes)
+    return ModelSetup(info, class_names)
+
+
+def check_sources(config: PipelineConfig, model: ModelSetup,
+                  frame_sizes: dict[int, tuple[int, int]]) -> tuple[bool, bool, list[str]]:
+    """Check every source's classes, ROI, tracker and zones against the model (the messages
+    name ``sources[i]``), before anything starts.
+
+    Returns:
+        (some source filters its detections, some source is tracked, the names of the
+        sources with zones or lines): the stages the graph needs.
+
+    Raises:
+        ConfigError: a class the model does not have, or a region outside a file's frame.
+    """
+    num_classes = model.info.num_classes
+    filters = [SourceFilter.from_config(f"sources[{i}]", source, model.class_names, num_classes)
+               for i, source in enumerate(config.sources)]
+    regions = analytics_regions(config, model.class_names, num_classes, dict(frame_sizes))
+    tracked = any(TrackerSettings.from_config(source) is not None for source in config.sources)
+    return any(f is not None for f in filters), tracked, list(regions)
+
+
+def build_graph(config: PipelineConfig,
+                on_batch_done: Callable[[str, BatchDetections], None] | None = None,
+                profile_gpu: bool = False, start_sources: bool = True,
+                expected_sources: int | None = None, stop_when: str | None = None) -> Graph:
+    """Create every stage the configuration asks for, connect them, and add the configured
+    sources (``start_sources``) through ``graph.control``, the path every source takes.
+
+    sources (decode into the slot ring) -> batch -> infer -> postprocess -> [filter] ->
+    [track] -> [analytics] -> [annotate] -> sinks. On the GPU path every device buffer is
+    allocated here; the model is warmed up and every kernel compiled when the graph opens the
+    infer stage (``Graph.run``), before any source starts.
+
+    Args:
+        start_sources: add every source of ``config``; False: none (a pipeline host, to
+            which its supervisor adds sources); the stages the graph has are those the
+            configured sources need, either way.
+        expected_sources: how many sources the ring and the decode workers are sized for
+            (default: every configured one).
+        stop_when: overrides ``runtime.stop_when`` (a host's graph: ``never``).
+    """
+    from pipeline.app.control import SourceControl  # it builds sources with this module
+
+    check_extras(config)
+    model = model_setup(config)
+    info, class_names = model.info, model.class_names
+    frame_sizes = probe_file_sources(config)
+    filtered, tracked, with_regions = check_sources(config, model, frame_sizes)
     gpu = create_gpu_context(config, profile_gpu)
     backend = create_backend(config.inference, Path(config.model.path), info, gpu,
                              first_file_source(config))
@@ -186,74 +240,75 @@ def build_graph(config: PipelineConfig,
                     if not src.is_live and (s := frame_sizes.get(i)) is not None})
     largest = max([DEFAULT_FRAME_SIZE, *sizes], key=lambda wh: wh[0] * wh[1])
     slot_bytes = i420_bytes(*largest)
-    kinds = [decoder_kind(config, index, gpu) for index in range(len(config.sources))]
-    on_cpu = [(index, config.sources[index]) for index, kind in enumerate(kinds) if kind == "cpu"]
+    kinds = [decoder_kind(config, source, f"sources[{i}]", gpu)
+             for i, source in enumerate(config.sources)]
+    expected = len(config.sources) if expected_sources is None else expected_sources
+    on_cpu = math.ceil(kinds.count("cpu") * expected / max(1, len(config.sources)))
     workers = config.runtime.decode_workers
-    workers = min(len(on_cpu), default_worker_count(len(on_cpu)) if workers is None else workers)
-    ring = SlotRing(frame_slots(config), slot_bytes, pinned=gpu is not None, shared=workers > 0)
+    workers = min(on_cpu, default_worker_count(on_cpu) if workers is None else workers)
+    ring = SlotRing(frame_slots(config, expected), slot_bytes, pinned=gpu is not None,
+                    shared=workers > 0)
     log.info("frame slots allocated", slots=ring.slots, pinned=ring.pinned,
              shared=ring.shm_name is not None, mb=round(ring.slots * slot_bytes / 2**20, 1))
-    pool = DecodeWorkerPool(config, on_cpu, ring, workers) if workers else None
-    sources: list[SourceStage] = [
-        pool.stages[index] if pool is not None and kind == "cpu" else
-        DecodeStage(config.sources[index], ring, stop,
-                    decoder_threads=decoder_threads(len(on_cpu))) if kind == "cpu" else
-        GpuDecodeStage(config.sources[index], gpu.device_id, ring)
-        for index, kind in enumerate(kinds)]
+    threads = decoder_threads(on_cpu)
+    pool = DecodeWorkerPool(config, ring, workers, threads) if workers else None
     video = config.output.video is not None
     http = config.runtime.http
     preview = PreviewHub(http.preview_fps, class_names) if http is not None else None
     keep_images = video or preview is not None  # the sinks read the images: they release
     release = None if keep_images else ring.release
     size = (info.input_height, info.input_width)
-    schedule = DetectionSchedule([s.detect_every for s in config.sources],
-                                 [s.detect_fps for s in config.sources])
     batcher = BatcherStage("batch", size, inference.batch_size, inference.batch_timeout_ms,
-                           tuple(s.name for s in config.sources), gpu, ring, stop, schedule)
+                           (), gpu, ring, stop, DetectionSchedule([], []))
     if gpu is None:
         infer = InferStage("infer", backend, HostPreprocess(size, info.input_dtype,
                                                            inference.batch_size))
     else:
         gpu.allocate(BATCH_SETS, inference.batch_size, slot_bytes, config.nms.max_detections)
-        formats = ["i420", *(["nv12"] if any(isinstance(s, GpuDecodeStage) for s in sources)
-                             else [])]
+        formats = ["i420", *(["nv12"] if "gpu" in kinds else [])]
         geometries = [(batcher.letterbox(w, h), fmt) for w, h in sizes for fmt in formats]
         infer = InferStage("infer", backend, DevicePreprocess(geometries), gpu,
                            DeviceNms(config.nms, inference.batch_size, info.layout))
     postprocess = PostprocessStage("postprocess", config.nms, gpu, release, info.layout)
     chain: list[Stage] = [batcher, infer, postprocess]
-    if filters:
-        chain.append(DetectionFilterStage("filter", filters))
-    trackers = {source.name: settings for source in config.sources
-                if (settings := TrackerSettings.from_config(source)) is not None}
-    if trackers:
-        chain.append(TrackerStage("track", trackers))
-    publisher = create_publisher(config, list(regions))
-    if regions:
-        forget_s = {source.name: source.tracker_lost_s + TRACK_GONE_MARGIN_S
-                    for source in config.sources}
-        chain.append(AnalyticsStage("analytics", regions, class_names, forget_s, publisher))
+    if filtered:
+        chain.append(DetectionFilterStage("filter", {}))
+    if tracked:
+        chain.append(TrackerStage("track", {}))
+    publisher = create_publisher(config, with_regions)
+    if with_regions:
+        chain.append(AnalyticsStage("analytics", {}, class_names, {}, publisher))
     if video:
-        chain.append(AnnotateStage("annotate", class_names, regions))
-    sinks = {source.name: build_sink(config, source, class_names, ring, keep_images,
-                                     source.name in trackers, source.name in regions, preview)
-             for source in config.sources}
-    graph = Graph(sources, chain, sinks, config.runtime.queue_size, on_batch_done, stop=stop,
-                  ring=ring, release_at_sink=keep_images, stop_when=config.runtime.stop_when)
+        chain.append(AnnotateStage("annotate", class_names, {}))
+    graph = Graph([], chain, {}, config.runtime.queue_size, on_batch_done, stop=stop,
+                  ring=ring, release_at_sink=keep_images,
+                  stop_when=stop_when or config.runtime.stop_when)
     graph.add_service(lambda: None, ring.close)
     if publisher is not None:
         graph.add_service(publisher.start, publisher.close)
     if pool is not None:
-        log.info("decoding in worker processes", workers=len(pool.workers), sources=len(on_cpu),
+        log.info("decoding in worker processes", workers=len(pool.workers), sources=on_cpu,
                  setting="auto" if config.runtime.decode_workers is None else "runtime.decode_workers")
         graph.add_service(pool.start, pool.close, with_sources=True)
     graph.gpu = gpu
     graph.preview = preview
+    known_sizes = {config.sources[i].uri: wh for i, wh in frame_sizes.items()}
+
+    def make_decoder(index: int, source: SourceConfig, key: str) -> SourceStage:
+        if decoder_kind(config, source, key, gpu) == "gpu":
+            return GpuDecodeStage(source, gpu.device_id, ring)
+        return DecodeStage(source, ring, stop, decoder_threads=threads)
+
     graph.control = SourceControl(
         config, graph, ring, pool, class_names, info.num_classes,
         lambda cfg, source, tracked, has_analytics: build_sink(
             cfg, source, class_names, ring, keep_images, tracked, has_analytics, preview),
-        probe_frame_size, track_gone_margin_s=TRACK_GONE_MARGIN_S)
+        lambda uri: known_sizes.get(uri) or probe_frame_size(uri), make_decoder,
+        lambda source, key: decoder_kind(config, source, key, gpu) == "cpu",
+        track_gone_margin_s=TRACK_GONE_MARGIN_S)
+    if start_sources:
+        for source in config.sources:
+            graph.control.add(source)
     return graph
 
 
@@ -345,13 +400,14 @@ def check_extras(config: PipelineConfig) -> None:
                               f"installed: pip install 'streamdet[{extra}]'")
 
 
-def decoder_kind(config: PipelineConfig, index: int, gpu: GpuContext | None) -> str:
-    """Where ``config.sources[index]`` is decoded: "gpu" (NVDEC) or "cpu" (its ``decode``).
+def decoder_kind(config: PipelineConfig, source: SourceConfig, key: str,
+                 gpu: GpuContext | None) -> str:
+    """Where ``source`` is decoded: "gpu" (NVDEC) or "cpu" (its ``decode``; ``key``: its
+    name in messages, ``sources[i]``).
 
     Raises:
         DeviceUnavailable: ``decode: gpu`` was asked for and cannot run (the message says why).
     """
-    source = config.sources[index]
     if source.decode == "cpu":
         return "cpu"
     reason = ("inference does not run on the GPU" if gpu is None else
@@ -361,5 +417,5 @@ def decoder_kind(config: PipelineConfig, index: int, gpu: GpuContext | None) -> 
     if reason is None:
         return "gpu"
     if source.decode == "gpu":
-        raise DeviceUnavailable(f"sources[{index}].decode: 'gpu' cannot be used: {reason}")
+        raise DeviceUnavailable(f"{key}.decode: 'gpu' cannot be used: {reason}")
     return "cpu"

@@ -1,20 +1,26 @@
-"""Sources added and removed while the pipeline runs (the HTTP API's ``POST /api/sources``
-and ``DELETE /api/sources/{name}``).
+"""Sources added to and removed from a graph: the one path every source starts by, those of
+the configuration file (``pipeline.app.build``), those a supervisor places on a pipeline host
+(``pipeline.app.host``) and those the HTTP API adds while the run goes on (``POST
+/api/sources``, ``DELETE /api/sources/{name}``).
 
-An added source is validated exactly as a ``sources[]`` entry of the YAML file is (the same
-one-line messages, its key ``sources[N]`` where N is its position among every source this
-run has had), then against the running pipeline: its name must not be in use (a source
+A ``SourceConfig`` (a source of the validated file) is taken as it is. A POSTed entry is
+validated exactly as a ``sources[]`` entry of the YAML file is (the same one-line messages,
+its key ``sources[N]``: N its position among every source the run has had), then against the
+running pipeline: its name must not be in use (a source
 running, or one whose outputs are being finalised), a file's frames must fit the frame slots
 sized at start, and a tracker or zones need the stages that run them (present when a
 configured source uses them). ``${VAR}`` references are not expanded in a request (a request
 must not read the server's environment).
 
 Then every stage that keeps per-source state learns of it (batcher, filter, tracker,
-analytics, annotate), the graph opens its sink and starts its thread, and only then does its
-decode start: in the decode worker with the fewest running sources (sharing that worker's
-slots), or in a thread of this process without workers. Removing a source stops its reading;
-what it queued drains and its outputs are finalised as for a file that ended. The other
-sources are not touched either way: no frame of theirs waits or is lost.
+analytics, annotate), the graph opens its sink and starts its thread (before the run: with
+the run's other threads, once the stages are open), and only then does its decode start:
+on NVDEC, or in the decode worker with the fewest running sources (sharing that worker's
+slots), or in a thread of this process without workers. A source ``resume``d starts after
+its last written record and its sink appends to its records (``pipeline.resume``).
+Removing a source stops its reading; what it queued drains and its outputs are finalised as
+for a file that ended. The other sources are not touched either way: no frame of theirs
+waits or is lost.
 
 **A name used again.** The name of a source that was removed or has ended may be added again
 once its outputs are final. Its earlier outputs are never touched: the new source writes under
@@ -44,12 +50,12 @@ from pipeline.config import (
     partial_path,
 )
 from pipeline.graph import Graph, SourceConflict
+from pipeline.resume import resume_point
 from pipeline.slots import SlotRing, i420_bytes
 from pipeline.stage import SourceStage, Stage
 from stages.analytics import AnalyticsStage, Region
 from stages.annotate import AnnotateStage
 from stages.batcher import BatcherStage
-from stages.decode import DecodeStage, decoder_threads
 from stages.filters import DetectionFilterStage, SourceFilter
 from stages.tracking import TrackerSettings, TrackerStage
 
@@ -72,6 +78,10 @@ class SourceControl:
         make_sink: (config, source, tracked, has_analytics) -> the source's sink.
         probe_size: uri -> the (width, height) of a file's first frame (``ConfigError`` when
             none decodes).
+        make_decoder: (source id, source, key) -> the graph's source of a source not decoded
+            in the worker pool (NVDEC, or a thread of this process); ``ConfigError`` when its
+            ``decode`` cannot be had.
+        decoded_by_pool: (source, key) -> whether ``pool`` decodes it.
         base_dir: folder relative paths are resolved against (the working directory).
         track_gone_margin_s: analytics: seconds past ``tracker_lost_s`` a track is gone.
     """
@@ -81,14 +91,17 @@ class SourceControl:
                  num_classes: int,
                  make_sink: Callable[[PipelineConfig, SourceConfig, bool, bool], Stage],
                  probe_size: Callable[[str], tuple[int, int] | None],
+                 make_decoder: Callable[[int, SourceConfig, str], SourceStage],
+                 decoded_by_pool: Callable[[SourceConfig, str], bool],
                  base_dir: Path = Path("."), track_gone_margin_s: float = 0.5) -> None:
         self.config, self.graph, self.ring, self.pool = config, graph, ring, pool
         self.class_names, self.num_classes = class_names, num_classes
         self.make_sink, self.probe_size = make_sink, probe_size
+        self.make_decoder, self.decoded_by_pool = make_decoder, decoded_by_pool
         self.base_dir, self.track_gone_margin_s = base_dir, track_gone_margin_s
-        self.sources: list[SourceConfig] = list(config.sources)  # every source of the run
+        self.sources: list[SourceConfig] = []  # every source of the graph, in the order added
+        self.numbers: dict[int, int] = {}  # source id -> the number of its numbered outputs
         self.retired: set[int] = set()  # ids (positions in sources) removed or replaced
-        self.outputs: dict[int, list[Path]] = {}  # a reused name's source id -> its outputs
         self._lock = threading.Lock()  # one change at a time
         stages = {type(stage): stage for stage in graph.chain}
         self._batcher: BatcherStage = stages[BatcherStage]  # type: ignore[assignment]
@@ -102,53 +115,81 @@ class SourceControl:
         with self._lock:
             return [s for i, s in enumerate(self.sources) if i not in self.retired]
 
-    def add(self, data: Any) -> SourceConfig:
-        """Validate a ``sources[]`` entry and start it (returns once its threads started);
-        while the run is still starting (the model warming up), waits until it has started.
+    def add(self, data: Any, resume: bool = False, output_number: int | None = None,
+            renumber: bool = False, key: str | None = None) -> SourceConfig:
+        """Validate a source and start it (before the run: it starts with the run).
+
+        Args:
+            data: a ``SourceConfig`` of the validated configuration, taken as it is, or a
+                ``sources[]`` entry (a mapping: a POSTed source), validated here.
+            resume: start after its last written record, appending to its records (a source
+                a stopped run cut short, or one moved here from another pipeline).
+            output_number: write the numbered outputs ``NAME.N.*`` (module docstring); by
+                default its own, or the next free numbers when its name was used before in
+                this graph.
+            renumber: take the next free numbered outputs (its name was used before in the
+                run, on another pipeline).
+            key: its name in messages (default ``sources[N]``, N its position in this graph).
 
         Raises:
             ConfigError: the entry is not valid (a one-line message naming the key).
             SourceConflict: its name is in use (a source running, or one whose outputs are
                 being finalised), or the run is ending.
         """
-        self.graph.wait_until_started()  # the decode workers take new sources once started
         with self._lock:
             index = len(self.sources)
-            key = f"sources[{index}]"
-            if not isinstance(data, dict):
+            key = key or f"sources[{index}]"
+            earlier = [i for i, s in enumerate(self.sources) if s.name == getattr(
+                data, "name", None) or (isinstance(data, dict) and s.name == data.get("name"))]
+            if isinstance(data, SourceConfig):
+                source = data
+            elif isinstance(data, dict):
+                source = build_section(SourceConfig, data, key)
+                others = [s for i, s in enumerate(self.sources)
+                          if i not in self.retired and i not in earlier]
+                check_config(dataclasses.replace(self.config, sources=[*others, source]),
+                             self.base_dir)
+            else:
                 raise ConfigError(f"{key}: expected a mapping of a source's keys, got "
                                   f"{type(data).__name__}")
-            source = build_section(SourceConfig, data, key)
-            earlier = [i for i, s in enumerate(self.sources) if s.name == source.name]
             if earlier and not self.graph.reusable(source.name):
                 raise SourceConflict(f"{key}.name: source name {source.name!r} is in use in "
                                      "this run (running, or its outputs are being finalised)")
-            others = [s for i, s in enumerate(self.sources)
-                      if i not in self.retired and i not in earlier]
-            candidate = dataclasses.replace(self.config, sources=[*others, source])
-            check_config(candidate, self.base_dir)
             parts = self._stage_parts(key, source)
-            sink_config = self._config_for(source) if earlier else self.config
-            stage = self._decoder(index, source)
+            if output_number is None and (earlier or renumber):
+                output_number = self._next_number(source)
+            sink_config = (self._numbered(output_number) if output_number is not None
+                           else self.config)
+            if resume and sink_config.output.jsonl:  # ValueError: not our records
+                point = resume_point(sink_config.output_path(sink_config.output.jsonl,
+                                                             source.name))
+                source = dataclasses.replace(source, start_frame=max(source.start_frame, point))
+            in_pool = self.pool is not None and self.decoded_by_pool(source, key)
+            stage = (self.pool.add_source(index, source, source.start_frame) if in_pool
+                     else self.make_decoder(index, source, key))
             sink = self.make_sink(sink_config, source, parts["tracker"] is not None,
                                   bool(parts["regions"]))
+            if resume and source.start_frame > 0:  # appends to the records (see SinkStage)
+                sink.resume_from = source.start_frame
             assigned = self._batcher.add_source(source.name, source.detect_every,
                                                 source.detect_fps)
             if assigned != index:  # the batcher numbers sources as this list does
                 raise RuntimeError(f"source id {assigned} != {index}: out of step")
             self.sources.append(source)
+            if output_number is not None:
+                self.numbers[index] = output_number
             self.retired.update(earlier)
             self._register(index, source, parts)
-            in_worker = self.pool is not None and getattr(stage, "pool", None) is self.pool
             try:
                 self.graph.add_source(stage, sink)  # SourceConflict: the run is ending
             except BaseException:
-                if in_worker:
+                if in_pool:
                     self.pool.stop_source(index)  # never started: it ends at once
                 raise
-            if in_worker:
+            if in_pool:
                 self.pool.start_source(index)
-        log.info("source added at runtime", source=source.name, id=index, live=source.is_live)
+        log.info("source added", source=source.name, id=index, live=source.is_live,
+                 resumed_at=source.start_frame if resume else None)
         return source
 
     def remove(self, name: str) -> bool:
@@ -176,36 +217,45 @@ class SourceControl:
         its numbered ones), whichever exist or not."""
         with self._lock:
             index = max(i for i, s in enumerate(self.sources) if s.name == name)
-            return self.outputs.get(index) or self.config.output_paths(self.sources[index])
+            number = self.numbers.get(index)
+            config = self.config if number is None else self._numbered(number)
+            return config.output_paths(self.sources[index])
+
+    def output_number(self, name: str) -> int | None:
+        """The number of the outputs the source now named ``name`` writes (None: its own)."""
+        with self._lock:
+            index = max(i for i, s in enumerate(self.sources) if s.name == name)
+            return self.numbers.get(index)
 
     def done(self, name: str) -> bool:
         """Whether a removed (or ended) source's outputs are final."""
         return self.graph.source_done(name)
 
     # -- internals -----------------------------------------------------------------------
-    def _config_for(self, source: SourceConfig) -> PipelineConfig:
-        """The run's configuration with ``output`` naming the next free numbered outputs of
-        a name used again (module docstring); the caller holds ``_lock``."""
-        taken = {path for paths in self.outputs.values() for path in paths}
+    def _numbered(self, number: int) -> PipelineConfig:
+        """The configuration with ``output`` naming the numbered outputs ``NAME.N.*``."""
+        output = self.config.output
+        changes: dict[str, str] = {}
+        for key in OUTPUT_KEYS:
+            template = getattr(output, key)
+            if template:
+                path = Path(template)
+                changes[key] = str(path.with_name(f"{path.stem}.{number}{path.suffix}"))
+        return dataclasses.replace(self.config, output=dataclasses.replace(output, **changes))
+
+    def _next_number(self, source: SourceConfig) -> int:
+        """The first number from 2 whose outputs of ``source`` are free: not on disk (final or
+        ``.partial``) and not written by another source of this graph; the caller holds
+        ``_lock``."""
+        taken = {path for i, number in self.numbers.items()
+                 for path in self._numbered(number).output_paths(self.sources[i])}
         number = 2
         while True:
-            output = self.config.output
-            changes: dict[str, str] = {}
-            for key in OUTPUT_KEYS:
-                template = getattr(output, key)
-                if not template:
-                    continue
-                path = self.base_dir / self.config.output_path(template, source.name)
-                numbered = path.with_name(f"{path.stem}.{number}{path.suffix}")
-                changes[key] = str(numbered.absolute()).replace("{", "{{").replace("}", "}}")
-            candidate = dataclasses.replace(self.config,
-                                            output=dataclasses.replace(output, **changes))
-            paths = candidate.output_paths(source)
+            paths = self._numbered(number).output_paths(source)
             if not any(p in taken or p.exists() or partial_path(p).exists() for p in paths):
-                self.outputs[len(self.sources)] = paths
                 log.info("source name used again: its outputs get new names",
                          source=source.name, outputs=[str(p) for p in paths])
-                return candidate
+                return number
             number += 1
 
     def _stage_parts(self, key: str, source: SourceConfig) -> dict[str, Any]:
@@ -238,15 +288,6 @@ class SourceControl:
                                   "frames do not fit the frame slots sized at start (the "
                                   "largest file then); restart with it in the file")
         return {"filter": source_filter, "tracker": tracker, "regions": regions}
-
-    def _decoder(self, index: int, source: SourceConfig) -> SourceStage:
-        """The graph's source for ``source``; its decoding starts in ``add`` after the graph
-        took it. Decoded on the CPU: the previews, which the HTTP API comes with, read the
-        frames on the host."""
-        if self.pool is not None:
-            return self.pool.add_source(index, source)
-        return DecodeStage(source, self.ring, self.graph.abort_event,
-                           decoder_threads=decoder_threads(len(self.sources) + 1))
 
     def _register(self, index: int, source: SourceConfig, parts: dict[str, Any]) -> None:
         """Tell the stages with per-source state about source ``index``."""

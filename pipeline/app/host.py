@@ -1,29 +1,34 @@
-"""A pipeline host: the process (or Ray actor) of one GPU, running the pipelines of the
-sources the supervisor gave it.
+"""A pipeline host: the process (or Ray actor, or for one pipeline the supervisor's own
+process) that runs ONE graph for its whole life; its supervisor adds sources to it and
+removes them, one at a time.
 
-Each ``Assignment`` (a group of sources the supervisor placed here together) runs as one
-ordinary pipeline, ``pipeline.app.build.build_graph`` and ``Graph.run``, on a thread of its own:
-its own decode workers, batcher, model and sinks. A source moved here from a pipeline that
-died arrives as a new assignment beside the ones already running, which go on untouched; the
-sources named in ``Assignment.resume`` start after their last written record
-(``pipeline.resume``). ``abort`` cuts an assignment short (the supervisor moving its
-sources): its records stay under their ``.partial`` names, complete line by line, for the
-next pipeline to resume from.
+```
+supervisor ──add(SourceRequest)──>  PipelineHost: one graph (pipeline.app.build, started empty,
+           ──remove(name)────────>    stop_when never), its sources added through graph.control,
+           ──want(names)─────────>    the same path a source POSTed to the live view takes
+           <──HostReport (poll)────   replies, sources ended, frames, metrics, live-view report
+```
 
-The supervisor reads the host through ``poll()``: the assignments that ended since, each
-with what became of its sources (ended by themselves, cut short, failed), and the metrics
-of its running pipelines (``pipeline.app.cluster_metrics``). ``host_main`` serves a host in a
-spawned process over a pipe (``runtime.gpus``, ``runtime.pipelines``); the Ray actor of
-``pipeline.app.ray_cluster`` wraps the same class.
+The graph is built (the model loaded and warmed up) once, when the host starts; sources the
+supervisor adds meanwhile wait and start with it. Adding or removing a source never touches
+the others: a source moved here from a host that died, or moved away to even the load, is
+one ``add`` (``resume``: after its last written record) or one ``remove`` (its reading stops,
+what it queued drains, its outputs are finalised; a file cut short keeps its ``.partial``
+names for the next host to resume from).
+
+The supervisor reads the host through ``poll()``; ``host_main`` serves a host in a spawned
+process over a pipe, ``pipeline.app.ray_cluster`` wraps the same class as a Ray actor, and
+``pipeline.app.supervisor.InProcessExecutor`` calls it directly.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -31,265 +36,380 @@ from typing import Any
 import numpy as np
 import structlog
 
-from pipeline.config import PipelineConfig
+from pipeline.config import ConfigError, PipelineConfig, SourceConfig, partial_path
 from pipeline.records import BatchDetections
 
 log = structlog.get_logger("host")
 
-POLL_S = 0.2  # host_main: how often it looks at its pipe and reports
+POLL_S = 0.05  # host_main: how often it looks at its pipe and reports news
 METRICS_EVERY_S = 1.0  # host_main: a metrics snapshot this often, when asked for
+VIEW_EVERY_S = 0.1  # host_main: a live-view report this often, when asked for
 
 
 @dataclass(frozen=True)
-class Assignment:
-    """Sources to run together as one pipeline on one host.
+class SourceRequest:
+    """Start one source on a host.
 
     Attributes:
-        id: unique within the run (metrics label ``run``).
-        sources: the sources' names (as in the configuration).
-        resume: those of ``sources`` that ran before: they resume after their last written
-            record instead of starting over.
+        id: unique within the run (the reply carries it).
+        source: a ``SourceConfig`` of the validated configuration, or a ``sources[]`` entry
+            (a mapping, POSTed to the live view) that the host validates.
+        key: the source's name in messages (``sources[N]``).
+        resume: start after its last written record, appending (it ran before).
+        output_number: write the numbered outputs ``NAME.N.*``; None: its own.
+        renumber: its name was used before in this run: take the next free numbered outputs.
     """
 
     id: int
-    sources: tuple[str, ...]
-    resume: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.sources:
-            raise ValueError(f"Assignment {self.id}: expected at least one source")
-        if len(set(self.sources)) != len(self.sources):
-            raise ValueError(f"Assignment {self.id}: a source named twice in {self.sources}")
-        if not set(self.resume) <= set(self.sources):
-            raise ValueError(f"Assignment {self.id}: resume {self.resume} not all in "
-                             f"sources {self.sources}")
+    source: SourceConfig | dict
+    key: str
+    resume: bool = False
+    output_number: int | None = None
+    renumber: bool = False
 
 
 @dataclass(frozen=True)
-class AssignmentEnded:
-    """What became of an assignment's sources when its pipeline returned.
+class Reply:
+    """What became of a ``SourceRequest``.
 
     Attributes:
-        id: the assignment.
-        ended: sources whose stream ended (by itself, or by a graceful stop): done, their
-            outputs final; with their error (None: fine).
-        cut: sources cut short (``abort``, or the pipeline could not start for a reason that
-            is not theirs): to be started again, resuming.
-        failure: the pipeline's own failure (a stage, or the build), or None.
-        frames: frames of each source that reached its sink in this pipeline.
+        id: the request's.
+        source: the source as validated and started, or None when refused.
+        error: why it was refused (one line), or None.
+        conflict: the refusal is a conflict (a name in use, the run ending), not a bad entry.
+        output_number: the number of its outputs (None: its own).
     """
 
     id: int
-    ended: dict[str, str | None] = field(default_factory=dict)
-    cut: tuple[str, ...] = ()
-    failure: str | None = None
-    frames: dict[str, int] = field(default_factory=dict)
+    source: SourceConfig | None = None
+    error: str | None = None
+    conflict: bool = False
+    output_number: int | None = None
+
+
+@dataclass(frozen=True)
+class SourceEnded:
+    """A source's sink has finished: what it left.
+
+    Attributes:
+        name: the source.
+        error: why it failed, or None.
+        complete: its outputs are final (it ended, or a camera was stopped).
+        cut_short: where a file stopped before its end (``stopped at frame N of M``: its
+            outputs keep their ``.partial`` names), or None.
+        frames: frames that reached its sink here.
+        summary: its ``SourceMetrics.summary`` (frames, fps, dropped, latency, ...).
+        outputs: the files it left (final or ``.partial`` names).
+    """
+
+    name: str
+    error: str | None
+    complete: bool
+    cut_short: str | None
+    frames: int
+    summary: dict[str, Any]
+    outputs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class HostReport:
-    """One ``poll()``: assignments ended since the last one, frames done per source (by
-    the running pipelines) and, when asked for, the metrics snapshot of the running ones."""
+    """One ``poll()``: news since the last one.
 
-    ended: tuple[AssignmentEnded, ...] = ()
+    Attributes:
+        replies: answers to ``add`` requests.
+        ended: sources whose sinks finished.
+        frames: frames done so far per running source.
+        ready: the graph has opened its stages (the model is warm).
+        failure: the graph failed (its build, or a stage): every source on it is lost.
+        usage: that failure is what was asked for (a configuration that cannot run here).
+        finished: the graph's run returned (after ``stop``, or a failure).
+        metrics: the graph's metrics snapshot (``FamilySnapshot`` records), when asked for.
+        view: the live view's ``ViewReport``, when asked for.
+    """
+
+    replies: tuple[Reply, ...] = ()
+    ended: tuple[SourceEnded, ...] = ()
     frames: dict[str, int] = field(default_factory=dict)
-    metrics: tuple[Any, ...] | None = None  # FamilySnapshot records
-
-
-def assignment_config(config: PipelineConfig, assignment: Assignment) -> PipelineConfig:
-    """The configuration of one assignment's pipeline: ``config`` with only its sources
-    (resumed ones from their records), run in this process (no progress bar, live view or
-    metrics server of its own: the supervisor serves the metrics)."""
-    from pipeline.resume import resumed_sources
-
-    sub = copy.deepcopy(config)
-    by_name = {source.name: source for source in config.sources}
-    resumed = {source.name: source
-               for source in resumed_sources(config, list(assignment.resume))}
-    sub.sources = [resumed.get(name) or copy.deepcopy(by_name[name])
-                   for name in assignment.sources]
-    runtime = sub.runtime
-    runtime.progress, runtime.metrics_port, runtime.http = False, None, None
-    runtime.gpus, runtime.pipelines = None, None
-    return sub
-
-
-class _Run:
-    """One assignment's pipeline on its thread."""
-
-    def __init__(self, assignment: Assignment) -> None:
-        self.assignment = assignment
-        self.graph: Any = None
-        self.collector: Any = None
-        self.aborted = threading.Event()
-        self.stopping = threading.Event()
-        self.thread: threading.Thread | None = None
+    ready: bool = False
+    failure: str | None = None
+    usage: bool = False
+    finished: bool = False
+    metrics: tuple[Any, ...] | None = None
+    view: Any = None
 
 
 class PipelineHost:
-    """Runs assignments, each as its own pipeline on a thread (module docstring).
+    """One long-lived graph and the sources its supervisor gives it (module docstring).
 
     Args:
-        config: the whole validated configuration (every source; each assignment takes its).
-        name: this host's name in logs and metrics (``gpu0``, ``actor1``).
+        config: the whole validated configuration: the graph has the stages every configured
+            source needs; which sources run here is the supervisor's choice.
+        name: this host's name in logs and metrics (``pipeline0``, ``gpu0``, ``actor1``).
+        expected_sources: how many sources the graph is sized for (its share).
+        on_batch_done: called from a sink thread per batch part (the Python API, in-process).
+        metrics: read the graph's Prometheus metrics for ``poll(metrics=True)``.
     """
 
-    def __init__(self, config: PipelineConfig, name: str) -> None:
+    def __init__(self, config: PipelineConfig, name: str, expected_sources: int | None = None,
+                 on_batch_done: Callable[[str, BatchDetections], None] | None = None,
+                 metrics: bool = False) -> None:
         self.config = config
         self.name = name
-        self._runs: dict[int, _Run] = {}
-        self._ended: list[AssignmentEnded] = []
+        self.expected_sources = expected_sources
+        self._on_batch_done = on_batch_done
+        self._metrics = metrics
+        self.graph: Any = None
+        self.view: Any = None  # the live view's HostView (runtime.http), once built
+        self._collector: Any = None
+        self._latency: Any = None
+        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._waiting: list[SourceRequest] = []  # adds before the graph was built
+        self._replies: list[Reply] = []
+        self._ended: list[SourceEnded] = []
+        self._running: dict[str, float] = {}  # sources added and not yet ended -> added at
+        self._failure: tuple[str, bool] | None = None
+        self._finished = threading.Event()
+        self._stopping = threading.Event()
+        self._aborting = threading.Event()
+        self._wanted: list[str] = []
+        self._started_at = time.monotonic()
 
-    def start(self, assignment: Assignment) -> None:
-        """Start the pipeline of ``assignment`` on a thread (building it is part of the
-        thread's work: loading the model may take a while)."""
-        run = _Run(assignment)
-        with self._lock:
-            if assignment.id in self._runs:
-                raise ValueError(f"assignment {assignment.id} is already running")
-            self._runs[assignment.id] = run
-        run.thread = threading.Thread(target=self._run, args=(run,),
-                                      name=f"run:{assignment.id}", daemon=True)
-        run.thread.start()
+    # -- commands --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Build the graph and run it on a thread of its own (returns at once)."""
+        self._thread = threading.Thread(target=self._run, name=f"host:{self.name}", daemon=True)
+        self._thread.start()
 
-    def abort(self, assignment_id: int) -> None:
-        """Cut an assignment short: its sources stop at once, their records stay partial."""
+    def add(self, request: SourceRequest) -> None:
+        """Start a source (its reply comes with the next ``poll``)."""
         with self._lock:
-            run = self._runs.get(assignment_id)
-        if run is not None:
-            run.aborted.set()
-            if run.graph is not None:
-                run.graph.abort()
+            if self.graph is None and self._failure is None:
+                self._waiting.append(request)
+                return
+        self._add(request)
+
+    def remove(self, name: str) -> None:
+        """Stop reading source ``name``: what it queued drains, its outputs are finalised
+        (a file stopped before its end keeps its ``.partial`` names); its end is reported."""
+        from pipeline.graph import SourceConflict
+
+        with self._lock:
+            waiting = [r for r in self._waiting if _name_of(r.source) == name]
+            self._waiting = [r for r in self._waiting if _name_of(r.source) != name]
+            graph = self.graph
+        for request in waiting:  # never started: it ends here, having done nothing
+            self._replies.append(Reply(request.id, error=f"source {name!r} was removed",
+                                       conflict=True))
+        if graph is None:
+            return
+        if self.view is not None:
+            self.view.mark_removing(name)
+        try:
+            graph.control.remove(name)
+        except SourceConflict as error:
+            log.warning("remove: no such source here", host=self.name, source=name,
+                        reason=str(error))
+
+    def want(self, names: Collection[str]) -> None:
+        """The live view's viewers watch ``names`` now (their previews are sent)."""
+        self._wanted = list(names)
 
     def stop(self) -> None:
-        """Graceful stop of every assignment: stop reading, drain, finalise the outputs."""
+        """Graceful: every source stops reading, drains and finalises; then the graph ends."""
+        self._stopping.set()
         with self._lock:
-            runs = list(self._runs.values())
-        for run in runs:
-            run.stopping.set()
-            if run.graph is not None:
-                run.graph.request_stop()
+            graph, waiting, self._waiting = self.graph, self._waiting, []
+        for request in waiting:
+            self._replies.append(Reply(request.id, error="the run is ending", conflict=True))
+        if graph is not None:
+            graph.request_stop()
 
     def abort_all(self) -> None:
-        with self._lock:
-            ids = list(self._runs)
-        for assignment_id in ids:
-            self.abort(assignment_id)
+        """Stop at once (outputs stay ``.partial``)."""
+        self._aborting.set()
+        self.stop()
+        if self.graph is not None:
+            self.graph.abort()
 
     @property
-    def idle(self) -> bool:
-        """No assignment is running and every end was reported."""
+    def finished(self) -> bool:
+        """The graph's run has returned (or it never started) and every end was reported."""
         with self._lock:
-            return not self._runs and not self._ended
+            return self._finished.is_set() and not self._running and not self._ended
 
-    def poll(self, metrics: bool = False) -> HostReport:
-        """Assignments ended since the last call, frames per source, and (``metrics``) the
-        running pipelines' metrics."""
-        with self._lock:
-            ended, self._ended = tuple(self._ended), []
-            runs = [run for run in self._runs.values() if run.graph is not None]
+    def poll(self, metrics: bool = False, view: bool = False) -> HostReport:
+        """News since the last call (``HostReport``)."""
+        graph = self.graph
+        ended: list[SourceEnded] = []
         frames: dict[str, int] = {}
-        families: list[Any] = []
-        for run in runs:
-            for name, source in list(run.graph.source_metrics.items()):
-                frames[name] = source.frames_out
-            if metrics and run.collector is not None:
-                from pipeline.app.cluster_metrics import snapshot
+        if graph is not None:
+            with self._lock:
+                running = list(self._running.items())
+            for name, added_at in running:
+                metrics_of = graph.source_metrics.get(name)
+                if metrics_of is not None:
+                    frames[name] = metrics_of.frames_out
+                if graph.source_done(name):
+                    ended.append(self._source_ended(name, added_at))
+            with self._lock:
+                for item in ended:
+                    self._running.pop(item.name, None)
+        with self._lock:
+            replies, self._replies = tuple(self._replies), []
+            ended, self._ended = [*self._ended, *ended], []
+            failure = self._failure
+        families = None
+        if metrics and self._collector is not None:
+            families = self._snapshot()
+        view_report = None
+        if view and self.view is not None:
+            try:
+                view_report = self.view.report(self._wanted)
+            except Exception as error:  # noqa: BLE001 - the view never stops a pipeline
+                log.warning("reading the live view failed", error=f"{type(error).__name__}: {error}")
+        return HostReport(replies, tuple(ended), frames,
+                          ready=graph is not None and graph.ready.is_set(),
+                          failure=None if failure is None else failure[0],
+                          usage=failure is not None and failure[1],
+                          finished=self._finished.is_set(), metrics=families, view=view_report)
 
-                try:
-                    families.extend(snapshot(run.collector, {
-                        "pipeline": self.name, "run": str(run.assignment.id)}))
-                except Exception as error:  # noqa: BLE001 - metrics never stop a pipeline
-                    log.warning("reading metrics failed", error=f"{type(error).__name__}: {error}")
-        return HostReport(ended, frames, tuple(families) if metrics else None)
-
-    def _run(self, run: _Run) -> None:
+    # -- internals -------------------------------------------------------------------------
+    def _run(self) -> None:
         from pipeline.app.build import build_graph
         from pipeline.app.prometheus import GraphCollector, LatencyHistogram
+        from pipeline.graph import PipelineError
+        from stages.infer import BackendUnavailable
 
-        assignment = run.assignment
-        latency = LatencyHistogram()
+        latency = LatencyHistogram() if self._metrics else None
 
         def batch_done(source: str, part: BatchDetections) -> None:
-            latency.observe(source, time.time() - np.asarray(part.frames.capture_time))
+            if latency is not None:
+                latency.observe(source, time.time() - np.asarray(part.frames.capture_time))
+            if self._on_batch_done is not None:
+                self._on_batch_done(source, part)
 
-        outcome: AssignmentEnded
         try:
-            config = assignment_config(self.config, assignment)
-            log.info("starting sources", host=self.name, run=assignment.id,
-                     sources=list(assignment.sources),
-                     resumed={s.name: s.start_frame for s in config.sources
-                              if s.name in assignment.resume})
-            graph = build_graph(config, on_batch_done=batch_done)
-            for source in config.sources:  # resumed: append to the records (see SinkStage)
-                sink = graph.sinks[source.name]
-                if source.name in assignment.resume and source.start_frame > 0 \
-                        and getattr(sink, "resume_from", None) is None:
-                    sink.resume_from = source.start_frame
-            run.collector = GraphCollector(graph, latency)
-            run.graph = graph
-            if run.aborted.is_set():
-                graph.abort()
-            if run.stopping.is_set():
-                graph.request_stop()
-            outcome = self._outcome(run, self._run_graph(graph))
+            graph = build_graph(self.config, on_batch_done=batch_done, start_sources=False,
+                                expected_sources=self.expected_sources, stop_when="never")
+        except (ConfigError, BackendUnavailable) as error:
+            self._fail(str(error), usage=True)
+            return
         except Exception as error:  # noqa: BLE001 - reported to the supervisor
-            reason = f"{type(error).__name__}: {error}"
-            log.error("pipeline could not start", host=self.name, run=assignment.id,
-                      reason=reason)
-            outcome = AssignmentEnded(assignment.id, {name: f"pipeline failed to start: {reason}"
-                                                      for name in assignment.sources},
-                                      failure=reason)
+            self._fail(f"{type(error).__name__}: {error}", usage=False)
+            return
+        if self._metrics:
+            self._collector = GraphCollector(graph, latency)
+        if self.config.runtime.http is not None:
+            from pipeline.app.view import HostView
+
+            # it shows the sources as they are added here, not the configured ones
+            self.view = HostView(self.name, graph, graph.preview,
+                                 dataclasses.replace(self.config, sources=[]))
         with self._lock:
-            del self._runs[assignment.id]
-            self._ended.append(outcome)
-
-    @staticmethod
-    def _run_graph(graph: Any) -> str | None:
-        from pipeline.graph import PipelineError
-
+            self.graph = graph
+            waiting, self._waiting = self._waiting, []
+        for request in waiting:
+            self._add(request)
+        if self._stopping.is_set():
+            graph.request_stop()
+        if self._aborting.is_set():
+            graph.abort()
+        if self.view is not None:
+            self.view.start()
+        self._started_at = time.monotonic()
         try:
             graph.run()
-            return None
         except PipelineError as error:
-            return str(error)
+            self._fail(str(error), usage=False)
+        finally:
+            if self.view is not None:
+                self.view.close()
+            for metrics in graph.stage_metrics.values():
+                log.info("stage summary", host=self.name, **metrics.summary())
+            self._finished.set()
 
-    def _outcome(self, run: _Run, failure: str | None) -> AssignmentEnded:
-        """Each source: ended (its sink finalised its outputs: complete) or cut short."""
-        graph = run.graph
-        ended: dict[str, str | None] = {}
-        cut = []
-        for name in run.assignment.sources:
-            error = graph.source_metrics[name].error
-            if getattr(graph.sinks[name], "complete", False) or (error and not run.aborted.is_set()):
-                ended[name] = error
-            elif failure is not None and not run.aborted.is_set():
-                ended[name] = f"pipeline failed: {failure}"
-            else:
-                cut.append(name)
-        log.info("sources stopped", host=self.name, run=run.assignment.id,
-                 ended=sorted(ended), cut=cut, failure=failure)
-        frames = {name: graph.source_metrics[name].frames_out for name in run.assignment.sources}
-        return AssignmentEnded(run.assignment.id, ended, tuple(cut), failure, frames)
+    def _fail(self, reason: str, usage: bool) -> None:
+        log.error("pipeline failed", host=self.name, reason=reason)
+        with self._lock:
+            self._failure = (reason, usage)
+            waiting, self._waiting = self._waiting, []
+        for request in waiting:
+            self._replies.append(Reply(request.id, error=f"pipeline failed: {reason}"))
+        self._finished.set()
+
+    def _add(self, request: SourceRequest) -> None:
+        from pipeline.graph import SourceConflict
+
+        name = _name_of(request.source)
+        try:
+            source = self.graph.control.add(request.source, resume=request.resume,
+                                            output_number=request.output_number,
+                                            renumber=request.renumber, key=request.key)
+        except (ConfigError, ValueError) as error:
+            reply = Reply(request.id, error=str(error))
+        except SourceConflict as error:
+            reply = Reply(request.id, error=str(error), conflict=True)
+        except Exception as error:  # noqa: BLE001 - one source's fault, told to the supervisor
+            reply = Reply(request.id, error=f"{type(error).__name__}: {error}")
+        else:
+            with self._lock:
+                self._running[name] = time.monotonic()
+            if self.view is not None:
+                self.view.add(source)
+            reply = Reply(request.id, source, output_number=self.graph.control.output_number(name))
+        with self._lock:
+            self._replies.append(reply)
+
+    def _source_ended(self, name: str, added_at: float) -> SourceEnded:
+        from stages.sinks import stopped_text
+
+        graph = self.graph
+        graph.refresh_source_metrics()
+        metrics = graph.source_metrics[name]
+        sink = graph.sinks[name]
+        stopped = getattr(sink, "stopped_at", None)
+        outputs = tuple(str(partial_path(p) if partial_path(p).exists() else p)
+                        for p in graph.control.output_paths(name)
+                        if p.exists() or partial_path(p).exists())
+        summary = metrics.summary(time.monotonic() - max(added_at, self._started_at))
+        return SourceEnded(name, metrics.error, bool(getattr(sink, "complete", False)),
+                           None if stopped is None else stopped_text(*stopped),
+                           metrics.frames_out, summary, outputs)
+
+    def _snapshot(self) -> tuple[Any, ...]:
+        from pipeline.app.cluster_metrics import snapshot
+
+        try:
+            return tuple(snapshot(self._collector, {"pipeline": self.name}))
+        except Exception as error:  # noqa: BLE001 - metrics never stop a pipeline
+            log.warning("reading metrics failed", error=f"{type(error).__name__}: {error}")
+            return ()
+
+
+def _name_of(source: SourceConfig | dict) -> str | None:
+    return source.get("name") if isinstance(source, dict) else source.name
 
 
 def host_main(name: str, device: int | None, config: PipelineConfig, conn: Connection,
-              metrics: bool, cpus: list[int] | None = None) -> None:
-    """A host in a spawned process (``runtime.gpus``, ``runtime.pipelines``): serve the
-    supervisor's calls from ``conn`` and send it a ``HostReport`` whenever there is news
-    (and a metrics snapshot every ``METRICS_EVERY_S`` when ``metrics``).
+              metrics: bool, cpus: list[int] | None = None,
+              expected_sources: int | None = None) -> None:
+    """A host in a spawned process: build and run its graph, serve the supervisor's calls
+    from ``conn`` and send it a ``HostReport`` whenever there is news (a metrics snapshot
+    every ``METRICS_EVERY_S`` when ``metrics``, a live-view report every ``VIEW_EVERY_S``
+    with ``runtime.http``).
 
-    Calls are tuples ``(method, *args)`` of ``PipelineHost``: ``("start", Assignment)``,
-    ``("abort", id)``, ``("stop",)``, ``("abort_all",)``, and ``("exit",)`` to end once
-    idle. The supervisor's end of the pipe closing ends the process (its pipelines aborted):
-    a killed supervisor leaves no host behind.
+    Calls are tuples ``(method, *args)`` of ``PipelineHost``: ``("add", SourceRequest)``,
+    ``("remove", name)``, ``("want", names)``, ``("stop",)``, ``("abort_all",)``, and
+    ``("exit",)`` to end once the graph has finished. The supervisor's end of the pipe
+    closing ends the process (its graph aborted): a killed supervisor leaves no host behind.
 
     Args:
         device: the GPU this host uses (seen as device 0: ``CUDA_VISIBLE_DEVICES``), or None.
         cpus: the cores this host runs on (its threads and the processes it starts), or
-            None for all: pipelines on the CPU path share the cores out, else each would
-            size its inference threads for every core and they would fight over them.
+            None for all: hosts on the CPU path share the cores out, else each would size
+            its inference threads for every core and they would fight over them.
+        expected_sources: its share of the sources (sizes its ring and decode workers).
     """
     from pipeline.app.workers import name_this_process
     from pipeline.logging import configure_logging
@@ -304,11 +424,13 @@ def host_main(name: str, device: int | None, config: PipelineConfig, conn: Conne
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(config.runtime.log_format, config.runtime.log_level)
-    host = PipelineHost(config, name)
-    exiting = False
-    next_metrics = 0.0
+    host = PipelineHost(config, name, expected_sources, metrics=metrics)
+    host.start()
+    view = config.runtime.http is not None
+    exiting = ready = False
+    next_metrics = next_view = 0.0
     try:
-        while not (exiting and host.idle):
+        while not (exiting and host.finished):
             if conn.poll(POLL_S):
                 method, *args = conn.recv()
                 if method == "exit":
@@ -317,11 +439,16 @@ def host_main(name: str, device: int | None, config: PipelineConfig, conn: Conne
                     getattr(host, method)(*args)
             now = time.monotonic()
             want_metrics = metrics and now >= next_metrics
-            report = host.poll(metrics=want_metrics)
+            want_view = view and now >= next_view
+            report = host.poll(metrics=want_metrics, view=want_view)
             if want_metrics:
                 next_metrics = now + METRICS_EVERY_S
-            if report.ended or report.frames or want_metrics:
+            if want_view:
+                next_view = now + VIEW_EVERY_S
+            if (report.replies or report.ended or report.frames or report.failure
+                    or report.finished or report.ready != ready or want_metrics or want_view):
                 conn.send(("report", report))
+            ready = report.ready
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.warning("supervisor gone: aborting", host=name)
         host.abort_all()

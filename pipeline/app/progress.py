@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm import tqdm
-
-if TYPE_CHECKING:
-    from pipeline.stage import SourceStage
 
 
 class Progress:
@@ -18,10 +15,9 @@ class Progress:
         self._bar = tqdm(total=None, unit="frame", file=sys.stderr, dynamic_ncols=True,
                          disable=None if enabled else True)
 
-    def set_total(self, sources: list[SourceStage]) -> None:
-        """Total = frames announced by the file sources (unknown when any is live)."""
-        counts = [s.expected_frames for s in sources]
-        if all(c is not None for c in counts) and not any(s.live for s in sources):
+    def set_total(self, counts: list[int | None]) -> None:
+        """Total = frames announced by each source (unknown when one is not: a camera)."""
+        if counts and all(c is not None for c in counts):
             self._bar.reset(total=sum(counts))  # type: ignore[arg-type]
 
     def frames_done(self, count: int) -> None:

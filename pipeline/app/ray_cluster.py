@@ -10,8 +10,10 @@ actors than there are GPUs (``actor_gpus``: several pipelines feed a GPU better 
 else for one CPU (``num_gpus=0``: the CPU path, as CI runs it).
 Actors are spread over the nodes (``scheduling_strategy="SPREAD"``) and restarted by Ray
 (``max_restarts``: ``runtime.max_restarts``); a call in flight when one dies fails, which is
-how the supervisor learns of it. Their number: ``runtime.pipelines``, else the length of a
-``runtime.gpus`` list, else the cluster's GPUs, else its nodes.
+how the supervisor learns of it. Each actor builds its graph when it starts (and again when
+Ray restarts it) and keeps it; the supervisor adds and removes sources. Their number:
+``runtime.pipelines``, else the length of a ``runtime.gpus`` list, else the cluster's GPUs,
+else its nodes.
 
 Every node must see the same paths (model, files, ``output.dir``: shared storage) and have
 streamdet installed (``pip install 'streamdet[ray]'``); relative paths are made absolute
@@ -23,11 +25,18 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import time
 from typing import Any
 
 import structlog
 
-from pipeline.app.host import Assignment, HostReport, PipelineHost
+from pipeline.app.host import (
+    METRICS_EVERY_S,
+    VIEW_EVERY_S,
+    HostReport,
+    PipelineHost,
+    SourceRequest,
+)
 from pipeline.config import ConfigError, PipelineConfig
 
 log = structlog.get_logger("ray")
@@ -45,22 +54,30 @@ def ray_missing() -> str | None:
 
 
 class RayPipelineHost:
-    """The actor: a ``PipelineHost`` with its configuration's logging set up."""
+    """The actor: a ``PipelineHost`` (its graph built at once, also when Ray restarts it)
+    with its configuration's logging set up; metrics and live-view reports at most every
+    ``METRICS_EVERY_S`` / ``VIEW_EVERY_S``."""
 
-    def __init__(self, config: PipelineConfig, name: str, metrics: bool) -> None:
+    def __init__(self, config: PipelineConfig, name: str, metrics: bool,
+                 expected_sources: int | None = None) -> None:
         from pipeline.logging import configure_logging
 
         configure_logging(config.runtime.log_format, config.runtime.log_level)
         if config.inference.device != "cpu":
             config.inference.gpu_id = 0  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
-        self.host = PipelineHost(config, name)
-        self.metrics = metrics
+        self.host = PipelineHost(config, name, expected_sources, metrics=metrics)
+        self.host.start()
+        self.metrics, self.view = metrics, config.runtime.http is not None
+        self._next_metrics = self._next_view = 0.0
 
-    def start(self, assignment: Assignment) -> None:
-        self.host.start(assignment)
+    def add(self, request: SourceRequest) -> None:
+        self.host.add(request)
 
-    def abort(self, assignment_id: int) -> None:
-        self.host.abort(assignment_id)
+    def remove(self, name: str) -> None:
+        self.host.remove(name)
+
+    def want(self, names: list[str]) -> None:
+        self.host.want(names)
 
     def stop(self) -> None:
         self.host.stop()
@@ -69,7 +86,14 @@ class RayPipelineHost:
         self.host.abort_all()
 
     def poll(self) -> HostReport:
-        return self.host.poll(metrics=self.metrics)
+        now = time.monotonic()
+        metrics = self.metrics and now >= self._next_metrics
+        view = self.view and now >= self._next_view
+        if metrics:
+            self._next_metrics = now + METRICS_EVERY_S
+        if view:
+            self._next_view = now + VIEW_EVERY_S
+        return self.host.poll(metrics=metrics, view=view)
 
     def pid(self) -> int:
         import os
@@ -147,7 +171,8 @@ class RayExecutor:
 
     def start(self, host: int) -> None:
         self.actors[host] = self._actor_class.options(**self.options).remote(
-            self.config, self.names[host], self.metrics)
+            self.config, self.names[host], self.metrics,
+            -(-len(self.config.sources) // len(self.names)))
 
     def call(self, host: int, method: str, *args: Any) -> None:
         getattr(self.actors[host], method).remote(*args)  # failures surface in poll

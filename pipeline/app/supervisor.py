@@ -1,82 +1,91 @@
-"""The supervisor of several pipelines: one per GPU (``runtime.gpus``), a number of them
-without GPUs (``runtime.pipelines``), or Ray actors across hosts (``--ray``).
+"""The supervisor: the one top of every run, whatever its size. It places the sources on
+pipeline hosts and keeps them running; the live view, the Prometheus endpoint and the Python
+API read it.
 
 ```
-supervisor (this process)                         hosts (pipeline.app.host: processes or actors)
-  placement by load (pipeline.app.placement)  ──start(Assignment)──>  gpu0: pipeline, pipeline ...
-  watches every host: poll()              <──HostReport────────  gpu1: pipeline ...
-  a host died: its sources, placed again on the live hosts, resume (after a backoff)
-  one Prometheus endpoint (pipeline.app.cluster_metrics)
+run.py / Python API / --ray  ──>  Supervisor (this process)           hosts: one long-lived graph each
+                                    places sources by load  ──add/remove──>  in this process (one
+  HTTP API + live view  ───────>    (pipeline.app.placement)                pipeline), spawned
+  Prometheus ──────────────────>    watches every host      <──HostReport─  processes (runtime.gpus,
+                                    restarts what dies                      runtime.pipelines) or
+                                                                            Ray actors (--ray)
 ```
 
-The supervisor places the sources by load, starts each host's share as one assignment (an
-ordinary pipeline on that host) and then only watches. When a host dies (a crash, an OOM
-kill, ``kill -9``, a Ray actor or node lost), its unfinished sources are placed again on
-the live hosts and started there as new assignments, beside the ones running there (which
-go on untouched), after a backoff per source; a file source resumes after its last written
-record (``pipeline.resume``), so its records end up complete, in order, each frame once. The
-dead host is restarted after a backoff (``runtime.max_restarts`` times; a Ray actor is
-restarted by Ray), and placement is rebalanced onto it. ``add_source`` and ``remove_source``
-change the set of sources while it runs, and placement is rebalanced too: a source that
-moves is cut short where it was (its records stay) and resumes on its new host, and so do
-the other sources of the pipeline it was cut from, on their host.
+Each host builds its graph once and keeps it for its life; the supervisor adds sources to it
+and removes them one at a time (``pipeline.app.host``), so placing, moving or removing one
+source never cuts another. When a host dies (a crash, an OOM kill, ``kill -9``, a Ray actor
+or node lost), its unfinished sources are placed on the live hosts after a backoff per
+source; a file source resumes after its last written record (``pipeline.resume``), so its
+records end up complete, in order, each frame once. The dead host is restarted after a
+backoff (``runtime.max_restarts`` times; a Ray actor is restarted by Ray) and the load is
+evened out onto it: the sources that move are cut short where they were (their records
+stay) and resume on it. ``add_source`` and ``remove_source`` change the set of sources while
+the run goes on (the live view's ``POST`` and ``DELETE``).
 
-A source ends when its stream ends (the outputs are final) or fails (it is not restarted:
-a bad file stays bad; a camera reconnects by itself within its pipeline); the run ends when
-every source ended. ``request_stop`` (first Ctrl-C) stops every pipeline gracefully,
-``abort`` (second) at once.
+A source ends when its stream ends (its outputs are final) or fails (it is not restarted: a
+bad file stays bad; a camera reconnects by itself within its pipeline). When the run ends is
+``runtime.stop_when``: ``all_ended`` once every source ended, ``files_ended`` once every file
+source ended (the cameras are stopped then), ``never`` only on ``request_stop``.
+``request_stop`` (first Ctrl-C) stops every source gracefully, ``abort`` (second) at once.
 
-Executors start and reach the hosts: ``LocalExecutor`` (spawned processes, here) and
-``pipeline.app.ray_cluster.RayExecutor``. Nothing of Ray is imported unless ``--ray`` is used.
+Executors start and reach the hosts: ``InProcessExecutor`` (one pipeline, in this process:
+nothing to spawn, and the Python API's callbacks see the batches), ``LocalExecutor``
+(spawned processes) and ``pipeline.app.ray_cluster.RayExecutor``. Nothing of Ray is
+imported unless ``--ray`` is used.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 import structlog
 
-from pipeline.app.host import Assignment, AssignmentEnded, HostReport, host_main
+from pipeline.app.host import HostReport, PipelineHost, Reply, SourceEnded, SourceRequest, host_main
 from pipeline.app.placement import SourceLoad, rebalance, source_loads
-from pipeline.config import PipelineConfig
+from pipeline.config import ConfigError, PipelineConfig, SourceConfig, build_section, check_config
+from pipeline.graph import SourceConflict
 
-log = structlog.get_logger("cluster")
+log = structlog.get_logger("supervisor")
 
-POLL_S = 0.1
+POLL_S = 0.05
 RESTART_INITIAL_S, RESTART_MAX_S = 0.5, 10.0  # backoff of restarts and of moved sources
 JOIN_TIMEOUT_S = 10.0
 MAX_RESTART_ATTEMPTS = 8  # a host not back after this many attempts in a row is given up
+REPLY_TIMEOUT_S = 120.0  # add_source waits this long for its host's answer
+METRICS_EVERY_S = 1.0
+VIEW_EVERY_S = 0.1
 
 
 class Executor(Protocol):
-    """Starts and reaches the hosts (one per GPU or actor), numbered 0..count-1."""
+    """Starts and reaches the hosts (one per GPU, process or actor), numbered 0..count-1."""
 
     names: list[str]
 
     def start(self, host: int) -> None:
-        """Start host ``host`` (its process or actor)."""
+        """Start host ``host`` (its process or actor): it builds its graph at once."""
 
     def call(self, host: int, method: str, *args: Any) -> None:
         """Call a ``PipelineHost`` method there without waiting (errors surface in poll)."""
 
     def poll(self, host: int) -> tuple[list[HostReport], str | None]:
         """The reports of ``host`` since the last call, and why it is gone (None: alive).
-        What a host reported before it died counts (an assignment that ended)."""
+        What a host reported before it died counts (a source that ended)."""
 
     def restart(self, host: int) -> bool | None:
         """Bring a dead host back (empty): True when it is back, False when not yet (ask
         again later), None when it never will."""
 
     def close(self) -> None:
-        """End every host (after ``stop``: once they are idle) and release them."""
+        """End every host (after ``stop``: once their graphs finished) and release them."""
 
 
 @dataclass
@@ -86,12 +95,62 @@ class _HostState:
     restart_at: float | None = None
     gone: bool = False  # given up: no more restarts
     attempts: int = 0  # restart attempts in a row that found it not back yet
+    finished: bool = False  # its graph's run returned
+    ready: bool = False
+
+
+@dataclass
+class _Pending:
+    """A request waiting for its host's reply (``add_source``)."""
+
+    request: SourceRequest
+    host: int
+    done: threading.Event = field(default_factory=threading.Event)
+    reply: Reply | None = None
 
 
 def backoff_s(attempt: int) -> float:
     """Seconds before attempt ``attempt`` (0-based): doubling from ``RESTART_INITIAL_S`` up
     to ``RESTART_MAX_S`` (no jitter: one supervisor, few hosts)."""
     return min(RESTART_MAX_S, RESTART_INITIAL_S * 2 ** min(attempt, 30))
+
+
+@dataclass
+class SourceRun:
+    """What the supervisor knows of one source of the run.
+
+    Attributes:
+        config: its configuration (a POSTed one as its host validated it).
+        key: its name in messages (``sources[N]``).
+        added: it was added while the run went on (not in the configuration file).
+        host: the host it runs on now (an ``add`` sent and its end not reported), or None.
+        resume: its next start resumes after its last record (it ran before).
+        output_number: the number of its outputs (None: its own).
+        renumber: its name was used before in this run: its first start takes new numbers.
+        moving: it is being cut short to move to another host.
+        removing: ``remove_source`` asked for it.
+        ended: what its last host reported when it ended (the latest segment).
+        frames: frames done, summed over the hosts it ran on.
+        hosts: the hosts it ran on, in order.
+        moves: times it was placed again because its host died.
+    """
+
+    config: SourceConfig
+    key: str
+    added: bool = False
+    host: int | None = None
+    resume: bool = False
+    output_number: int | None = None
+    renumber: bool = False
+    moving: bool = False
+    removing: bool = False
+    ended: SourceEnded | None = None
+    frames: int = 0
+    hosts: list[str] = field(default_factory=list)
+    moves: int = 0
+    not_before: float = 0.0
+    running_frames: int = 0  # frames reported by its current host
+    request: int | None = None  # the id of its latest ``add``
 
 
 class Supervisor:
@@ -104,96 +163,181 @@ class Supervisor:
         max_restarts: times a dead host is restarted.
         exporter: a ``ClusterExporter`` fed with the hosts' metrics, or None.
         loads: the sources' loads (default: probed from ``config``).
+        resume: file sources an earlier run left cut short: they resume after their last
+            record.
+        board: the live view's ``SourceBoard`` fed with the hosts' view reports, or None.
+        on_frames: called from the loop with the frames done since the last call (progress).
     """
 
     def __init__(self, config: PipelineConfig, executor: Executor, max_restarts: int = 3,
                  exporter: Any = None, loads: list[SourceLoad] | None = None,
-                 resume: tuple[str, ...] = ()) -> None:
+                 resume: tuple[str, ...] = (), board: Any = None,
+                 on_frames: Callable[[int], None] | None = None) -> None:
         self.config = config
         self.executor = executor
         self.max_restarts = max_restarts
         self.exporter = exporter
+        self.board = board
+        self._on_frames = on_frames
         self.loads = {item.name: item for item in (loads or source_loads(config))}
         self.hosts = {host: _HostState() for host in range(len(executor.names))}
+        self.sources: dict[str, SourceRun] = {
+            s.name: SourceRun(s, f"sources[{i}]", resume=s.name in resume)
+            for i, s in enumerate(config.sources)}
+        self._count = len(config.sources)  # sources the run has had (keys sources[N])
         self.placement: dict[str, int] = {}
+        self.history: list[tuple[str, int, int]] = []  # (source, host, request) per start
         self.results: dict[str, str | None] = {}  # ended sources: error or None
-        self.frames: dict[str, int] = {}  # frames done, by pipelines that returned
-        self.moves: dict[str, int] = {}  # times each source was moved (its backoff)
-        self.history: list[tuple[str, int, int]] = []  # (source, host, assignment) started
-        self._running: dict[int, tuple[int, Assignment]] = {}  # id -> (host, assignment)
-        self._cutting: set[int] = set()  # assignments aborted to move their sources
-        # sources started at least once (or cut short by an earlier run: ``resume``): their
-        # assignments resume them after their last record
-        self._ran: set[str] = set(resume)
-        self._not_before: dict[str, float] = {}
+        self.failure: tuple[str, bool] | None = None  # a host's graph failed: (reason, usage)
+        self._pending: dict[int, _Pending] = {}
         self._next_id = 0
         self._stop = threading.Event()
         self._abort = threading.Event()
         self._changed = threading.Event()
-        self._lock = threading.Lock()  # add_source / remove_source vs the loop
+        self._lock = threading.RLock()  # add_source / remove_source vs the loop
+        self._next_metrics = self._next_view = 0.0
+
+    @property
+    def frames(self) -> dict[str, int]:
+        """Frames done per source so far, over every host it ran on."""
+        with self._lock:
+            return {name: run.frames + run.running_frames for name, run in self.sources.items()}
+
+    @property
+    def moves(self) -> dict[str, int]:
+        """Times each source was placed again because its host died (those placed again)."""
+        with self._lock:
+            return {name: run.moves for name, run in self.sources.items() if run.moves}
 
     # -- control, from any thread ------------------------------------------------------------
     def request_stop(self) -> None:
-        """Graceful: every pipeline stops reading, drains and finalises its outputs."""
+        """Graceful: every source stops reading, drains and finalises its outputs."""
         self._stop.set()
 
     def abort(self) -> None:
         """Stop every pipeline at once (outputs stay ``.partial``)."""
         self._abort.set()
 
-    def add_source(self, source: Any, load: SourceLoad | None = None) -> None:
-        """Add a source (a ``SourceConfig`` whose name is new) to the running cluster: it is
-        placed on the least loaded host and started there."""
+    def add_source(self, data: Any, load: SourceLoad | None = None) -> SourceConfig:
+        """Add a source while the run goes on: ``data`` is a ``sources[]`` entry (a mapping,
+        validated as the file's entries are) or a ``SourceConfig``. It is placed on the least
+        loaded host, which validates it against its pipeline and starts it; returns it as
+        started (its host's answer).
+
+        Raises:
+            ConfigError: the entry is not valid (one line naming ``sources[N]``).
+            SourceConflict: its name is in use, or the run is ending.
+        """
         from pipeline.app.placement import probe_load
 
         with self._lock:
-            if any(s.name == source.name for s in self.config.sources):
-                raise ValueError(f"source {source.name!r} exists already")
-            self.config.sources.append(source)
-            self.loads[source.name] = load or probe_load(source)
-        self._changed.set()
+            key = f"sources[{self._count}]"
+            if isinstance(data, SourceConfig):
+                source = data
+            elif isinstance(data, dict):
+                source = build_section(SourceConfig, data, key)
+            else:
+                raise ConfigError(f"{key}: expected a mapping of a source's keys, got "
+                                  f"{type(data).__name__}")
+            if self._stop.is_set() or self._abort.is_set():
+                raise SourceConflict("the run is ending: no source can be added")
+            earlier = self.sources.get(source.name)
+            if earlier is not None and not (source.name in self.results
+                                            and earlier.host is None):
+                raise SourceConflict(f"{key}.name: source name {source.name!r} is in use in "
+                                     "this run (running, or its outputs are being finalised)")
+            others = [run.config for name, run in self.sources.items()
+                      if name != source.name and name not in self.results]
+            check_config(dataclasses.replace(self.config, sources=[*others, source]))
+        load = load or probe_load(source)  # outside the lock: it may open the file
+        with self._lock:
+            live = [h for h, state in self.hosts.items() if state.alive]
+            if not live:
+                raise SourceConflict("no pipeline is running: no source can be added")
+            self.loads[source.name] = load
+            self.placement = rebalance(
+                {n: h for n, h in self.placement.items() if n != source.name},
+                [self.loads[n] for n in self._unfinished() if n != source.name and n in self.loads]
+                + [load],
+                live, 0)
+            host = self.placement[source.name]
+            request = SourceRequest(self._next_id, data, key, renumber=earlier is not None)
+            self._next_id += 1
+            pending = _Pending(request, host)
+            self._pending[request.id] = pending
+        self.executor.call(host, "add", request)
+        if not pending.done.wait(REPLY_TIMEOUT_S):
+            raise SourceConflict(f"{key}: its pipeline did not answer within "
+                                 f"{REPLY_TIMEOUT_S:g} s")
+        reply = pending.reply
+        if reply.source is None:
+            with self._lock:
+                if self.placement.get(source.name) == host and source.name not in self.sources:
+                    del self.placement[source.name]
+            raise (SourceConflict if reply.conflict else ConfigError)(reply.error)
+        return reply.source
 
     def remove_source(self, name: str) -> None:
-        """Remove a source: its pipeline is stopped (its records stay ``.partial``)."""
+        """Stop a source (its outputs are finalised; a file stopped before its end keeps its
+        ``.partial`` names), or forget one that has ended.
+
+        Raises:
+            SourceConflict: no source of that name is running or has ended.
+        """
         with self._lock:
-            if name not in self.loads:
-                raise ValueError(f"no source {name!r}")
-            del self.loads[name]
-            self.results.setdefault(name, None)
-        self._changed.set()
+            run = self.sources.get(name)
+            if run is None or run.removing:
+                raise SourceConflict(f"no source named {name!r}")
+            run.removing = True
+            if name in self.results:
+                return
+            host = run.host
+            self.placement.pop(name, None)
+            self.loads.pop(name, None)
+            if host is None:  # not started yet (waiting for its backoff)
+                self.results[name] = None
+                return
+        self.executor.call(host, "remove", name)
+
+    def source_done(self, name: str) -> bool:
+        """Whether ``name`` has ended and its outputs are final."""
+        with self._lock:
+            return name in self.results and self.sources[name].host is None
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> dict[str, str | None]:
-        """Start the hosts, place and run every source until each ended (or a stop); returns
-        each source's error (None: it ended fine).
+        """Start the hosts, place and run every source until the run ends (``stop_when``, or
+        a stop); returns each source's error (None: it ended fine or was stopped).
 
         Raises:
             RuntimeError: no host could be started.
         """
         for host in self.hosts:
             self.executor.start(host)
-        self._place(max_moves=0)
         stopping = aborting = False
         try:
             while True:
                 if self._abort.is_set() and not aborting:
-                    aborting = True
+                    aborting = stopping = True
                     for host in self._live_hosts():
                         self.executor.call(host, "abort_all")
-                if self._stop.is_set() and not stopping:
+                if (self._stop.is_set() or self._should_stop()) and not stopping:
                     stopping = True
-                    log.info("stopping every pipeline")
+                    log.info("stopping every source")
                     for host in self._live_hosts():
                         self.executor.call(host, "stop")
                 self._poll_hosts()
-                if self._changed.is_set():
-                    self._changed.clear()
-                    self._place(max_moves=len(self.loads))
-                if not stopping and not aborting:
+                if not stopping:
+                    if self._changed.is_set():
+                        self._changed.clear()
+                        self._place(max_moves=len(self.loads))
                     self._restart_hosts()
                     self._place(max_moves=0)
                     self._start_placed()
-                if not self._running and (stopping or aborting or self._all_ended()):
+                if stopping and all(state.finished or not state.alive
+                                    for state in self.hosts.values()):
+                    break
+                if self.failure is not None and not self._live_unfinished_hosts():
                     break
                 if not any(state.alive for state in self.hosts.values()) and all(
                         state.gone for state in self.hosts.values()):
@@ -202,64 +346,173 @@ class Supervisor:
                     break
                 time.sleep(POLL_S)
         finally:
-            for name in self._unfinished():
-                self.results.setdefault(name, None if stopping else "stopped")
+            with self._lock:
+                for name in self._unfinished():
+                    self.results.setdefault(name, None if stopping else "stopped")
+                for pending in self._pending.values():
+                    pending.reply = Reply(pending.request.id, error="the run is ending",
+                                          conflict=True)
+                    pending.done.set()
             self.executor.close()
-        return {name: self.results.get(name) for name in self.loads}
+        return {name: self.results.get(name) for name in self.sources}
+
+    def _should_stop(self) -> bool:
+        """``runtime.stop_when`` says the run is over."""
+        when = self.config.runtime.stop_when
+        if when == "never":
+            return False
+        with self._lock:
+            runs = list(self.sources.items())
+        if when == "files_ended" and any(not run.config.is_live for _, run in runs):
+            return all(name in self.results for name, run in runs if not run.config.is_live)
+        return bool(runs) and all(name in self.results for name, _ in runs)
 
     def _live_hosts(self) -> list[int]:
         return [host for host, state in self.hosts.items() if state.alive]
 
-    def _unfinished(self) -> list[str]:
-        return [name for name in self.loads if name not in self.results]
+    def _live_unfinished_hosts(self) -> list[int]:
+        return [host for host, state in self.hosts.items() if state.alive and not state.finished]
 
-    def _all_ended(self) -> bool:
-        return not self._unfinished()
+    def _unfinished(self) -> list[str]:
+        return [name for name in self.sources if name not in self.results]
 
     def _poll_hosts(self) -> None:
+        now = time.monotonic()
+        want_metrics = self.exporter is not None and now >= self._next_metrics
+        want_view = self.board is not None and now >= self._next_view
+        if want_metrics:
+            self._next_metrics = now + METRICS_EVERY_S
+        if want_view:
+            self._next_view = now + VIEW_EVERY_S
+        done = 0
         for host in self._live_hosts():
             reports, died = self.executor.poll(host)
+            name = self.executor.names[host]
             for report in reports:
-                for ended in report.ended:
-                    self._ended(host, ended)
+                done += self._report(host, report)
                 if report.metrics is not None and self.exporter is not None:
-                    self.exporter.update(self.executor.names[host], list(report.metrics))
+                    self.exporter.update(name, list(report.metrics))
+                if report.view is not None and self.board is not None:
+                    self.board.update(report.view)
             if died is not None:
                 self._host_died(host, died)
+            elif want_view:
+                self.executor.call(host, "want", self.board.wanted(name))
+        if done and self._on_frames is not None:
+            self._on_frames(done)
 
-    def _ended(self, host: int, ended: AssignmentEnded) -> None:
-        self._running.pop(ended.id, None)
-        cut_by_us = ended.id in self._cutting
-        self._cutting.discard(ended.id)
-        for name, count in ended.frames.items():
-            self.frames[name] = self.frames.get(name, 0) + count
-        for name, error in ended.ended.items():
-            if name in self.loads and name not in self.results:
-                self.results[name] = error
-                self.placement.pop(name, None)
-                if error:
-                    log.error("source failed", source=name, host=self.executor.names[host],
-                              reason=error)
-        for name in ended.cut:
-            if not cut_by_us and name in self.placement:
-                del self.placement[name]  # cut by something else: place again
-        if ended.failure and not cut_by_us:
-            log.error("pipeline failed", host=self.executor.names[host], run=ended.id,
-                      reason=ended.failure)
+    def _report(self, host: int, report: HostReport) -> int:
+        """Take in one report; returns the frames done since the previous one."""
+        state = self.hosts[host]
+        state.ready, state.finished = report.ready, report.finished
+        done = 0
+        with self._lock:
+            for reply in report.replies:
+                self._replied(host, reply)
+            for name, frames in report.frames.items():
+                run = self.sources.get(name)
+                if run is not None and run.host == host:
+                    done += max(0, frames - run.running_frames)
+                    run.running_frames = frames
+            for ended in report.ended:
+                run = self.sources.get(ended.name)
+                if run is not None and run.host == host:
+                    done += max(0, ended.frames - run.running_frames)
+                    self._ended(host, ended)
+            if report.failure is not None and self.failure is None:
+                self.failure = (report.failure, report.usage)
+            if report.failure is not None:
+                for name, run in self.sources.items():
+                    if run.host == host and name not in self.results:
+                        run.host = None
+                        self.results[name] = f"pipeline failed: {report.failure}"
+        return done
+
+    def _replied(self, host: int, reply: Reply) -> None:
+        if reply.source is not None and self.board is not None:
+            self.board.added(reply.source, self.executor.names[host])
+        pending = self._pending.pop(reply.id, None)
+        request = pending.request if pending is not None else None
+        if pending is not None:  # added by ``add_source``
+            if reply.source is not None:
+                source = reply.source
+                self.sources[source.name] = SourceRun(
+                    source, request.key, added=True, host=host,
+                    output_number=reply.output_number, hosts=[self.executor.names[host]])
+                self.results.pop(source.name, None)
+                self.placement[source.name] = host
+                self._count += 1
+                log.info("source added", source=source.name, host=self.executor.names[host])
+            pending.reply = reply
+            pending.done.set()
+            return
+        name = next((n for n, r in self.sources.items()
+                     if r.host == host and r.request == reply.id), None)
+        if name is None:
+            return
+        run = self.sources[name]
+        if reply.source is None:
+            run.host = None
+            if reply.conflict and (self._stop.is_set() or self._abort.is_set() or run.removing):
+                self.results.setdefault(name, None)
+            else:
+                self.results[name] = reply.error
+                log.error("source failed", source=name, host=self.executor.names[host],
+                          reason=reply.error)
+        else:
+            run.output_number = reply.output_number
+        if pending is not None:
+            pending.reply = reply
+            pending.done.set()
+
+    def _ended(self, host: int, ended: SourceEnded) -> None:
+        """A source's sink finished on ``host``: done, failed, removed, or cut to move."""
+        name = ended.name
+        run = self.sources[name]
+        run.host = None
+        run.frames += ended.frames
+        run.running_frames = 0
+        run.ended = ended
+        run.resume = True  # a later start continues its records
+        if run.moving:
+            run.moving = False
+            return  # placed already: it starts on its new host
+        if ended.error is not None:
+            self.results[name] = ended.error
+            log.error("source failed", source=name, host=self.executor.names[host],
+                      reason=ended.error)
+        elif ended.complete or run.removing or self._stop.is_set() or self._abort.is_set():
+            self.results[name] = None
+        else:  # cut short by something else (its pipeline stopping): place it again
+            self.placement.pop(name, None)
 
     def _host_died(self, host: int, reason: str) -> None:
         state = self.hosts[host]
-        state.alive = False
-        lost = [assignment for h, assignment in self._running.values() if h == host]
-        for assignment in lost:
-            del self._running[assignment.id]
-            self._cutting.discard(assignment.id)
-        moved = [name for name, h in self.placement.items() if h == host]
+        state.alive = state.ready = False
         now = time.monotonic()
-        for name in moved:
-            del self.placement[name]
-            self._not_before[name] = now + backoff_s(self.moves.get(name, 0))
-            self.moves[name] = self.moves.get(name, 0) + 1
+        moved = []
+        with self._lock:
+            for name, run in self.sources.items():
+                if run.host == host:
+                    run.host = None
+                    run.frames += run.running_frames
+                    run.running_frames = 0
+                    run.moving = False
+                    run.resume = True
+                    if run.removing:
+                        self.results.setdefault(name, None)
+                        continue
+                    moved.append(name)
+                    run.not_before = now + backoff_s(run.moves)
+                    run.moves += 1
+                    self.placement.pop(name, None)
+            for request_id, pending in list(self._pending.items()):
+                if pending.host == host:
+                    del self._pending[request_id]
+                    pending.reply = Reply(request_id, error="its pipeline died", conflict=True)
+                    pending.done.set()
+        if self.board is not None:
+            self.board.host_gone(self.executor.names[host])
         if state.restarts < self.max_restarts:
             state.restart_at = now + backoff_s(state.restarts)
         else:
@@ -277,6 +530,7 @@ class Supervisor:
             if back:
                 state.restarts += 1
                 state.alive, state.restart_at, state.attempts = True, None, 0
+                state.finished = False
                 log.info("pipeline host restarted: rebalancing onto it",
                          host=self.executor.names[host], restarts=state.restarts)
                 self._changed.set()  # the next turn evens the loads, moving sources to it
@@ -288,47 +542,85 @@ class Supervisor:
                 state.restart_at = now + backoff_s(state.attempts)
 
     def _place(self, max_moves: int) -> None:
-        """Place every unfinished source on a live host; cut short the assignments whose
-        sources move (they restart on their new host once cut), and those of removed
-        sources."""
+        """Place every unfinished source on a live host; cut short the sources that move
+        (each resumes on its new host once its old one reported its end)."""
         live = self._live_hosts()
         with self._lock:
-            loads = [self.loads[name] for name in self._unfinished()]
-        if not live or not loads:
-            return
-        before = dict(self.placement)
-        self.placement = rebalance(before, loads, live, max_moves)
-        gone = {name for name in before if name not in self.placement}
-        for assignment_id, (host, assignment) in list(self._running.items()):
-            if assignment_id in self._cutting:
-                continue
-            if any(name in gone or self.placement.get(name) != host
-                   for name in assignment.sources):
-                log.info("moving sources: cutting their pipeline short", run=assignment_id,
-                         host=self.executor.names[host], sources=list(assignment.sources))
-                self._cutting.add(assignment_id)
-                self.executor.call(host, "abort", assignment_id)
+            names = [n for n in self._unfinished() if not self.sources[n].removing]
+            loads = [self.loads[name] for name in names if name in self.loads]
+            if not live or not loads:
+                return
+            before = dict(self.placement)
+            self.placement = rebalance(before, loads, live, max_moves)
+            for name, run in self.sources.items():
+                if run.host is not None and not run.moving and \
+                        self.placement.get(name, run.host) != run.host:
+                    log.info("moving a source: cutting it short where it runs", source=name,
+                             host=self.executor.names[run.host],
+                             to=self.executor.names[self.placement[name]])
+                    run.moving = True
+                    self.executor.call(run.host, "remove", name)
 
     def _start_placed(self) -> None:
-        """Start, per host, the placed sources that no running assignment holds and whose
-        backoff is over, as one new assignment."""
-        busy = {name for _, assignment in self._running.values() for name in assignment.sources}
+        """Start the placed sources that run nowhere and whose backoff is over."""
         now = time.monotonic()
-        waiting: dict[int, list[str]] = {}
-        for name, host in self.placement.items():
-            if name not in busy and name not in self.results and \
-                    self._not_before.get(name, 0.0) <= now:
-                waiting.setdefault(host, []).append(name)
-        for host, names in waiting.items():
-            assignment = Assignment(self._next_id, tuple(names),
-                                    tuple(n for n in names if n in self._ran))
-            self._next_id += 1
-            self._running[assignment.id] = (host, assignment)
-            self._ran.update(names)
-            self.history.extend((name, host, assignment.id) for name in names)
-            log.info("sources placed", host=self.executor.names[host], run=assignment.id,
-                     sources=names, resumed=list(assignment.resume))
-            self.executor.call(host, "start", assignment)
+        with self._lock:
+            for name, host in list(self.placement.items()):
+                run = self.sources.get(name)
+                if (run is None or run.host is not None or run.moving or run.removing
+                        or name in self.results or run.not_before > now
+                        or not self.hosts[host].alive):
+                    continue
+                request = SourceRequest(self._next_id, run.config, run.key, resume=run.resume,
+                                        output_number=run.output_number)
+                self._next_id += 1
+                run.request = request.id
+                run.host = host
+                self.history.append((name, host, request.id))
+                run.hosts.append(self.executor.names[host])
+                log.info("source placed", source=name, host=self.executor.names[host],
+                         resumed=run.resume)
+                self.executor.call(host, "add", request)
+
+
+class InProcessExecutor:
+    """One host in this process (one pipeline: nothing to spawn). ``on_batch_done`` sees
+    every batch part (the Python API)."""
+
+    def __init__(self, config: PipelineConfig, metrics: bool = False,
+                 on_batch_done: Callable[..., None] | None = None) -> None:
+        self.config = config
+        self.names = ["pipeline0"]
+        self.host: PipelineHost | None = None
+        self._metrics = metrics
+        self._on_batch_done = on_batch_done
+        self._next_metrics = self._next_view = 0.0
+
+    def start(self, host: int) -> None:
+        self.host = PipelineHost(self.config, self.names[host], on_batch_done=self._on_batch_done,
+                                 metrics=self._metrics)
+        self.host.start()
+
+    def call(self, host: int, method: str, *args: Any) -> None:
+        getattr(self.host, method)(*args)
+
+    def poll(self, host: int) -> tuple[list[HostReport], str | None]:
+        now = time.monotonic()
+        metrics = self._metrics and now >= self._next_metrics
+        view = self.config.runtime.http is not None and now >= self._next_view
+        if metrics:
+            self._next_metrics = now + METRICS_EVERY_S
+        if view:
+            self._next_view = now + VIEW_EVERY_S
+        return [self.host.poll(metrics=metrics, view=view)], None
+
+    def restart(self, host: int) -> bool | None:
+        return None  # it is this process
+
+    def close(self) -> None:
+        if self.host is not None and self.host._thread is not None:
+            self.host.stop()
+            self.host._thread.join(JOIN_TIMEOUT_S)
 
 
 class LocalExecutor:
@@ -357,7 +649,8 @@ class LocalExecutor:
         process = self._context.Process(
             target=host_main, name=f"streamdet-{self.names[host]}", daemon=False,
             args=(self.names[host], self.devices[host], self.config, theirs, self.metrics,
-                  self.cpus[host] if self.cpus else None))
+                  self.cpus[host] if self.cpus else None,
+                  -(-len(self.config.sources) // len(self.devices))))
         process.start()
         theirs.close()
         self.processes[host], self.conns[host] = process, ours
@@ -401,6 +694,7 @@ class LocalExecutor:
 
     def close(self) -> None:
         for host in self.processes:
+            self.call(host, "stop")  # (a no-op after the supervisor's own stop)
             self.call(host, "exit")
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         for host, process in self.processes.items():
@@ -498,95 +792,6 @@ def absolute_paths(config: PipelineConfig, base: str | None = None) -> PipelineC
         if not is_stream_url(source.uri):
             source.uri = absolute(source.uri)
     return config
-
-
-def run_cluster(config: PipelineConfig, ray_address: str | None = None,
-                restart: bool = False) -> int:
-    """Run ``config`` over several pipelines (``runtime.gpus``, ``runtime.pipelines``) or
-    Ray actors (``ray_address``: ``--ray``), with signals, the summary and the exit status as
-    ``run.py`` (``pipeline.app.cli``'s table): a file source an earlier run left cut short
-    resumes after its last record unless ``restart``; one stopped before its end keeps its
-    ``.partial`` outputs and makes the status EXIT_STOPPED."""
-    from pipeline.app.build import check_extras, probe_file_sources
-    from pipeline.app.cli import (
-        EXIT_FAILED,
-        EXIT_INTERRUPTED,
-        EXIT_OK,
-        EXIT_STOPPED,
-        EXIT_USAGE,
-    )
-    from pipeline.config import ConfigError
-    from pipeline.resume import cut_files
-    from stages.backends.base import read_model_info
-
-    try:  # what a host would find only when building: stop here, once, with exit 2
-        check_extras(config)
-        read_model_info(config.model.path, config.model.layout)
-        probe_file_sources(config)  # every file's first frame decodes
-        resume = () if restart else tuple(cut_files(config))
-        if config.runtime.http is not None:
-            raise ConfigError("runtime.http: the live view serves one pipeline; it is not "
-                              "available with runtime.gpus, runtime.pipelines or --ray")
-        config = absolute_paths(config)
-        exporter = None
-        if config.runtime.metrics_port is not None:
-            from pipeline.app.cluster_metrics import ClusterExporter
-
-            runtime = config.runtime
-            exporter = ClusterExporter(runtime.metrics_port, runtime.metrics_host,
-                                       runtime.metrics_token)
-        metrics = exporter is not None
-        if ray_address is not None:
-            from pipeline.app.ray_cluster import RayExecutor, connect
-
-            connect(ray_address)
-            executor: Any = RayExecutor(config, metrics=metrics)
-        else:
-            executor = LocalExecutor(config, resolve_devices(config), metrics)
-    except (ConfigError, ValueError) as error:
-        print(f"error: {error}" if isinstance(error, ConfigError) else
-              f"error: model.path: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    supervisor = Supervisor(config, executor, config.runtime.max_restarts, exporter,
-                            resume=resume)
-    if exporter is not None:
-        try:
-            port = exporter.start()
-        except OSError as error:
-            print(f"error: failed to start: {error}", file=sys.stderr)
-            return EXIT_FAILED
-        log.info("serving Prometheus metrics",
-                 url=f"http://{config.runtime.metrics_host}:{port}/metrics")
-    log.info("sources placed by load", pipelines=executor.names, sources=len(config.sources))
-    from pipeline.app.cli import install_signal_handlers  # cli imports this module lazily
-
-    interrupts, previous = install_signal_handlers(supervisor)
-    started = time.monotonic()
-    try:
-        results = supervisor.run()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if exporter is not None:
-            exporter.stop()
-    frames = supervisor.frames  # a pipeline that died took its count with it
-    for name, error in results.items():
-        hosts = sorted({supervisor.executor.names[h] for n, h, _ in supervisor.history if n == name})
-        log.info("source summary", source=name, pipelines=hosts, frames=frames.get(name),
-                 moves=supervisor.moves.get(name, 0), error=error)
-    log.info("run finished", seconds=round(time.monotonic() - started, 2))
-    if interrupts["count"] >= 2:
-        return EXIT_INTERRUPTED
-    failed = {name: error for name, error in results.items() if error}
-    for name, reason in failed.items():
-        print(f"error: source {name}: {reason}", file=sys.stderr)
-    if failed:
-        return EXIT_FAILED
-    cut = cut_short_files(config)
-    for name in cut:
-        log.warning("stopped early: outputs kept as .partial; run the same command again to "
-                    "resume (--restart: start over)", source=name)
-    return EXIT_STOPPED if cut else EXIT_OK
 
 
 def cut_short_files(config: PipelineConfig) -> list[str]:

@@ -252,6 +252,7 @@ class _Worker:
     failed_starts: int = 0  # processes in a row that died before delivering a frame
     restart_at: float | None = None
     added: set[int] = field(default_factory=set)  # source ids sent to the running process
+    spawned_with: set[int] = field(default_factory=set)  # source ids it was started with
 
 
 class DecodeWorkerPool:
@@ -259,19 +260,23 @@ class DecodeWorkerPool:
 
     Args:
         config: the pipeline configuration (log settings).
-        sources: (source id, config) of the sources to decode in workers.
         ring: the shared ``SlotRing`` (``shared=True``); all its free slots are shared out
-            among the workers in proportion to their sources.
-        workers: how many worker processes (at most one per source); source ``i`` of
-            ``sources`` goes to worker ``i % workers``.
+            evenly among the workers.
+        workers: how many worker processes.
+        threads_per_source: FFmpeg decoding threads per source (``decoder_threads``).
+        sources: (source id, config) of sources to decode from the start (more come with
+            ``add_source``, before or after ``start``); source ``i`` of them goes to worker
+            ``i % workers``.
     """
 
-    def __init__(self, config: PipelineConfig, sources: list[tuple[int, SourceConfig]],
-                 ring: SlotRing, workers: int) -> None:
-        from stages.decode import decoder_threads, probe_frame_count
+    def __init__(self, config: PipelineConfig, ring: SlotRing, workers: int,
+                 threads_per_source: int = 1,
+                 sources: list[tuple[int, SourceConfig]] = ()) -> None:  # type: ignore[assignment]
+        from stages.decode import probe_frame_count
 
-        workers = min(workers, len(sources))
-        self.threads_per_source = decoder_threads(len(sources))
+        if workers < 1:
+            raise ValueError(f"DecodeWorkerPool: expected at least one worker, got {workers}")
+        self.threads_per_source = threads_per_source
         self.config, self.ring = config, ring
         self.names = {source_id: cfg.name for source_id, cfg in sources}
         self.configs = dict(sources)
@@ -282,12 +287,13 @@ class DecodeWorkerPool:
         self._ending: set[int] = set()  # asked to stop (``stop_source``)
         self.aborted = threading.Event()
         self._stopping = threading.Event()
+        self._started = False
         self._lock = threading.Lock()
         self._context = multiprocessing.get_context("spawn")
         owned = [[sid for i, (sid, _) in enumerate(sources) if i % workers == k]
                  for k in range(workers)]
         free = ring.free_slots()
-        counts = [free * len(ids) // len(sources) for ids in owned]
+        counts = [free // workers + (k < free % workers) for k in range(workers)]
         shares = ring.give_to_workers(counts, self._free_slots)
         self.workers = [_Worker(k, owned[k], shares[k]) for k in range(workers)]
         self._receiver = threading.Thread(target=self._receive, name="decode-workers",
@@ -304,7 +310,10 @@ class DecodeWorkerPool:
         return [self.stages[source_id] for source_id in sorted(self.stages)]
 
     def start(self) -> None:
-        """Start every worker process and the receiver thread."""
+        """Start every worker process (each with the sources added to it so far) and the
+        receiver thread."""
+        with self._lock:
+            self._started = True
         for worker in self.workers:
             self._spawn(worker)
         log.info("decode workers started", workers=len(self.workers),
@@ -341,9 +350,9 @@ class DecodeWorkerPool:
 
     def add_source(self, source_id: int, config: SourceConfig, first_index: int = 0
                    ) -> WorkerSource:
-        """One more source (added while the pipeline runs) for the worker with the fewest
-        sources still running; it shares that worker's slots. Returns its graph source;
-        decoding starts with ``start_source`` (any thread; the receiver must be running)."""
+        """One more source for the worker with the fewest sources still running; it shares
+        that worker's slots. Returns its graph source; decoding starts with ``start_source``
+        (any thread), or with the workers when they have not started yet."""
         from stages.decode import probe_frame_count
 
         stage = WorkerSource(source_id, config, self, probe_frame_count(config))
@@ -363,8 +372,13 @@ class DecodeWorkerPool:
         new process when that one had ended."""
         worker = next(w for w in self.workers if source_id in w.sources)
         config, first_index = self.configs[source_id], self.next_index[source_id]
+        with self._lock:
+            if not self._started:
+                return  # the workers start with it (``start``)
         with worker.send_lock:
-            if worker.restart_at is not None:
+            if source_id in worker.spawned_with:
+                pass  # the workers started just now, with it
+            elif worker.restart_at is not None:
                 pass  # restarting: the new process gets it
             elif worker.conn is None:  # its process ended (and was seen to): start another
                 worker.restart_at = time.monotonic()
@@ -399,6 +413,7 @@ class DecodeWorkerPool:
                            for sid in worker.sources
                            if sid not in self.ended and sid not in self._ending]
                 worker.added = set()
+                worker.spawned_with = {sid for sid, _, _ in sources}
             ours, theirs = self._context.Pipe()
             runtime = self.config.runtime
             process = self._context.Process(

@@ -22,7 +22,7 @@ from tests.support import free_port, read_frames
 from tests.support.live_view import running
 
 BIKES_FRAMES = 250
-STOPPED = 3  # pipeline.app.cli.EXIT_STOPPED
+STOPPED = 3  # pipeline.app.run.EXIT_STOPPED
 OLDER = "an older run's complete output\n"
 
 
@@ -91,13 +91,16 @@ def test_a_cut_file_resumes_after_its_last_record_unless_restart(samples,
                                                                   tmp_path: Path) -> None:
     """The resume point is the frame after the last complete record (a torn line is cut);
     ``--restart`` skips resuming (the sink then starts the ``.partial`` files over)."""
-    from pipeline.app.cli import parse_args, resume_cut_files
+    from pipeline.app.cli import parse_args
+    from pipeline.app.run import prepare
+    from pipeline.resume import resumed_sources
 
     (tmp_path / "bikes.partial.jsonl").write_text(
         "".join(f'{{"source":"bikes","frame":{i}}}\n' for i in range(3)) + '{"sou')
     config = parse_config(bikes(samples, tmp_path))
-    assert resume_cut_files(config) == {"bikes": 3}
-    assert config.sources[0].start_frame == 3
+    assert prepare(config, restart=True) == ()
+    assert prepare(config) == ("bikes",)
+    assert [s.start_frame for s in resumed_sources(config, ["bikes"])] == [3]
     assert parse_args(["--config", "x.yaml", "--restart"]).restart
     assert not parse_args(["--config", "x.yaml"]).restart
 

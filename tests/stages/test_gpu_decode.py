@@ -54,9 +54,9 @@ def test_the_source_kind_follows_the_config(samples, decode, video, gpu, expecte
                            "model": {"path": str(samples.model)}, "output": {"video": video}})
     if expected.startswith("cannot"):
         with pytest.raises(DeviceUnavailable, match=r"sources\[0\]\.decode: 'gpu' " + expected):
-            decoder_kind(config, 0, gpu)
+            decoder_kind(config, config.sources[0], "sources[0]", gpu)
     else:
-        assert decoder_kind(config, 0, gpu) == expected
+        assert decoder_kind(config, config.sources[0], "sources[0]", gpu) == expected
 
 
 def gpu_reason() -> str | None:

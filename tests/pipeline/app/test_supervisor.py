@@ -1,6 +1,6 @@
 """pipeline.app.supervisor's supervisor against a scripted executor (no processes), the command
 line's --ray, and Ray staying out of a normal run. The real processes and Ray actors are
-in tests/e2e/test_cluster.py."""
+in tests/e2e/test_cluster.py, the real hosts' graphs in tests/e2e/test_one_top.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pipeline.app import cli
-from pipeline.app.host import Assignment, AssignmentEnded, HostReport, assignment_config
+from pipeline.app.host import HostReport, Reply, SourceEnded, SourceRequest
 from pipeline.app.placement import SourceLoad
 from pipeline.app.supervisor import (
     Supervisor,
@@ -22,18 +22,21 @@ from pipeline.app.supervisor import (
     resolve_devices,
     share_cores,
 )
-from pipeline.config import ConfigError, parse_config
+from pipeline.config import ConfigError, SourceConfig, parse_config
+from pipeline.graph import SourceConflict
 
 
 class ScriptedExecutor:
-    """Hosts that run nothing: the test ends their assignments and kills them."""
+    """Hosts that run nothing: every ``add`` is accepted (or refused, ``refuse``); the test
+    ends sources and kills hosts. Records every call."""
 
     def __init__(self, hosts: int) -> None:
         self.names = [f"h{i}" for i in range(hosts)]
         self.calls: list[tuple[int, str, tuple]] = []
-        self.running: dict[int, tuple[int, Assignment]] = {}
+        self.running: dict[str, tuple[int, SourceRequest]] = {}  # source -> (host, request)
         self.reports: dict[int, list[HostReport]] = {i: [] for i in range(hosts)}
         self.dead: dict[int, str] = {}
+        self.refuse: dict[str, tuple[str, bool]] = {}  # source -> (error, conflict)
         self.lock = threading.Lock()
         self.closed = False
 
@@ -43,16 +46,31 @@ class ScriptedExecutor:
     def call(self, host: int, method: str, *args) -> None:
         with self.lock:
             self.calls.append((host, method, args))
-            if method == "start":
-                self.running[args[0].id] = (host, args[0])
-            elif method == "abort" and args[0] in self.running:
-                _, assignment = self.running.pop(args[0])
-                self.reports[host].append(HostReport((AssignmentEnded(
-                    assignment.id, cut=assignment.sources),)))
+            if method == "add":
+                request = args[0]
+                source = request.source
+                if isinstance(source, dict):
+                    source = SourceConfig(**source)
+                if source.name in self.refuse:
+                    error, conflict = self.refuse[source.name]
+                    self.reports[host].append(HostReport(
+                        (Reply(request.id, error=error, conflict=conflict),)))
+                    return
+                self.running[source.name] = (host, request)
+                self.reports[host].append(HostReport((Reply(request.id, source),)))
+            elif method == "remove" and args[0] in self.running:
+                self._end(args[0], complete=False)
             elif method == "stop":
-                for aid, (h, _) in list(self.running.items()):
+                for name, (h, _) in list(self.running.items()):
                     if h == host:
-                        self.finish(aid)
+                        self._end(name, complete=True)
+                self.reports[host].append(HostReport(finished=True))
+
+    def _end(self, name: str, complete: bool, error: str | None = None) -> None:
+        host, _ = self.running.pop(name)
+        self.reports[host].append(HostReport(ended=(SourceEnded(
+            name, error, complete, None if complete else "stopped at frame 5 of 60", 5,
+            {"source": name}),)))
 
     def poll(self, host: int):
         with self.lock:
@@ -67,21 +85,24 @@ class ScriptedExecutor:
         self.closed = True
 
     # -- the test's side
-    def finish(self, assignment_id: int, error: str | None = None) -> None:
-        host, assignment = self.running.pop(assignment_id)
-        self.reports[host].append(HostReport((AssignmentEnded(
-            assignment.id, {name: error for name in assignment.sources}),)))
+    def finish(self, name: str, error: str | None = None) -> None:
+        with self.lock:
+            self._end(name, complete=error is None, error=error)
 
     def die(self, host: int) -> None:
         with self.lock:
-            for aid, (h, _) in list(self.running.items()):
+            for name, (h, _) in list(self.running.items()):
                 if h == host:
-                    del self.running[aid]
+                    del self.running[name]
             self.dead[host] = "killed by SIGKILL"
 
-    def on(self, host: int) -> list[Assignment]:
+    def on(self, host: int) -> dict[str, SourceRequest]:
         with self.lock:
-            return [a for h, a in self.running.values() if h == host]
+            return {name: request for name, (h, request) in self.running.items() if h == host}
+
+    def removed(self) -> list[tuple[int, str]]:
+        with self.lock:
+            return [(host, args[0]) for host, method, args in self.calls if method == "remove"]
 
 
 def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
@@ -110,54 +131,51 @@ def start(config, executor, **kwargs) -> tuple[Supervisor, threading.Thread, dic
     return supervisor, thread, results
 
 
-def test_sources_are_placed_by_load_and_the_run_ends_when_each_ended(config):
+def test_sources_are_placed_by_load_one_by_one_and_the_run_ends_when_each_ended(config):
     executor = ScriptedExecutor(2)
     supervisor, thread, results = start(config, executor)
-    wait_until(lambda: len(executor.running) == 2, "two assignments")
-    assert [sorted(a.sources) for a in executor.on(0)] == [["a", "d"]]
-    assert [sorted(a.sources) for a in executor.on(1)] == [["b", "c"]]
-    assert all(not a.resume for a in executor.on(0) + executor.on(1))
-    (first,) = executor.on(0)
-    executor.finish(first.id)
-    (second,) = executor.on(1)
-    executor.finish(second.id, error="cannot open")
+    wait_until(lambda: len(executor.running) == 4, "four sources started")
+    assert sorted(executor.on(0)) == ["a", "d"] and sorted(executor.on(1)) == ["b", "c"]
+    assert not any(r.resume for h in (0, 1) for r in executor.on(h).values())
+    executor.finish("a")
+    executor.finish("d")
+    executor.finish("b", error="cannot open")
+    time.sleep(0.3)
+    assert thread.is_alive()  # c still runs: the run goes on
+    executor.finish("c")
     thread.join(5)
     assert not thread.is_alive() and executor.closed
-    assert results == {"a": None, "b": "cannot open", "c": "cannot open", "d": None}
+    assert results == {"a": None, "b": "cannot open", "c": None, "d": None}
+    assert executor.removed() == []  # no source was ever cut
 
 
 def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restarts(config):
     executor = ScriptedExecutor(2)
     supervisor, thread, results = start(config, executor, max_restarts=1)
-    wait_until(lambda: len(executor.running) == 2, "two assignments")
-    (kept,) = executor.on(0)
+    wait_until(lambda: len(executor.running) == 4, "four sources started")
+    kept = dict(executor.on(0))
     died_at = time.monotonic()
     executor.die(1)
-
-    def started_on_0() -> list[Assignment]:
-        return [args[0] for host, method, args in list(executor.calls)
-                if host == 0 and method == "start" and args[0].id != kept.id]
-
-    wait_until(started_on_0, "the moved sources on host 0")
-    (moved,) = started_on_0()
+    wait_until(lambda: sorted(executor.on(0)) == list("abcd"), "the moved sources on host 0")
     assert time.monotonic() - died_at >= backoff_s(0) * 0.9  # not at once: a backoff
-    assert sorted(moved.sources) == sorted(moved.resume) == ["b", "c"]  # they resume
+    moved = executor.on(0)
+    assert moved["b"].resume and moved["c"].resume  # they resume after their records
+    assert moved["a"] is kept["a"] and moved["d"] is kept["d"]  # never touched
     assert supervisor.moves == {"b": 1, "c": 1}
-    # Host 1 is back: the loads are evened again (a 4 + d 1 | b 3 + c 2 -> 5 | 5), the
-    # moved sources' pipelines cut short and every source resumed after its records.
-    wait_until(lambda: executor.on(1) and len(executor.on(0)) == 1 and kept.id not in
-               executor.running, "sources rebalanced onto the restarted host 1")
+    # Host 1 is back: the loads are evened again (4 + 1 | 3 + 2), moving sources one by one
+    # (each cut where it ran and resumed on host 1); the others go on untouched.
+    wait_until(lambda: executor.on(1) and len(executor.on(0)) + len(executor.on(1)) == 4,
+               "sources rebalanced onto the restarted host 1")
     assert (1, "restart_host", ()) in executor.calls
-    on = {host: sorted(n for a in executor.on(host) for n in a.sources) for host in (0, 1)}
-    assert sorted([on[0], on[1]]) == [["a", "d"], ["b", "c"]]
-    assert all(set(a.resume) == set(a.sources) for h in (0, 1) for a in executor.on(h))
+    assert all(r.resume for r in executor.on(1).values())
+    cut = [name for host, name in executor.removed()]
+    assert cut and set(cut) == set(executor.on(1))  # only the moved ones were cut
     # It dies again: no restart left (max_restarts=1); the run goes on with host 0.
     executor.die(1)
     wait_until(lambda: supervisor.hosts[1].gone, "host 1 given up")
-    wait_until(lambda: sorted(n for a in executor.on(0) for n in a.sources) == list("abcd"),
-               "every source on host 0")
-    for assignment in executor.on(0):
-        executor.finish(assignment.id)
+    wait_until(lambda: sorted(executor.on(0)) == list("abcd"), "every source on host 0")
+    for name in "abcd":
+        executor.finish(name)
     thread.join(5)
     assert results == {name: None for name in "abcd"}
 
@@ -165,55 +183,51 @@ def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restar
 def test_every_host_dead_for_good_fails_the_remaining_sources(config):
     executor = ScriptedExecutor(1)
     supervisor, thread, results = start(config, executor, max_restarts=0)
-    wait_until(lambda: len(executor.running) == 1, "one assignment")
+    wait_until(lambda: len(executor.running) == 4, "four sources")
     executor.die(0)
     thread.join(5)
     assert not thread.is_alive()
     assert set(results) == set("abcd") and all("every pipeline died" in e for e in results.values())
 
 
-def test_removing_a_source_cuts_its_pipeline_and_the_others_of_it_resume(config):
+def test_removing_a_source_cuts_only_it_and_an_added_one_goes_to_the_least_loaded(config):
     executor = ScriptedExecutor(2)
     supervisor, thread, results = start(config, executor)
-    wait_until(lambda: len(executor.running) == 2, "two assignments")
-    (old,) = executor.on(1)  # b (3) and c (2); host 0: a (4) and d (1)
+    wait_until(lambda: len(executor.running) == 4, "four sources started")
+    before = {h: dict(executor.on(h)) for h in (0, 1)}  # a 4 + d 1 | b 3 + c 2
     supervisor.remove_source("c")
-    # Rebalanced: d moves to host 1 (4 | 4); both pipelines are cut and their sources resume.
-    wait_until(lambda: old.id not in executor.running and executor.on(1) and executor.on(0),
-               "the sources restarted")
-    assert (1, "abort", (old.id,)) in executor.calls
-    (again,) = executor.on(1)
-    assert sorted(again.sources) == sorted(again.resume) == ["b", "d"]
-    assert [(a.sources, a.resume) for a in executor.on(0)] == [(("a",), ("a",))]
-    supervisor.add_source(parse_config({"sources": [{"name": "e", "uri": "rtsp://h/x"}]}).sources[0],
-                          SourceLoad("e", 100, 100, 1))
-    wait_until(lambda: any("e" in a.sources for a in executor.running.values() for a in [a[1]]),
-               "e started")
+    wait_until(lambda: "c" not in executor.running, "c stopped")
+    assert executor.removed() == [(1, "c")]
+    time.sleep(0.3)  # the loop had its turns: nothing else moved or restarted
+    assert executor.removed() == [(1, "c")]
+    assert {h: dict(executor.on(h)) for h in (0, 1)} == {0: before[0], 1: {"b": before[1]["b"]}}
+    assert supervisor.source_done("c")
+    added = supervisor.add_source({"name": "e", "uri": "rtsp://h/x"}, SourceLoad("e", 100, 100, 1))
+    assert added.name == "e" and "e" in executor.on(1)  # h1 had 3, h0 5
+    with pytest.raises(SourceConflict, match="'e' is in use"):
+        supervisor.add_source({"name": "e", "uri": "rtsp://h/y"}, SourceLoad("e", 100, 100, 1))
+    with pytest.raises(ConfigError, match=r"^sources\[5\]\.uri: "):
+        supervisor.add_source({"name": "f"}, SourceLoad("f", 100, 100, 1))
+    executor.refuse["g"] = ("sources[5].tracker: this run has no tracking stage", False)
+    with pytest.raises(ConfigError, match="no tracking stage"):
+        supervisor.add_source({"name": "g", "uri": "rtsp://h/z"}, SourceLoad("g", 100, 100, 1))
     supervisor.request_stop()
     thread.join(5)
-    assert results == {"a": None, "b": None, "d": None, "e": None}
+    assert results == {"a": None, "b": None, "c": None, "d": None, "e": None}
 
 
-def test_an_assignment_runs_only_its_sources_resumed_from_their_records(samples, tmp_path):
-    config = parse_config({"sources": [{"name": n, "uri": str(samples.bikes)} for n in "ab"],
-                           "output": {"dir": str(tmp_path), "video": None},
-                           "runtime": {"pipelines": 2, "metrics_port": 9100}})
-    (tmp_path / "b.partial.jsonl").write_text('{"frame":0}\n{"frame":1}\n{"fra')
-    sub = assignment_config(config, Assignment(7, ("b",), resume=("b",)))
-    assert [(s.name, s.start_frame) for s in sub.sources] == [("b", 2)]
-    assert (tmp_path / "b.partial.jsonl").read_text() == '{"frame":0}\n{"frame":1}\n'
-    assert (sub.runtime.pipelines, sub.runtime.metrics_port, sub.runtime.progress) == (None, None, False)
-    assert config.runtime.pipelines == 2 and len(config.sources) == 2  # the original is kept
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    ({"id": 1, "sources": ()}, "at least one source"),
-    ({"id": 1, "sources": ("a", "a")}, "named twice"),
-    ({"id": 1, "sources": ("a",), "resume": ("b",)}, "not all in"),
-])
-def test_an_assignment_is_validated(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        Assignment(**kwargs)
+def test_a_pipeline_that_cannot_start_fails_its_sources_once(config):
+    executor = ScriptedExecutor(1)
+    supervisor, thread, results = start(config, executor)
+    wait_until(lambda: len(executor.running) == 4, "four sources")
+    with executor.lock:
+        executor.running.clear()
+        executor.reports[0].append(HostReport(failure="inference.device: 'cuda' cannot be used",
+                                              usage=True, finished=True))
+    thread.join(5)
+    assert not thread.is_alive()
+    assert supervisor.failure == ("inference.device: 'cuda' cannot be used", True)
+    assert all(e.startswith("pipeline failed") for e in results.values())
 
 
 @pytest.mark.parametrize("runtime, expected", [

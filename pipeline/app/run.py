@@ -1,0 +1,240 @@
+"""One way to run, at every scale: ``run(config)`` is what ``run.py`` does, for one pipeline
+or many, local processes or ``--ray``: check what can be checked before anything starts,
+start the supervisor (``pipeline.app.supervisor``) with its hosts, the live view and the
+Prometheus endpoint, handle the signals, log the summary and return the exit status.
+
+Exit status (``EXIT_*``, one table):
+
+- 0: every source finished (a camera stopped by Ctrl-C, SIGTERM or ``stop_when`` counts as
+  finished: it has no end); every output has its final name.
+- 1: a source or stage failed (its outputs stay ``.partial``).
+- 2: a bad configuration or command line; nothing was written.
+- 3: stopped early: a file source was stopped before its end (the first Ctrl-C or SIGTERM);
+  its outputs keep their ``.partial`` names, and running the same command again resumes it
+  after its last record (``--restart`` starts over).
+- 130: aborted by a second Ctrl-C or SIGTERM (outputs are left as ``.partial``).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from pipeline.config import ConfigError, PipelineConfig, is_stream_url
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+log = structlog.get_logger("run")
+
+
+def prepare(config: PipelineConfig, restart: bool = False) -> tuple[str, ...]:
+    """What can be checked before any pipeline starts, in this process, once: the extras a
+    feature needs, the model and its classes, every file's first frame, the sources' classes
+    and zones against the model, the live view's settings. Returns the file sources an
+    earlier run left cut short (they resume after their last record), none with ``restart``.
+
+    Raises:
+        ConfigError: the one-line message for the user (exit status 2).
+    """
+    from pipeline.app.build import check_extras, check_sources, model_setup, probe_file_sources
+    from pipeline.resume import cut_files
+
+    check_extras(config)
+    model = model_setup(config)
+    check_sources(config, model, probe_file_sources(config))
+    if config.runtime.http is not None:
+        from pipeline.app.http import check_settings
+
+        try:
+            check_settings(config.runtime.http)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    if restart:
+        return ()
+    try:
+        return tuple(cut_files(config))
+    except ValueError as error:
+        raise ConfigError(f"output.jsonl: {error}; run with --restart to start over") from None
+
+
+def make_executor(config: PipelineConfig, ray_address: str | None = None, metrics: bool = False,
+                  on_batch_done: Callable[..., None] | None = None) -> Any:
+    """The hosts: one pipeline in this process (``runtime.gpus`` and ``runtime.pipelines``
+    unset or naming one), spawned processes (several), or Ray actors (``ray_address``).
+
+    Raises:
+        ConfigError: ``runtime.gpus``/``runtime.pipelines`` cannot be had, or per-batch
+            results asked for (``on_batch_done``) with more than one pipeline.
+    """
+    from pipeline.app.supervisor import (
+        InProcessExecutor,
+        LocalExecutor,
+        absolute_paths,
+        resolve_devices,
+    )
+
+    if ray_address is not None:
+        from pipeline.app.ray_cluster import RayExecutor, connect
+
+        if on_batch_done is not None:
+            raise ConfigError("--ray: the Python API's per-frame results need the pipeline in "
+                              "this process")
+        connect(ray_address)
+        return RayExecutor(absolute_paths(config), metrics=metrics)
+    devices = resolve_devices(config)
+    if len(devices) == 1:
+        if devices[0] is not None:
+            config.inference.gpu_id = devices[0]
+        return InProcessExecutor(config, metrics, on_batch_done)
+    if on_batch_done is not None:
+        raise ConfigError("runtime.pipelines: the Python API's per-frame results need one "
+                          "pipeline (in this process); run() and the outputs work with any")
+    return LocalExecutor(absolute_paths(config), devices, metrics)
+
+
+def run(config: PipelineConfig, ray_address: str | None = None, restart: bool = False) -> int:
+    """Run ``config`` through the supervisor with signals, the live view, Prometheus, the
+    progress bar, the summary and the exit status (module docstring)."""
+    from pipeline.app.progress import Progress
+    from pipeline.app.supervisor import Supervisor
+
+    runtime = config.runtime
+    try:
+        resume = prepare(config, restart)
+        executor = make_executor(config, ray_address, metrics=runtime.metrics_port is not None)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    exporter = server = board = None
+    if runtime.metrics_port is not None:
+        from pipeline.app.cluster_metrics import ClusterExporter
+
+        exporter = ClusterExporter(runtime.metrics_port, runtime.metrics_host,
+                                   runtime.metrics_token)
+    supervisor: Supervisor | None = None
+    with Progress(enabled=runtime.progress) as progress:
+        progress.set_total(frame_counts(config))
+        if runtime.http is not None:
+            from pipeline.app.board import SourceBoard
+
+            board = SourceBoard(lambda data: supervisor.add_source(data),
+                                lambda name, wait_s: remove_and_wait(supervisor, name, wait_s),
+                                runtime.http.preview_fps, [s.name for s in config.sources])
+        supervisor = Supervisor(config, executor, runtime.max_restarts, exporter,
+                                resume=resume, board=board, on_frames=progress.frames_done)
+        try:
+            if exporter is not None:
+                port = exporter.start()
+                log.info("serving Prometheus metrics",
+                         url=f"http://{runtime.metrics_host}:{port}/metrics")
+            if board is not None:
+                from pipeline.app.http import HttpServer
+
+                server = HttpServer(runtime.http, board, config)
+                server.start()  # logs "serving the live view" with its URL
+        except (OSError, RuntimeError) as error:
+            if exporter is not None:
+                exporter.stop()
+            print(f"error: failed to start: {error}", file=sys.stderr)
+            return EXIT_FAILED
+        log.info("sources placed by load", pipelines=executor.names, sources=len(config.sources))
+        interrupts, previous = install_signal_handlers(supervisor)
+        started = time.monotonic()
+        try:
+            results = supervisor.run()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            if exporter is not None:
+                exporter.stop()
+            if server is not None:
+                server.close()
+    return finish(supervisor, results, interrupts["count"], time.monotonic() - started)
+
+
+def remove_and_wait(supervisor: Any, name: str, wait_s: float) -> dict[str, Any]:
+    """The live view's ``DELETE``: stop ``name`` and wait up to ``wait_s`` for its outputs to
+    be final; returns ``{"name", "state": "removed", "frames", "outputs"}``, or ``{"name",
+    "state": "removing"}`` when they are not final yet.
+
+    Raises:
+        SourceConflict: no such source.
+    """
+    supervisor.remove_source(name)
+    deadline = time.monotonic() + wait_s
+    while not supervisor.source_done(name) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not supervisor.source_done(name):
+        return {"name": name, "state": "removing"}
+    run = supervisor.sources[name]
+    ended = run.ended
+    return {"name": name, "state": "removed", "frames": run.frames,
+            "outputs": list(ended.outputs) if ended is not None else []}
+
+
+def frame_counts(config: PipelineConfig) -> list[int | None]:
+    """Frames each source's container announces (None: a camera, or unknown)."""
+    from stages.decode import probe_frame_count
+
+    return [None if source.is_live or is_stream_url(source.uri) else probe_frame_count(source)
+            for source in config.sources]
+
+
+def finish(supervisor: Any, results: dict[str, str | None], interrupts: int,
+           elapsed: float) -> int:
+    """Log every source's summary and the run's end; print the errors; the exit status."""
+    cut: dict[str, str] = {}
+    for name, run in supervisor.sources.items():
+        ended = run.ended
+        summary = dict(ended.summary) if ended is not None else {"source": name}
+        summary.update(frames=run.frames, error=results.get(name),
+                       pipelines=list(dict.fromkeys(run.hosts)), moves=run.moves)
+        if ended is not None and ended.cut_short and results.get(name) is None:
+            cut[name] = summary["cut_short"] = ended.cut_short
+        log.info("source summary", **summary)
+    log.info("run finished", seconds=round(elapsed, 2))
+    if interrupts >= 2:
+        return EXIT_INTERRUPTED
+    if supervisor.failure is not None:
+        reason, usage = supervisor.failure
+        print(f"error: {reason}", file=sys.stderr)
+        return EXIT_USAGE if usage else EXIT_FAILED
+    failed = {name: error for name, error in results.items() if error}
+    for name, reason in failed.items():
+        print(f"error: source {name}: {reason}", file=sys.stderr)
+    if failed:
+        return EXIT_FAILED
+    for name, where in cut.items():
+        if not supervisor.sources[name].added:
+            log.warning("stopped early: outputs kept as .partial; run the same command again "
+                        "to resume (--restart: start over)", source=name, at=where)
+        else:  # added through the API: a rerun of the config does not know it
+            log.warning("stopped early: outputs kept as .partial (a source added while "
+                        "running: add it to the config file to resume it)", source=name,
+                        at=where)
+    return EXIT_STOPPED if cut else EXIT_OK
+
+
+def install_signal_handlers(target: Any) -> tuple[dict[str, int], dict[int, Any]]:
+    """First SIGINT/SIGTERM: ``target.request_stop()`` (a graceful stop); second:
+    ``target.abort()``. Returns the count and the handlers replaced (restored after the
+    run)."""
+    interrupts = {"count": 0}
+
+    def handle(signum: int, _frame: object) -> None:
+        interrupts["count"] += 1
+        if interrupts["count"] == 1:
+            log.warning("stopping: finishing queued frames (signal again to abort)",
+                        signal=signal.Signals(signum).name)
+            target.request_stop()
+        else:
+            log.warning("aborting", signal=signal.Signals(signum).name)
+            target.abort()
+
+    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+    return interrupts, previous
