@@ -194,15 +194,15 @@ def build_graph(config: PipelineConfig,
     log.info("frame slots allocated", slots=ring.slots, pinned=ring.pinned,
              shared=ring.shm_name is not None, mb=round(ring.slots * slot_bytes / 2**20, 1))
     pool = DecodeWorkerPool(config, on_cpu, ring, workers) if workers else None
+    http = config.runtime.http
+    preview = PreviewHub(http.preview_fps, class_names) if http is not None else None
     sources: list[SourceStage] = [
         pool.stages[index] if pool is not None and kind == "cpu" else
         DecodeStage(config.sources[index], ring, stop,
                     decoder_threads=decoder_threads(len(on_cpu))) if kind == "cpu" else
-        GpuDecodeStage(config.sources[index], gpu.device_id, ring)
+        GpuDecodeStage(config.sources[index], gpu.device_id, ring, preview)
         for index, kind in enumerate(kinds)]
     video = config.output.video is not None
-    http = config.runtime.http
-    preview = PreviewHub(http.preview_fps, class_names) if http is not None else None
     keep_images = video or preview is not None  # the sinks read the images: they release
     release = None if keep_images else ring.release
     size = (info.input_height, info.input_width)
@@ -356,7 +356,6 @@ def decoder_kind(config: PipelineConfig, index: int, gpu: GpuContext | None) -> 
         return "cpu"
     reason = ("inference does not run on the GPU" if gpu is None else
               "output.video needs the frames on the host" if config.output.video else
-              "runtime.http's previews need the frames on the host" if config.runtime.http else
               gpu_decode_unavailable_reason())
     if reason is None:
         return "gpu"

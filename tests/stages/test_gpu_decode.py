@@ -61,6 +61,18 @@ def test_the_source_kind_follows_the_config(samples, decode, video, gpu, expecte
         assert decoder_kind(config, 0, gpu) == expected
 
 
+@pytest.mark.parametrize("decode", ["auto", "gpu"])
+def test_the_live_view_keeps_gpu_decode(samples, monkeypatch, decode):
+    import pipeline.app.build as build
+    from pipeline.config import parse_config
+
+    monkeypatch.setattr(build, "gpu_decode_unavailable_reason", lambda: None)  # a usable NVDEC
+    config = parse_config({"sources": [{"name": "b", "uri": str(samples.bikes), "decode": decode}],
+                           "model": {"path": str(samples.model)}, "output": {"video": None},
+                           "runtime": {"http": {"port": 0}}})
+    assert build.decoder_kind(config, 0, ON_GPU) == "gpu"
+
+
 class RecordingTap:
     """A ``PictureTap`` that says whether the source is wanted and keeps what it is given."""
 
