@@ -62,7 +62,7 @@ class LaunchTimes:
 def write_config(path: Path, clip: Path, model: Path, names: Path | None, cameras: int,
                  pace_fps: float, batch: int, cache: Path, out: Path,
                  pipelines: int | None, http_port: int | None) -> None:
-    # decode auto: NVDEC, or the CPU where the live view needs the frames on the host
+    # decode auto: NVDEC where usable (the live view downloads a watched frame now and then)
     sources = [{"name": f"cam{i:03d}", "uri": str(clip), "live": True, "pace_fps": pace_fps,
                 "reconnect": False, "decode": "auto"} for i in range(cameras)]
     config = {

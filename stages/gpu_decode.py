@@ -29,6 +29,18 @@ non-blocking, so the consumer must order itself after that stream (an event; see
 **Lifetime.** The DLPack export holds its own reference to the FFmpeg frame, so a surface
 returns to the decoder's pool only when the CuPy views are dropped; FFmpeg's CUDA frame pool
 grows on demand, so holding frames in queues never stalls the decoder.
+
+**Previews.** The live view needs host pictures, which GPU-decoded frames do not have. Given
+a ``PictureTap`` (the app's preview hub), the stage asks ``tap.wanted(name)`` at most once
+per ``tap.period_s`` and, only while a viewer wants the source, downloads that one frame's
+NV12 planes (``download_nv12``: two pitched D2H copies on the legacy default stream, after
+FFmpeg's output copies, waited for in this thread: about 3 MB at 1080p, a fraction of a
+millisecond, ``preview_fps`` times a second) and hands them over keyed by the frame's index
+before the frame goes on, so the hub can pair the picture with that frame's detections.
+Synchronous on purpose: a stream and event of our own would save this thread well under a
+millisecond a few times a second, and a picture still in flight could not be handed over
+before its frame. Nobody watching costs a clock read per frame and one ``wanted`` call per
+period; no tap (no live view) costs one ``is None`` test per frame.
 """
 
 from __future__ import annotations
@@ -37,9 +49,10 @@ import ctypes
 import functools
 import time
 from fractions import Fraction
-from typing import Any
+from typing import Any, Protocol
 
 import av
+import numpy as np
 import structlog
 
 from pipeline.config import SourceConfig
@@ -50,6 +63,27 @@ log = structlog.get_logger("gpu_decode")
 
 HWACCEL_OPTIONS = {"primary_ctx": "0", "current_ctx": "1"}  # see the module docstring
 CU_POINTER_ATTRIBUTE_CONTEXT = 1
+CUDA_STREAM_LEGACY = 1  # cudaStreamLegacy: the stream FFmpeg's NULL stream is, in any thread
+MEMCPY_DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
+
+
+class PictureTap(Protocol):
+    """Where a GPU decode stage hands host pictures for the live view
+    (``pipeline.app.preview.PreviewHub`` implements it; stages never import it).
+
+    Attributes:
+        period_s: ask ``wanted`` (and so download) at most once per this many seconds.
+    """
+
+    period_s: float
+
+    def wanted(self, source: str) -> bool:
+        """Whether a viewer wants ``source``'s pictures now."""
+
+    def offer_picture(self, source: str, index: int, nv12: np.ndarray, width: int,
+                      height: int) -> None:
+        """Frame ``index`` of ``source`` as a (height * 3 // 2, width) uint8 NV12 host array
+        (the tap keeps it; the stage does not reuse it)."""
 
 
 @functools.cache
@@ -134,6 +168,35 @@ def device_planes(picture: av.VideoFrame) -> tuple[Any, Any]:
     return y, uv
 
 
+def download_nv12(y: Any, uv: Any) -> np.ndarray:
+    """A host copy of a GPU-decoded frame's NV12 planes, packed (no row padding).
+
+    Two pitched D2H copies on the legacy default stream (ordered after FFmpeg's output
+    copies, see the module docstring), waited for before returning.
+
+    Args:
+        y: (height, width) uint8 CuPy device array, any row pitch; valid on the legacy
+            default stream.
+        uv: (height // 2, width // 2, 2) uint8 CuPy device array of interleaved U, V, any
+            row pitch; valid on the legacy default stream.
+
+    Returns:
+        (height * 3 // 2, width) uint8 host array: Y rows, then interleaved UV rows.
+    """
+    import cupy
+
+    height, width = y.shape
+    out = np.empty((height * 3 // 2, width), np.uint8)
+    runtime = cupy.cuda.runtime
+    base = out.ctypes.data
+    runtime.memcpy2DAsync(base, width, y.data.ptr, y.strides[0], width, height,
+                          MEMCPY_DEVICE_TO_HOST, CUDA_STREAM_LEGACY)
+    runtime.memcpy2DAsync(base + width * height, width, uv.data.ptr, uv.strides[0], width,
+                          height // 2, MEMCPY_DEVICE_TO_HOST, CUDA_STREAM_LEGACY)
+    runtime.streamSynchronize(CUDA_STREAM_LEGACY)
+    return out
+
+
 class GpuDecodeStage(DecodeStage):
     """Decodes one source on the GPU (NVDEC) and yields frames whose pictures stay there.
 
@@ -145,14 +208,19 @@ class GpuDecodeStage(DecodeStage):
         device_id: the CUDA device the pipeline runs on.
         ring: the pipeline's slot ring, only to check that frames fit its slots (the
             batch's device rows have the same size); GPU-decoded frames take no slot.
+        preview: where host pictures go while a viewer wants them (module docstring), or
+            None (no live view: nothing is ever downloaded).
     """
 
-    def __init__(self, source: SourceConfig, device_id: int = 0, ring: Any = None) -> None:
+    def __init__(self, source: SourceConfig, device_id: int = 0, ring: Any = None,
+                 preview: PictureTap | None = None) -> None:
         super().__init__(source, ring)
         self.device_id = device_id
         self.thread_type = "SLICE"  # NVDEC decodes; FFmpeg's frame threads would only add delay
+        self.preview = preview
         self._context: int | None = None
         self._checked = False
+        self._preview_due = float("-inf")  # time.monotonic() of the next ``wanted`` question
 
     def open_container(self) -> av.container.InputContainer:
         reason = gpu_decode_unavailable_reason()
@@ -190,10 +258,22 @@ class GpuDecodeStage(DecodeStage):
             raise FrameTooLarge(f"a {width}x{height} frame does not fit the frame slots of "
                               f"{self.ring.slot_bytes} bytes (sized for the largest file source, "
                               "at least 1920x1080)")
-        return Frame(source=self.name, index=index,
-                     pts=self.timestamp(float(picture.time) if picture.time is not None
-                                        else None, rate),
-                     capture_time=time.time() if capture_time is None else capture_time,
-                     width=width, height=height, rate=rate, pixel_format="nv12",
-                     device_planes=(y[:height, :width], uv[:height // 2, :width // 2]))
+        frame = Frame(source=self.name, index=index,
+                      pts=self.timestamp(float(picture.time) if picture.time is not None
+                                         else None, rate),
+                      capture_time=time.time() if capture_time is None else capture_time,
+                      width=width, height=height, rate=rate, pixel_format="nv12",
+                      device_planes=(y[:height, :width], uv[:height // 2, :width // 2]))
+        if self.preview is not None and time.monotonic() >= self._preview_due:
+            self._offer_picture(frame)
+        return frame
+
+    def _offer_picture(self, frame: Frame) -> None:
+        """Once per ``preview.period_s``: when a viewer wants this source, download the
+        frame's picture and hand it to the preview (before the frame goes on)."""
+        preview = self.preview
+        self._preview_due = time.monotonic() + preview.period_s
+        if preview.wanted(self.name):
+            preview.offer_picture(self.name, frame.index, download_nv12(*frame.device_planes),
+                                  frame.width, frame.height)
 

@@ -296,7 +296,7 @@ def build_graph(config: PipelineConfig,
 
     def make_decoder(index: int, source: SourceConfig, key: str) -> SourceStage:
         if decoder_kind(config, source, key, gpu) == "gpu":
-            return GpuDecodeStage(source, gpu.device_id, ring)
+            return GpuDecodeStage(source, gpu.device_id, ring, preview)
         return DecodeStage(source, ring, stop, decoder_threads=threads)
 
     graph.control = SourceControl(
@@ -412,7 +412,6 @@ def decoder_kind(config: PipelineConfig, source: SourceConfig, key: str,
         return "cpu"
     reason = ("inference does not run on the GPU" if gpu is None else
               "output.video needs the frames on the host" if config.output.video else
-              "runtime.http's previews need the frames on the host" if config.runtime.http else
               gpu_decode_unavailable_reason())
     if reason is None:
         return "gpu"

@@ -1,8 +1,10 @@
 """GpuDecodeStage: the source contract where no GPU decoder exists (CPU), and on a GPU the
-whole pipeline with GPU decode against CPU decode (the same pictures, the same detections)."""
+whole pipeline with GPU decode against CPU decode (the same pictures, the same detections);
+the live view's pictures of a GPU-decoded source, downloaded only while it is watched."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from types import SimpleNamespace
 
@@ -57,6 +59,80 @@ def test_the_source_kind_follows_the_config(samples, decode, video, gpu, expecte
             decoder_kind(config, config.sources[0], "sources[0]", gpu)
     else:
         assert decoder_kind(config, config.sources[0], "sources[0]", gpu) == expected
+
+
+@pytest.mark.parametrize("decode", ["auto", "gpu"])
+def test_the_live_view_keeps_gpu_decode(samples, monkeypatch, decode):
+    import pipeline.app.build as build
+    from pipeline.config import parse_config
+
+    monkeypatch.setattr(build, "gpu_decode_unavailable_reason", lambda: None)  # a usable NVDEC
+    config = parse_config({"sources": [{"name": "b", "uri": str(samples.bikes), "decode": decode}],
+                           "model": {"path": str(samples.model)}, "output": {"video": None},
+                           "runtime": {"http": {"port": 0}}})
+    assert build.decoder_kind(config, 0, ON_GPU) == "gpu"
+
+
+class RecordingTap:
+    """A ``PictureTap`` that says whether the source is wanted and keeps what it is given."""
+
+    period_s = 0.0  # ask at every frame
+
+    def __init__(self, want: bool) -> None:
+        self.want, self.asked, self.offered = want, 0, []
+
+    def wanted(self, source: str) -> bool:
+        self.asked += 1
+        return self.want
+
+    def offer_picture(self, source, index, nv12, width, height) -> None:
+        self.offered.append((source, index, nv12, width, height))
+
+
+def first_frames(stage, count: int) -> list:
+    """The first ``count`` items of ``stage.frames``, the stage then closed."""
+    items = stage.frames(threading.Event())
+    try:
+        return list(itertools.islice(items, count))
+    finally:
+        items.close()
+
+
+def test_pictures_are_asked_for_once_per_period_and_downloaded_only_when_wanted(monkeypatch):
+    """The stage's preview logic on fake NVDEC frames (CPU): at most one ``wanted`` question
+    per ``period_s``, a download only on a yes, handed over with the frame's index."""
+    import numpy as np
+
+    import stages.gpu_decode as gpu_decode
+    from stages.gpu_decode import GpuDecodeStage
+
+    now = [100.0]
+    monkeypatch.setattr(gpu_decode.time, "monotonic", lambda: now[0])
+    planes = (np.zeros((4, 6), np.uint8), np.zeros((2, 3, 2), np.uint8))
+    monkeypatch.setattr(gpu_decode, "device_planes", lambda picture: planes)
+    downloads = []
+    monkeypatch.setattr(gpu_decode, "download_nv12", lambda y, uv: downloads.append(1) or
+                        np.full((6, 6), len(downloads), np.uint8))
+    tap = RecordingTap(want=False)
+    tap.period_s = 0.2
+    stage = GpuDecodeStage(SourceConfig(name="cam", uri="rtsp://host/cam"), 0, None, tap)
+    stage._checked = True  # no CUDA context to compare here
+    picture = SimpleNamespace(format=SimpleNamespace(name="cuda"), width=6, height=4, time=None)
+
+    def frame_at(index: int, t: float):
+        now[0] = t
+        return stage.make_frame(picture, index, None)
+
+    for index, t in enumerate([100.0, 100.1, 100.19, 100.25, 100.3]):
+        frame_at(index, t)
+    assert tap.asked == 2 and downloads == [] and tap.offered == []  # at 100.0 and 100.25
+    tap.want = True
+    assert frame_at(5, 100.4).index == 5 and tap.asked == 2  # not due yet: not even asked
+    frame_at(6, 100.5)
+    frame_at(7, 100.6)
+    assert tap.asked == 3 and downloads == [1]
+    [(name, index, nv12, width, height)] = tap.offered
+    assert (name, index, width, height) == ("cam", 6, 6, 4) and nv12.shape == (6, 6)
 
 
 def gpu_reason() -> str | None:
@@ -137,3 +213,58 @@ def test_gpu_decode_reads_a_whole_file_and_reports_a_missing_one(samples, tmp_pa
     missing = str(tmp_path / "missing.mp4")
     [end] = GpuDecodeStage(SourceConfig(name="gone", uri=missing)).frames(threading.Event())
     assert end.frames == 0 and "missing.mp4" in end.error
+
+
+@pytest.mark.gpu
+def test_a_watched_gpu_source_hands_its_pictures_to_the_live_view(samples, monkeypatch):
+    """Nothing is downloaded without a viewer; with one, a frame's NV12 download is the CPU
+    decode of the same frame, and the hub keeps it with that frame's detections."""
+    if reason := gpu_reason():
+        pytest.skip(f"GPU decode unavailable: {reason}")
+    import numpy as np
+
+    import stages.gpu_decode as gpu_decode
+    from pipeline.app.preview import PreviewHub
+    from pipeline.records import Frame
+    from stages.gpu_decode import GpuDecodeStage
+    from tests.support.batches import batch_detections, make_frame
+
+    downloads = []
+    download = gpu_decode.download_nv12
+    monkeypatch.setattr(gpu_decode, "download_nv12",
+                        lambda y, uv: downloads.append(1) or download(y, uv))
+    source = SourceConfig(name="bikes", uri=str(samples.bikes))
+    count = 12
+    cpu = cpu_pictures(samples.bikes, count)
+
+    unwatched = RecordingTap(want=False)
+    for tap in (None, unwatched):
+        items = first_frames(GpuDecodeStage(source, 0, None, tap), count)
+        assert [f.index for f in items] == list(range(count))
+    assert unwatched.asked == count and unwatched.offered == [] and downloads == []
+
+    watched = RecordingTap(want=True)
+    items = first_frames(GpuDecodeStage(source, 0, None, watched), count)
+    assert all(isinstance(f, Frame) and f.image is None for f in items)
+    assert [index for _, index, *_ in watched.offered] == list(range(count))
+    assert len(downloads) == count
+    for (name, index, nv12, width, height), frame in zip(watched.offered, items):
+        assert (name, width, height) == ("bikes", frame.width, frame.height)
+        want = cpu[index].to_ndarray(format="nv12").reshape(height * 3 // 2, width)
+        assert nv12.shape == want.shape and nv12.dtype == np.uint8
+        assert np.abs(nv12.astype(np.int16) - want).max() <= 1  # bit-exact in practice
+
+    hub = PreviewHub(preview_fps=30)
+    hub.request("bikes")
+    [frame] = first_frames(GpuDecodeStage(source, 0, None, hub), 1)  # frame 0: asked, wanted
+    width, height = frame.width, frame.height
+    box = (10, 10, width // 2, height // 2, 0.9, 0)
+    part = batch_detections([(make_frame("bikes", 0, width=width, height=height), [box])])
+    hub.offer_part(part, annotated=False)
+    assert hub.activity("bikes").picture_seq == 1
+    picture, got_width, got_height = hub.picture("bikes")
+    assert (got_width, got_height) == (width, height)
+    want = cpu[0].to_ndarray(format="yuv420p").reshape(height * 3 // 2, width)
+    assert np.abs(picture.astype(np.int16) - want).max() <= 1
+    seq, jpeg = hub.jpeg("bikes")  # drawn with frame 0's box
+    assert seq == 1 and jpeg[:2] == b"\xff\xd8"
