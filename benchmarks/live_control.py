@@ -1,0 +1,796 @@
+"""The live view and source control under load, through the run path users take: N paced
+cameras over ``runtime.pipelines`` host processes with ``runtime.http`` on; one camera added
+and removed through the HTTP API while they run; does the paced result still hold?
+
+    python -m benchmarks.live_control [--small] [--cameras 100] [--pipelines 3]
+        [--pace-fps 30] [--warmup-s S] [--seconds S] [--decode auto|cpu|gpu]
+        [--engine-cache DIR] [--out DIR]
+
+It writes ``OUT/config.yaml`` and starts ``python run.py --config OUT/config.yaml`` as a new
+process (its stdout and stderr, each line prefixed with its second since the launch, go to
+``OUT/run.log``), then:
+
+1. polls ``GET /api/health`` until it answers ``ok`` (the seconds from the launch are a row);
+2. waits ``--warmup-s``, then opens a window of ``--seconds``. All through the run it scrapes
+   ``/metrics`` (``runtime.metrics_port``) about 5 times a second and keeps, per host (label
+   ``pipeline``), each new snapshot with the time it was first seen: hosts send theirs to the
+   supervisor once a second, so a window's numbers are per host between its first and last
+   snapshot inside the window (timed to within a scrape period);
+3. in the window: ``POST /api/sources`` one more camera (``added``, the same clip and pace) at
+   20% of it, then polls ``/api/sources`` until that camera's ``frames`` is above 0, and at
+   60% (or once it delivered, at most at 90%) ``DELETE /api/sources/added``, which answers
+   200 once its outputs are final (202: still finalising, then polled until it leaves the
+   list). Meanwhile a viewer fetches ``snapshot.jpg`` of up to 6 cameras spread over the
+   hosts, at ``preview_fps`` each, as the page does for the cards on screen;
+4. after the window: saves the page (``GET /`` -> ``index.html``), ``sources.json``,
+   ``health.json``, the viewer's latest JPEG of each watched camera
+   (``snapshots/NAME.jpg``) and the two raw scrapes at the window's ends
+   (``metrics-start.txt``, ``metrics-end.txt``); ``python -m benchmarks.render_page OUT``
+   makes a PNG of the page from them on any machine with Chromium;
+5. sends SIGINT to run.py and waits for its exit status (0 expected: every camera is live,
+   and a camera stopped by Ctrl-C counts as finished; 3 would mean a file source was cut
+   short).
+
+Over the window, for the N configured cameras (not ``added``): offered frames/s (N x pace),
+delivered frames/s (``pipeline_source_frames_total``), dropped
+(``pipeline_source_dropped_frames_total``), p50 and p99 capture-to-sink latency from the
+deltas of ``pipeline_frame_latency_seconds_bucket`` summed over the cameras, and the p99 of
+each host. A percentile is given as the bucket it falls in: ``<= 100 ms`` means in (50, 100]
+ms (the buckets' bounds are ``pipeline.app.prometheus.LATENCY_BUCKETS_S``: 5, 10, 20, 50,
+100, 200, 500 ms, 1 s, ...); 100 ms is a bound, so "p99 <= 100 ms" is decided exactly. Each
+stage's work and blocked seconds (``pipeline_stage_work_seconds_total``,
+``pipeline_stage_blocked_seconds_total``; the per-camera sinks summed as ``sinks``) are summed
+over the hosts, and the busiest stage of any host (work in % of the window) is named: the
+bottleneck. The verdict: held = 0 dropped, p99 <= 100 ms and delivered >= 95% of offered.
+
+Full mode (the H200): YOLOv8s-fall 640 (``assets/models/yolov8s-fall.onnx``), torch FP16,
+batch 64, compile cache ``--engine-cache``; every camera plays the 1080p clip of the
+benchmarks (``benchmarks.overlap_benchmark.make_1080p_clip``, under ``assets/cache``,
+repeated long enough for the whole run) as ``{live: true, pace_fps, reconnect: false}`` with
+``decode: auto`` (NVDEC: no video is written); 100 cameras over 3 pipelines at 30 fps.
+``--small`` (CI, no GPU): 2 pipelines, 2 cameras of bikes.mp4 at 2 fps, YOLOv3-tiny on the
+CPU, a 10 s window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+P99_LIMIT_S = 0.1
+DELIVERED_SHARE = 0.95
+SCRAPE_PERIOD_S = 0.2
+HEALTH_TIMEOUT_S = {"full": 420.0, "small": 120.0}  # launch until /api/health says ok
+EXIT_WAIT_S = 120.0  # SIGINT until run.py exits (then it is killed)
+WATCHED = 6  # cameras whose snapshots the viewer fetches and saves
+ADDED = "added"
+EXIT_MEANING = {0: "every source finished (a live camera stopped by Ctrl-C counts as finished)",
+                1: "a source or stage failed", 2: "bad configuration or command line",
+                3: "stopped early: a file source was cut short (its outputs stay .partial)",
+                130: "aborted by a second signal"}
+
+
+class BenchmarkError(RuntimeError):
+    """A step of the benchmark failed; the message is one line for the user."""
+
+
+# ---- metrics ---------------------------------------------------------------------------
+
+
+@dataclass
+class HostSample:
+    """One host's counters as one scrape showed them.
+
+    Attributes:
+        frames: source -> ``pipeline_source_frames_total`` (summed over its series).
+        dropped: source -> ``pipeline_source_dropped_frames_total``.
+        buckets: source -> {upper bound in s (inf for +Inf): cumulative count}.
+        work: stage -> ``pipeline_stage_work_seconds_total`` (sinks summed as ``sinks``).
+        blocked: stage -> ``pipeline_stage_blocked_seconds_total`` (likewise).
+    """
+
+    frames: dict[str, float] = field(default_factory=dict)
+    dropped: dict[str, float] = field(default_factory=dict)
+    buckets: dict[str, dict[float, float]] = field(default_factory=dict)
+    work: dict[str, float] = field(default_factory=dict)
+    blocked: dict[str, float] = field(default_factory=dict)
+
+
+def parse_metrics(text: str) -> dict[str, HostSample]:
+    """The counters this benchmark reads from a ``/metrics`` page, per host (label
+    ``pipeline``; ``-`` when a sample has none: one pipeline)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    hosts: dict[str, HostSample] = {}
+
+    def add(table: dict[str, float], key: str, value: float) -> None:
+        table[key] = table.get(key, 0.0) + value
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            host = hosts.setdefault(labels.get("pipeline", "-"), HostSample())
+            source = labels.get("source", "")
+            stage = labels.get("stage", "")
+            stage = "sinks" if stage.startswith("sink:") else stage
+            if sample.name == "pipeline_source_frames_total":
+                add(host.frames, source, sample.value)
+            elif sample.name == "pipeline_source_dropped_frames_total":
+                add(host.dropped, source, sample.value)
+            elif sample.name == "pipeline_frame_latency_seconds_bucket":
+                add(host.buckets.setdefault(source, {}), float(labels["le"]), sample.value)
+            elif sample.name == "pipeline_stage_work_seconds_total":
+                add(host.work, stage, sample.value)
+            elif sample.name == "pipeline_stage_blocked_seconds_total":
+                add(host.blocked, stage, sample.value)
+    return hosts
+
+
+def percentile_bucket(buckets: dict[float, float], share: float) -> tuple[float, float] | None:
+    """The latency bucket ``(lower, upper]`` in seconds that holds the ``share`` quantile of a
+    cumulative histogram ``{upper bound: count}`` (upper ``inf``: beyond the last bound);
+    None when it counts nothing."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    lower = 0.0
+    for bound in bounds:
+        if buckets[bound] >= share * total:
+            return lower, bound
+        lower = bound
+    return lower, math.inf
+
+
+def bucket_text(found: tuple[float, float] | None) -> str:
+    """``<= 100 ms (50-100)``; ``> 30000 ms`` past the last bound; ``-`` for none."""
+    if found is None:
+        return "-"
+    lower, upper = found
+    if math.isinf(upper):
+        return f"> {1000 * lower:g} ms"
+    return f"<= {1000 * upper:g} ms ({1000 * lower:g}-{1000 * upper:g})"
+
+
+class MetricsPoller:
+    """Scrapes ``/metrics`` every ``SCRAPE_PERIOD_S`` in a thread and keeps, per host, each
+    snapshot that differs from that host's previous one, with the time it was first seen
+    (``time.monotonic()``)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.lock = threading.Lock()
+        self.history: dict[str, list[tuple[float, HostSample]]] = {}
+        self.last_text = ""
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics-poller", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def scrape(self) -> str:
+        """One scrape now; records it and returns its text."""
+        try:
+            with urllib.request.urlopen(self.url, timeout=5) as answer:
+                text = answer.read().decode()
+        except OSError:
+            with self.lock:
+                self.errors += 1
+            return ""
+        seen = time.monotonic()
+        hosts = parse_metrics(text)
+        with self.lock:
+            self.last_text = text
+            for name, sample in hosts.items():
+                history = self.history.setdefault(name, [])
+                if not history or history[-1][1] != sample:
+                    history.append((seen, sample))
+        return text
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            began = time.monotonic()
+            self.scrape()
+            self._stop.wait(max(0.0, SCRAPE_PERIOD_S - (time.monotonic() - began)))
+
+    def ends(self, start: float, end: float) -> dict[str, tuple[float, HostSample, float,
+                                                               HostSample]]:
+        """Per host: (time, snapshot) of its first and of its last snapshot in [start, end].
+
+        Raises:
+            BenchmarkError: a host has fewer than two snapshots in the window.
+        """
+        with self.lock:
+            histories = {name: list(items) for name, items in self.history.items()}
+        found = {}
+        for name, items in histories.items():
+            inside = [item for item in items if start <= item[0] <= end]
+            if len(inside) < 2:
+                raise BenchmarkError(f"host {name}: fewer than two metrics snapshots in the "
+                                     f"window (a window of a few seconds at least is needed)")
+            found[name] = (*inside[0], *inside[-1])
+        return found
+
+    def host_of(self) -> dict[str, str]:
+        """source -> the host whose latest snapshot has it."""
+        with self.lock:
+            latest = {name: items[-1][1] for name, items in self.history.items() if items}
+        return {source: host for host, sample in latest.items() for source in sample.frames}
+
+
+# ---- HTTP --------------------------------------------------------------------------------
+
+
+def request(url: str, method: str = "GET", body: Any = None, timeout: float = 60.0
+            ) -> tuple[int, bytes, dict[str, str]]:
+    """(status, body, headers) of one request; an HTTP error status is returned, not raised.
+
+    Raises:
+        OSError: nothing answered.
+    """
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    call = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(call, timeout=timeout) as answer:
+            return answer.status, answer.read(), dict(answer.headers)
+    except urllib.error.HTTPError as error:
+        return error.code, error.read(), dict(error.headers)
+
+
+def get_json(url: str) -> Any:
+    status, body, _ = request(url, timeout=10)
+    if status != 200:
+        raise BenchmarkError(f"GET {url}: status {status}")
+    return json.loads(body)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class Viewer:
+    """Fetches ``snapshot.jpg`` of ``names`` in a thread each (as the page's cards do, at
+    most ``fps`` a second each) and keeps the latest JPEG of each."""
+
+    def __init__(self, base: str, names: list[str], fps: float) -> None:
+        self.base, self.names, self.period_s = base, names, 1.0 / fps
+        self.latest: dict[str, bytes] = {}
+        self.served = 0
+        self.missing = 0  # answers other than 200 (503: no picture yet)
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._watch, args=(name,), daemon=True)
+                         for name in names]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(10)
+
+    def _watch(self, name: str) -> None:
+        url = f"{self.base}/api/sources/{name}/snapshot.jpg"
+        while not self._stop.is_set():
+            began = time.monotonic()
+            try:
+                status, body, _ = request(url, timeout=10)
+            except OSError:
+                status, body = 0, b""
+            with self.lock:
+                if status == 200 and body:
+                    self.latest[name] = body
+                    self.served += 1
+                else:
+                    self.missing += 1
+            self._stop.wait(max(0.0, self.period_s - (time.monotonic() - began)))
+
+
+def spread(hosts: dict[str, str], names: list[str], count: int) -> list[str]:
+    """Up to ``count`` of ``names`` taken from each host in turn (config order within one)."""
+    by_host: dict[str, list[str]] = {}
+    for name in names:
+        by_host.setdefault(hosts.get(name, "?"), []).append(name)
+    picked: list[str] = []
+    queues = [list(items) for _, items in sorted(by_host.items())]
+    while len(picked) < count and any(queues):
+        for queue in queues:
+            if queue and len(picked) < count:
+                picked.append(queue.pop(0))
+    return picked
+
+
+# ---- the run -----------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """What one run measures."""
+
+    small: bool
+    cameras: int
+    pipelines: int
+    pace_fps: float
+    warmup_s: float
+    seconds: float
+    decode: str
+    clip: Path
+    model: Path
+    names: Path
+    engine_cache: Path
+    out: Path
+    http_port: int
+    metrics_port: int
+
+    def source(self, name: str) -> dict[str, Any]:
+        return {"name": name, "uri": str(self.clip), "live": True, "pace_fps": self.pace_fps,
+                "reconnect": False, "decode": self.decode}
+
+    def config(self) -> dict[str, Any]:
+        inference = ({"device": "cpu", "backend": "onnxruntime", "batch_size": 4}
+                     if self.small else
+                     {"device": "cuda", "backend": "torch", "precision": "fp16",
+                      "batch_size": 64, "engine_cache": str(self.engine_cache)})
+        return {
+            "sources": [self.source(f"cam{i:03d}") for i in range(self.cameras)],
+            "model": {"path": str(self.model), "class_names": str(self.names)},
+            "inference": inference,
+            "output": {"dir": str(self.out / "output"), "video": None,
+                       "jsonl": "{source}.jsonl"},
+            "runtime": {"pipelines": self.pipelines, "http": {"port": self.http_port},
+                        "metrics_port": self.metrics_port, "progress": False,
+                        "stop_when": "never"},
+        }
+
+
+@dataclass
+class Result:
+    """Everything measured; None: not measured (the notes say why)."""
+
+    start_s: float | None = None  # launch until /api/health said ok
+    window_s: float | None = None
+    hosts: list[str] = field(default_factory=list)
+    offered: float | None = None
+    delivered: float | None = None
+    dropped: int | None = None
+    p50: tuple[float, float] | None = None
+    p99: tuple[float, float] | None = None
+    host_p99: dict[str, tuple[float, float] | None] = field(default_factory=dict)
+    host_cameras: dict[str, int] = field(default_factory=dict)
+    post_status: int | None = None
+    post_ms: float | None = None
+    added_host: str | None = None
+    first_frame_s: float | None = None  # POST answered until added's frames > 0
+    added_frames: int | None = None
+    delete_status: int | None = None
+    delete_s: float | None = None  # DELETE sent until it answered
+    gone_s: float | None = None  # DELETE sent until added left /api/sources
+    stages: dict[str, tuple[float, float]] = field(default_factory=dict)  # stage -> work, blocked
+    busiest: tuple[str, str, float] | None = None  # host, stage, work % of the window
+    health_end: str | None = None
+    watched: list[str] = field(default_factory=list)
+    saved_jpegs: list[str] = field(default_factory=list)
+    viewer_served: int = 0
+    viewer_missing: int = 0
+    gpu_util: float | None = None
+    exit_code: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def delivered_pct(self) -> float | None:
+        if self.delivered is None or not self.offered:
+            return None
+        return 100 * self.delivered / self.offered
+
+    @property
+    def added_ok(self) -> bool:
+        """The POST answered 201 and the camera delivered a frame."""
+        return self.post_status == 201 and self.first_frame_s is not None
+
+    @property
+    def removed_ok(self) -> bool:
+        """The DELETE answered 200 (outputs final) and the camera left the list."""
+        return self.delete_status == 200 and self.gone_s is not None
+
+    @property
+    def held(self) -> bool:
+        return (self.dropped == 0 and self.p99 is not None and self.p99[1] <= P99_LIMIT_S
+                and self.delivered is not None and self.offered is not None
+                and self.delivered >= DELIVERED_SHARE * self.offered)
+
+
+def window_numbers(poller: MetricsPoller, start: float, end: float, cameras: set[str],
+                   result: Result) -> None:
+    """Fill ``result``'s rates, drops, latency and stages from the snapshots in the window."""
+    total = {}
+    frames_per_s = dropped = 0.0
+    busiest = None
+    for host, (t0, first, t1, last) in sorted(poller.ends(start, end).items()):
+        mine = cameras & set(last.frames)
+        if mine:
+            result.hosts.append(host)
+            result.host_cameras[host] = len(mine)
+        span = t1 - t0
+        frames_per_s += sum(last.frames[s] - first.frames.get(s, 0.0) for s in mine) / span
+        dropped += sum(last.dropped.get(s, 0.0) - first.dropped.get(s, 0.0) for s in mine)
+        buckets: dict[float, float] = {}
+        for source in mine:
+            for bound, count in last.buckets.get(source, {}).items():
+                delta = count - first.buckets.get(source, {}).get(bound, 0.0)
+                buckets[bound] = buckets.get(bound, 0.0) + delta
+                total[bound] = total.get(bound, 0.0) + delta
+        if mine:
+            result.host_p99[host] = percentile_bucket(buckets, 0.99)
+        for stage in set(last.work) | set(last.blocked):
+            work = last.work.get(stage, 0.0) - first.work.get(stage, 0.0)
+            blocked = last.blocked.get(stage, 0.0) - first.blocked.get(stage, 0.0)
+            had = result.stages.get(stage, (0.0, 0.0))
+            result.stages[stage] = (had[0] + work, had[1] + blocked)
+            share = 100 * work / span
+            # the sinks are many threads: their sum is no one thread's load
+            if stage != "sinks" and (busiest is None or share > busiest[2]):
+                busiest = (host, stage, share)
+    result.delivered, result.dropped = frames_per_s, int(round(dropped))
+    result.p50, result.p99 = percentile_bucket(total, 0.5), percentile_bucket(total, 0.99)
+    result.busiest = busiest
+
+
+def wait_healthy(base: str, process: subprocess.Popen[Any], limit_s: float,
+                 started: float) -> float:
+    """Seconds from ``started`` until ``/api/health`` said ``ok``.
+
+    Raises:
+        BenchmarkError: run.py ended first, or it took longer than ``limit_s``.
+    """
+    last = None
+    while time.monotonic() - started < limit_s:
+        if process.poll() is not None:
+            raise BenchmarkError(f"run.py exited with {process.returncode} before /api/health "
+                                 f"said ok (last: {last}); see run.log")
+        try:
+            last = get_json(f"{base}/api/health").get("status")
+        except (OSError, ValueError, BenchmarkError):
+            last = last or "no answer"
+        if last == "ok":
+            return time.monotonic() - started
+        time.sleep(0.25)
+    raise BenchmarkError(f"/api/health not ok within {limit_s:g} s (last: {last}); see run.log")
+
+
+def source_entry(base: str, name: str) -> dict[str, Any] | None:
+    """``name``'s entry of ``/api/sources``, or None when it is not listed."""
+    for entry in get_json(f"{base}/api/sources")["sources"]:
+        if entry["name"] == name:
+            return entry
+    return None
+
+
+def add_and_remove(plan: Plan, base: str, poller: MetricsPoller, t0: float,
+                   result: Result) -> None:
+    """The window's control sequence (module docstring, step 3)."""
+    seconds = plan.seconds
+    time.sleep(max(0.0, t0 + 0.2 * seconds - time.monotonic()))
+    began = time.monotonic()
+    status, body, _ = request(f"{base}/api/sources", "POST", plan.source(ADDED))
+    answered = time.monotonic()
+    result.post_status, result.post_ms = status, 1000 * (answered - began)
+    if status != 201:
+        result.notes.append(f"POST answered {status}: {body.decode(errors='replace')[:200]}")
+        return
+    while time.monotonic() < t0 + 0.9 * seconds:
+        entry = source_entry(base, ADDED)
+        if entry is not None and entry.get("frames", 0) > 0:
+            result.first_frame_s = time.monotonic() - answered
+            break
+        time.sleep(0.1)
+    else:
+        result.notes.append(f"{ADDED} delivered no frame within {0.9 * seconds:g} s of the "
+                            f"window")
+    result.added_host = poller.host_of().get(ADDED)
+    time.sleep(max(0.0, t0 + 0.6 * seconds - time.monotonic()))
+    began = time.monotonic()
+    status, body, _ = request(f"{base}/api/sources/{ADDED}", "DELETE", timeout=120)
+    result.delete_status, result.delete_s = status, time.monotonic() - began
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        answer = {}
+    if status == 200:
+        result.added_frames = answer.get("frames")
+    else:
+        result.notes.append(f"DELETE answered {status}: {body.decode(errors='replace')[:200]}")
+    while time.monotonic() - began < 60:
+        if source_entry(base, ADDED) is None:
+            result.gone_s = time.monotonic() - began
+            break
+        time.sleep(0.1)
+
+
+def save_page(base: str, out: Path, viewer: Viewer, result: Result) -> None:
+    """The page, the API's answers and the watched cameras' JPEGs (step 4)."""
+    status, page, _ = request(f"{base}/", timeout=30)
+    if status != 200:
+        result.notes.append(f"GET / answered {status}")
+    (out / "index.html").write_bytes(page)
+    sources = get_json(f"{base}/api/sources")
+    (out / "sources.json").write_text(json.dumps(sources, indent=1))
+    health = get_json(f"{base}/api/health")
+    (out / "health.json").write_text(json.dumps(health, indent=1))
+    result.health_end = health.get("status")
+    snapshots = out / "snapshots"
+    snapshots.mkdir(exist_ok=True)
+    deadline = time.monotonic() + 10
+    while set(viewer.latest) < set(viewer.names) and time.monotonic() < deadline:
+        time.sleep(0.2)  # a watched GPU-decoded camera's first picture can take a moment
+    viewer.stop()
+    with viewer.lock:
+        for name, jpeg in viewer.latest.items():
+            (snapshots / f"{name}.jpg").write_bytes(jpeg)
+        result.saved_jpegs = sorted(viewer.latest)
+        result.viewer_served, result.viewer_missing = viewer.served, viewer.missing
+
+
+def launch(command: list[str], log: Path) -> tuple[subprocess.Popen[str], threading.Thread]:
+    """Start ``command`` in the repository; its output goes to ``log``, each line prefixed
+    with its second since the launch."""
+    started = time.monotonic()
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def read() -> None:
+        with open(log, "w") as sink:
+            for line in process.stdout:  # type: ignore[union-attr]
+                sink.write(f"{time.monotonic() - started:8.2f} {line}")
+                sink.flush()
+
+    reader = threading.Thread(target=read, name="run-log", daemon=True)
+    reader.start()
+    return process, reader
+
+
+def stop(process: subprocess.Popen[str], result: Result) -> None:
+    """SIGINT, then wait for the exit status (killed after ``EXIT_WAIT_S``)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            result.notes.append(f"run.py did not exit within {EXIT_WAIT_S:g} s of SIGINT: "
+                                f"killed")
+            process.kill()
+    result.exit_code = process.wait()
+
+
+def measure(plan: Plan, command: list[str], result: Result) -> None:
+    """Launch run.py, measure (module docstring), stop it."""
+    base = f"http://127.0.0.1:{plan.http_port}"
+    poller = MetricsPoller(f"http://127.0.0.1:{plan.metrics_port}/metrics")
+    started = time.monotonic()
+    process, reader = launch(command, plan.out / "run.log")
+    viewer: Viewer | None = None
+    try:
+        result.start_s = wait_healthy(base, process, HEALTH_TIMEOUT_S[
+            "small" if plan.small else "full"], started)
+        poller.start()
+        time.sleep(plan.warmup_s)
+        names = [f"cam{i:03d}" for i in range(plan.cameras)]
+        result.watched = spread(poller.host_of(), names, WATCHED)
+        preview_fps = 5.0  # runtime.http.preview_fps's default: the page's rate
+        viewer = Viewer(base, result.watched, preview_fps)
+        from benchmarks.throughput import UtilisationSampler
+
+        with UtilisationSampler(not plan.small) as sampler:
+            t0, p0 = time.monotonic(), time.perf_counter()
+            (plan.out / "metrics-start.txt").write_text(poller.scrape())
+            viewer.start()
+            add_and_remove(plan, base, poller, t0, result)
+            time.sleep(max(0.0, t0 + plan.seconds - time.monotonic()))
+            (plan.out / "metrics-end.txt").write_text(poller.scrape())
+            t1, p1 = time.monotonic(), time.perf_counter()
+        result.gpu_util = sampler.mean(p0, p1)
+        result.window_s = t1 - t0
+        result.offered = plan.cameras * plan.pace_fps
+        window_numbers(poller, t0, t1, set(names), result)
+        save_page(base, plan.out, viewer, result)
+    finally:
+        if viewer is not None:
+            viewer.stop()
+        poller.stop()
+        stop(process, result)
+        reader.join(10)
+
+
+# ---- the report --------------------------------------------------------------------------
+
+
+def num(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def markdown(plan: Plan, result: Result, header: str) -> str:
+    """The table, one row per measurement, then the verdict line."""
+    rows: list[tuple[str, str, str]] = [
+        ("start: launch until /api/health ok", f"{num(result.start_s, 1)} s", ""),
+        ("window", f"{num(result.window_s, 1)} s",
+         f"after {plan.warmup_s:g} s warm-up; hosts: " + ", ".join(
+             f"{h} (cameras: {result.host_cameras[h]})" for h in result.hosts)),
+        ("offered", f"{num(result.offered)} fps",
+         f"{plan.cameras} cameras x {plan.pace_fps:g} fps"),
+        ("delivered", f"{num(result.delivered)} fps", f"{num(result.delivered_pct, 1)}% of offered"),
+        ("dropped", num(result.dropped), "the configured cameras, in the window"),
+        ("p50 latency", bucket_text(result.p50), "capture to sink, all cameras; bucket bounds"),
+        ("p99 latency", bucket_text(result.p99), "capture to sink, all cameras; bucket bounds"),
+    ]
+    rows += [(f"p99 latency {host}", bucket_text(p99), f"its cameras "
+              f"({result.host_cameras.get(host, 0)})") for host, p99 in result.host_p99.items()]
+    rows += [
+        ("POST /api/sources (added)", num(result.post_status),
+         f"answered in {num(result.post_ms, 0)} ms; placed on {result.added_host or '-'}"),
+        ("added: first frame", f"{num(result.first_frame_s, 2)} s",
+         "after the POST answered (its frames > 0 in /api/sources)"),
+        ("DELETE /api/sources/added", num(result.delete_status),
+         f"answered in {num(result.delete_s, 2)} s; {num(result.added_frames)} frames; "
+         f"gone from /api/sources after {num(result.gone_s, 2)} s"),
+    ]
+    if result.stages:
+        window = result.window_s or 1.0
+        rows += [(f"stage {stage}", f"{work:,.1f} s work, {blocked:,.1f} s blocked",
+                  f"summed over {len(result.hosts)} hosts; {100 * work / window:.0f}% of one "
+                  f"thread over the window") for stage, (work, blocked) in
+                 sorted(result.stages.items(), key=lambda item: -item[1][0])]
+    if result.busiest is not None:
+        host, stage, share = result.busiest
+        rows.append(("busiest stage", f"{host} {stage}", f"work {share:.0f}% of the window"))
+    if not plan.small:
+        rows.append(("GPU utilisation", f"{num(result.gpu_util)}%", "mean over the window"))
+    rows += [
+        ("live view", f"health {result.health_end or '-'}",
+         f"viewer: {result.viewer_served} snapshots served, {result.viewer_missing} not "
+         f"(503 or error) over {len(result.watched)} cameras; saved: "
+         f"{', '.join(result.saved_jpegs) or 'none'}"),
+        ("exit status after SIGINT", num(result.exit_code),
+         EXIT_MEANING.get(result.exit_code, "killed by a signal")
+         if result.exit_code is not None else ""),
+    ]
+    lines = [header, "", "| measurement | value | notes |", "|---|---|---|"]
+    lines += [f"| {name} | {value} | {notes} |" for name, value, notes in rows]
+    lines.append("")
+    for note in result.notes:
+        lines.append(f"Note: {note}")
+    verdict = "held" if result.held else "NOT held"
+    lines.append(f"Verdict: {verdict} ({num(result.dropped)} dropped, p99 "
+                 f"{bucket_text(result.p99)}, delivered {num(result.delivered)} of "
+                 f"{num(result.offered)} fps offered; held = 0 dropped, p99 <= "
+                 f"{1000 * P99_LIMIT_S:g} ms, delivered >= {100 * DELIVERED_SHARE:g}%); "
+                 f"add {'ok' if result.added_ok else 'FAILED'}, "
+                 f"remove {'ok' if result.removed_ok else 'FAILED'}")
+    return "\n".join(lines) + "\n"
+
+
+def make_clip(small: bool, assets: Path, seconds: float, pace_fps: float) -> tuple[Path, str]:
+    """The cameras' clip, long enough for ``seconds`` at ``pace_fps``, and its description."""
+    from benchmarks.overlap_benchmark import CLIP_BITRATE, CLIP_NAME, make_1080p_clip
+    from benchmarks.throughput import clip_frames, make_looped_clip
+    from samples.fetch import SamplePaths
+
+    bikes = SamplePaths.under(assets).bikes
+    if not bikes.exists():
+        raise BenchmarkError(f"{bikes} is missing: run python -m samples.fetch")
+    clip = bikes if small else make_1080p_clip(bikes, assets / "cache" / CLIP_NAME,
+                                               bitrate=CLIP_BITRATE)
+    repeats = max(1, math.ceil(pace_fps * seconds / clip_frames(clip)))
+    looped = make_looped_clip(clip, assets / "cache" / f"{clip.stem}_x{repeats}.mp4", repeats)
+    return looped, f"{clip.name} repeated {repeats}x ({clip_frames(looped):,} frames)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.live_control",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="CPU-only mode for CI")
+    parser.add_argument("--cameras", type=int, default=None, help="default 100; small: 2")
+    parser.add_argument("--pipelines", type=int, default=None, help="default 3; small: 2")
+    parser.add_argument("--pace-fps", type=float, default=None, help="default 30; small: 2")
+    parser.add_argument("--warmup-s", type=float, default=None, help="default 10; small: 2")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="the window, at least 5 (default 30; small: 10)")
+    parser.add_argument("--decode", choices=("auto", "cpu", "gpu"), default="auto")
+    parser.add_argument("--engine-cache", type=Path, default=REPO_ROOT / "assets" / "engines")
+    parser.add_argument("--assets", type=Path, default=REPO_ROOT / "assets")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/live-control"),
+                        help="folder for the config, run.log, the page, JPEGs and the table")
+    args = parser.parse_args(argv)
+    small = args.small
+    cameras = args.cameras or (2 if small else 100)
+    pipelines = args.pipelines or (2 if small else 3)
+    pace_fps = args.pace_fps or (2.0 if small else 30.0)
+    warmup_s = args.warmup_s if args.warmup_s is not None else (2.0 if small else 10.0)
+    seconds = args.seconds or (10.0 if small else 30.0)
+    if seconds < 5:
+        parser.error(f"--seconds: at least 5 (hosts report once a second), got {seconds:g}")
+    if cameras < 1 or pipelines < 1:
+        parser.error("--cameras and --pipelines: at least 1")
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for old in ("index.html", "sources.json", "health.json", "results.md"):
+        (out / old).unlink(missing_ok=True)
+    for old in (out / "snapshots").glob("*.jpg"):
+        old.unlink()
+    for old in (out / "output").glob("*"):
+        if old.is_file():
+            old.unlink()
+    assets = args.assets.resolve()
+    try:
+        # a camera plays from its host's start: warm-up, window, saving, stop, and a margin
+        run_s = warmup_s + seconds + 120
+        clip, clip_text = make_clip(small, assets, run_s, pace_fps)
+        if small:
+            model, names = assets / "models" / "yolov3-tiny.onnx", assets / "models" / "coco.names"
+            what = "YOLOv3-tiny 416, onnxruntime on the CPU"
+        else:
+            from samples.yolov8 import ensure_yolov8
+
+            model, names = ensure_yolov8(assets, log=print)
+            what = f"YOLOv8s-fall 640, torch FP16, batch 64, compile cache {args.engine_cache}"
+        plan = Plan(small, cameras, pipelines, pace_fps, warmup_s, seconds, args.decode, clip,
+                    model, names, args.engine_cache.resolve(), out, free_port(), free_port())
+        config_path = out / "config.yaml"
+        config_path.write_text(yaml.safe_dump(plan.config(), sort_keys=False))
+        command = [sys.executable, "run.py", "--config", str(config_path)]
+        me = "python -m benchmarks.live_control " + shlex.join(argv if argv is not None
+                                                              else sys.argv[1:])
+        header = (f"Live control ({me.strip()}): `{shlex.join(['python', *command[1:]])}`; "
+                  f"{cameras} paced cameras (live, {pace_fps:g} fps, reconnect off, decode "
+                  f"{args.decode}) over runtime.pipelines {pipelines}, runtime.http on; "
+                  f"{what}; clip {clip_text}; outputs: JSONL only. Latency percentiles are "
+                  f"histogram buckets (bounds 5, 10, 20, 50, 100, 200, 500 ms, ...).")
+        print(f"launching: {shlex.join(['python', *command[1:]])} (log: {out / 'run.log'})",
+              flush=True)
+        result = Result()
+        try:
+            measure(plan, command, result)
+        except (BenchmarkError, OSError, ValueError) as error:
+            result.notes.append(f"failed: {error}")
+    except BenchmarkError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    table = markdown(plan, result, header)
+    print(table)
+    (out / "results.md").write_text(table)
+    print(f"saved under {out}: results.md, run.log, config.yaml, index.html, sources.json, "
+          f"health.json, snapshots/ ({len(result.saved_jpegs)} JPEGs); render the page with: "
+          f"python -m benchmarks.render_page {out}")
+    # held or not is the result; a measurement that failed (or add/remove that did) is not
+    worked = result.delivered is not None and result.added_ok and result.removed_ok
+    return 0 if worked else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
