@@ -4,13 +4,14 @@ and removed through the HTTP API while they run; does the paced result still hol
 
     python -m benchmarks.live_control [--small] [--cameras 100] [--pipelines 3]
         [--pace-fps 30] [--warmup-s S] [--seconds S] [--decode auto|cpu|gpu]
-        [--engine-cache DIR] [--out DIR]
+        [--engine-cache DIR] [--budget-s S] [--out DIR]
 
-It writes ``OUT/config.yaml`` and starts ``python run.py --config OUT/config.yaml`` as a new
-process (its stdout and stderr, each line prefixed with its second since the launch, go to
-``OUT/run.log``), then:
+It writes ``OUT/config.yaml`` (the records go to a temporary folder, deleted afterwards)
+and starts ``python run.py --config OUT/config.yaml`` as a new process (its stdout and
+stderr, each line prefixed with its second since the launch, go to ``OUT/run.log``), then:
 
-1. polls ``GET /api/health`` until it answers ``ok`` (the seconds from the launch are a row);
+1. polls ``GET /api/health`` until it answers ``ok`` (the seconds from the launch are a row;
+   with ``--budget-s``, at most what the rest of the run leaves of it);
 2. waits ``--warmup-s``, then opens a window of ``--seconds``. All through the run it scrapes
    ``/metrics`` (``runtime.metrics_port``) about 5 times a second and keeps, per host (label
    ``pipeline``), each new snapshot with the time it was first seen: hosts send theirs to the
@@ -59,10 +60,12 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -78,6 +81,7 @@ P99_LIMIT_S = 0.1
 DELIVERED_SHARE = 0.95
 SCRAPE_PERIOD_S = 0.2
 HEALTH_TIMEOUT_S = {"full": 420.0, "small": 120.0}  # launch until /api/health says ok
+AFTER_WINDOW_S = 100.0  # --budget-s: what saving and stopping may take after the window
 EXIT_WAIT_S = 120.0  # SIGINT until run.py exits (then it is killed)
 WATCHED = 6  # cameras whose snapshots the viewer fetches and saves
 ADDED = "added"
@@ -245,7 +249,8 @@ class MetricsPoller:
 
 def request(url: str, method: str = "GET", body: Any = None, timeout: float = 60.0
             ) -> tuple[int, bytes, dict[str, str]]:
-    """(status, body, headers) of one request; an HTTP error status is returned, not raised.
+    """(status, body, headers with lower-case names) of one request; an HTTP error status is
+    returned, not raised.
 
     Raises:
         OSError: nothing answered.
@@ -255,9 +260,9 @@ def request(url: str, method: str = "GET", body: Any = None, timeout: float = 60
     call = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(call, timeout=timeout) as answer:
-            return answer.status, answer.read(), dict(answer.headers)
+            return answer.status, answer.read(), {k.lower(): v for k, v in answer.headers.items()}
     except urllib.error.HTTPError as error:
-        return error.code, error.read(), dict(error.headers)
+        return error.code, error.read(), {k.lower(): v for k, v in error.headers.items()}
 
 
 def get_json(url: str) -> Any:
@@ -281,6 +286,7 @@ class Viewer:
         self.base, self.names, self.period_s = base, names, 1.0 / fps
         self.latest: dict[str, bytes] = {}
         self.served = 0
+        self.pictures: dict[str, set[str]] = {}  # name -> the X-Picture numbers seen
         self.missing = 0  # answers other than 200 (503: no picture yet)
         self.lock = threading.Lock()
         self._stop = threading.Event()
@@ -301,13 +307,14 @@ class Viewer:
         while not self._stop.is_set():
             began = time.monotonic()
             try:
-                status, body, _ = request(url, timeout=10)
+                status, body, headers = request(url, timeout=10)
             except OSError:
-                status, body = 0, b""
+                status, body, headers = 0, b"", {}
             with self.lock:
                 if status == 200 and body:
                     self.latest[name] = body
                     self.served += 1
+                    self.pictures.setdefault(name, set()).add(headers.get("x-picture", ""))
                 else:
                     self.missing += 1
             self._stop.wait(max(0.0, self.period_s - (time.monotonic() - began)))
@@ -346,8 +353,10 @@ class Plan:
     names: Path
     engine_cache: Path
     out: Path
+    records: Path  # output.dir
     http_port: int
     metrics_port: int
+    health_s: float  # longest wait from the launch until /api/health says ok
 
     def source(self, name: str) -> dict[str, Any]:
         return {"name": name, "uri": str(self.clip), "live": True, "pace_fps": self.pace_fps,
@@ -362,7 +371,7 @@ class Plan:
             "sources": [self.source(f"cam{i:03d}") for i in range(self.cameras)],
             "model": {"path": str(self.model), "class_names": str(self.names)},
             "inference": inference,
-            "output": {"dir": str(self.out / "output"), "video": None,
+            "output": {"dir": str(self.records), "video": None,
                        "jsonl": "{source}.jsonl"},
             "runtime": {"pipelines": self.pipelines, "http": {"port": self.http_port},
                         "metrics_port": self.metrics_port, "progress": False,
@@ -398,6 +407,7 @@ class Result:
     watched: list[str] = field(default_factory=list)
     saved_jpegs: list[str] = field(default_factory=list)
     viewer_served: int = 0
+    viewer_pictures: int = 0  # distinct pictures (X-Picture) among those served
     viewer_missing: int = 0
     gpu_util: float | None = None
     exit_code: int | None = None
@@ -555,6 +565,7 @@ def save_page(base: str, out: Path, viewer: Viewer, result: Result) -> None:
             (snapshots / f"{name}.jpg").write_bytes(jpeg)
         result.saved_jpegs = sorted(viewer.latest)
         result.viewer_served, result.viewer_missing = viewer.served, viewer.missing
+        result.viewer_pictures = sum(len(seen) for seen in viewer.pictures.values())
 
 
 def launch(command: list[str], log: Path) -> tuple[subprocess.Popen[str], threading.Thread]:
@@ -597,8 +608,7 @@ def measure(plan: Plan, command: list[str], result: Result) -> None:
     process, reader = launch(command, plan.out / "run.log")
     viewer: Viewer | None = None
     try:
-        result.start_s = wait_healthy(base, process, HEALTH_TIMEOUT_S[
-            "small" if plan.small else "full"], started)
+        result.start_s = wait_healthy(base, process, plan.health_s, started)
         poller.start()
         time.sleep(plan.warmup_s)
         names = [f"cam{i:03d}" for i in range(plan.cameras)]
@@ -642,9 +652,9 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
         ("window", f"{num(result.window_s, 1)} s",
          f"after {plan.warmup_s:g} s warm-up; hosts: " + ", ".join(
              f"{h} (cameras: {result.host_cameras[h]})" for h in result.hosts)),
-        ("offered", f"{num(result.offered)} fps",
+        ("offered", f"{num(result.offered, 1)} fps",
          f"{plan.cameras} cameras x {plan.pace_fps:g} fps"),
-        ("delivered", f"{num(result.delivered)} fps", f"{num(result.delivered_pct, 1)}% of offered"),
+        ("delivered", f"{num(result.delivered, 1)} fps", f"{num(result.delivered_pct, 1)}% of offered"),
         ("dropped", num(result.dropped), "the configured cameras, in the window"),
         ("p50 latency", bucket_text(result.p50), "capture to sink, all cameras; bucket bounds"),
         ("p99 latency", bucket_text(result.p99), "capture to sink, all cameras; bucket bounds"),
@@ -673,7 +683,8 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
         rows.append(("GPU utilisation", f"{num(result.gpu_util)}%", "mean over the window"))
     rows += [
         ("live view", f"health {result.health_end or '-'}",
-         f"viewer: {result.viewer_served} snapshots served, {result.viewer_missing} not "
+         f"viewer: {result.viewer_served} snapshots served ({result.viewer_pictures} "
+         f"distinct pictures), {result.viewer_missing} not "
          f"(503 or error) over {len(result.watched)} cameras; saved: "
          f"{', '.join(result.saved_jpegs) or 'none'}"),
         ("exit status after SIGINT", num(result.exit_code),
@@ -724,8 +735,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", choices=("auto", "cpu", "gpu"), default="auto")
     parser.add_argument("--engine-cache", type=Path, default=REPO_ROOT / "assets" / "engines")
     parser.add_argument("--assets", type=Path, default=REPO_ROOT / "assets")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="end within about this many seconds: the start may take what "
+                             "the warm-up, the window and saving and stopping leave")
     parser.add_argument("--out", type=Path, default=Path("/tmp/live-control"),
                         help="folder for the config, run.log, the page, JPEGs and the table")
+    began = time.monotonic()
     args = parser.parse_args(argv)
     small = args.small
     cameras = args.cameras or (2 if small else 100)
@@ -743,9 +758,6 @@ def main(argv: list[str] | None = None) -> int:
         (out / old).unlink(missing_ok=True)
     for old in (out / "snapshots").glob("*.jpg"):
         old.unlink()
-    for old in (out / "output").glob("*"):
-        if old.is_file():
-            old.unlink()
     assets = args.assets.resolve()
     try:
         # a camera plays from its host's start: warm-up, window, saving, stop, and a margin
@@ -759,8 +771,18 @@ def main(argv: list[str] | None = None) -> int:
 
             model, names = ensure_yolov8(assets, log=print)
             what = f"YOLOv8s-fall 640, torch FP16, batch 64, compile cache {args.engine_cache}"
+        records = Path(tempfile.mkdtemp(prefix="live-control-records-"))
+        health_s = HEALTH_TIMEOUT_S["small" if small else "full"]
+        if args.budget_s is not None:
+            health_s = min(health_s, args.budget_s - (time.monotonic() - began) - warmup_s
+                           - seconds - AFTER_WINDOW_S)
+            if health_s < 30:
+                raise BenchmarkError(f"--budget-s {args.budget_s:g}: no time left to start "
+                                     f"(warm-up {warmup_s:g} s + window {seconds:g} s + "
+                                     f"{AFTER_WINDOW_S:g} s to save and stop)")
         plan = Plan(small, cameras, pipelines, pace_fps, warmup_s, seconds, args.decode, clip,
-                    model, names, args.engine_cache.resolve(), out, free_port(), free_port())
+                    model, names, args.engine_cache.resolve(), out, records, free_port(),
+                    free_port(), health_s)
         config_path = out / "config.yaml"
         config_path.write_text(yaml.safe_dump(plan.config(), sort_keys=False))
         command = [sys.executable, "run.py", "--config", str(config_path)]
@@ -778,15 +800,17 @@ def main(argv: list[str] | None = None) -> int:
             measure(plan, command, result)
         except (BenchmarkError, OSError, ValueError) as error:
             result.notes.append(f"failed: {error}")
+        finally:
+            shutil.rmtree(records, ignore_errors=True)
     except BenchmarkError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     table = markdown(plan, result, header)
-    print(table)
     (out / "results.md").write_text(table)
     print(f"saved under {out}: results.md, run.log, config.yaml, index.html, sources.json, "
-          f"health.json, snapshots/ ({len(result.saved_jpegs)} JPEGs); render the page with: "
-          f"python -m benchmarks.render_page {out}")
+          f"health.json, snapshots/ ({len(result.saved_jpegs)} JPEGs), metrics-start.txt, "
+          f"metrics-end.txt; render the page with: python -m benchmarks.render_page {out}")
+    print(table, end="")
     # held or not is the result; a measurement that failed (or add/remove that did) is not
     worked = result.delivered is not None and result.added_ok and result.removed_ok
     return 0 if worked else 1

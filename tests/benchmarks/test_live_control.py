@@ -128,7 +128,7 @@ def test_small_mode_adds_and_removes_a_camera_while_two_pipelines_run(small_run)
     out, status, table = small_run
     rows = table_rows(table)
     assert status == 0, table
-    assert rows["offered"][0] == "4 fps"  # 2 cameras x 2 fps
+    assert rows["offered"][0] == "4.0 fps"  # 2 cameras x 2 fps
     assert float(rows["delivered"][0].split()[0]) > 0, table
     assert rows["dropped"][0].isdigit(), table
     assert rows["p99 latency"][0].startswith(("<=", ">")), table
