@@ -9,7 +9,8 @@
 #   BUDGET_S=285 THROUGHPUT_RESERVE_S=0 SECONDS_PER_RUN=3 bash benchmarks/gpu_check.sh throughput
 #
 # Steps: tests (pytest -m gpu), nms, preprocess, overlap, startup, throughput, and multigpu (not in the
-# default set: needs 2 GPUs, e.g. nvidia-h200-x2). Needs CuPy, Numba,
+# default set: needs 2 GPUs, e.g. nvidia-h200-x2) and livecontrol (not in the default set either:
+# it takes a call of its own). Needs CuPy, Numba,
 # torch, torchvision, onnx2torch, PyAV and the assets (python -m samples.fetch, and
 # python -m samples.yolov8 for throughput) on that machine.
 #
@@ -40,6 +41,18 @@
 # (unpaced, default 100), MULTI_PACED (paced counts, default 16,32,64), SECONDS_PER_RUN,
 # MULTI_ARGS (more flags, e.g. "--decode gpu"). It gets the time left as --budget-s:
 #   BUDGET_S=570 bash benchmarks/gpu_check.sh multigpu
+#
+# livecontrol: benchmarks.live_control, issue 24's acceptance run through run.py: LIVE_CAMERAS
+# (default 100) paced cameras at LIVE_PACE_FPS (default 30) over LIVE_PIPELINES (default 3)
+# pipeline processes with runtime.http on; a camera POSTed and DELETEd through the HTTP API in
+# the window (LIVE_SECONDS, default 30, after LIVE_WARMUP_S, default 10); the paced verdict
+# (0 dropped, p99 <= 100 ms, >= 95% delivered). The start (model compile: ~35 s cold, ~10 s
+# with the cache in assets/engines) gets what the rest leaves of the time left (--budget-s).
+# It saves the page, /api/sources, /api/health and JPEGs of 6 cameras under
+# $OUT/livecontrol: render the page elsewhere with python -m benchmarks.render_page
+# $OUT/livecontrol (no browser on the H200). Needs starlette and uvicorn there (carry
+# their wheels), like the runtime.http start of startup:
+#   BUDGET_S=570 bash benchmarks/gpu_check.sh livecontrol
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 BUDGET_S=${BUDGET_S:-570}
@@ -115,6 +128,14 @@ for step in "${steps[@]}"; do
                 --cameras "${MULTI_CAMERAS:-100}" --paced "${MULTI_PACED:-16,32,64}" \
                 --seconds "${SECONDS_PER_RUN:-5}" --budget-s "$((limit - 20))" \
                 --out "$OUT/multigpu.md" ${MULTI_ARGS:-} ;;
+        livecontrol)
+            limit=$(( $(left) - 15 ))
+            # The benchmark plans with 20 s less than its hard limit, to print its table.
+            run_step livecontrol "$limit" python3 -m benchmarks.live_control \
+                --cameras "${LIVE_CAMERAS:-100}" --pipelines "${LIVE_PIPELINES:-3}" \
+                --pace-fps "${LIVE_PACE_FPS:-30}" --warmup-s "${LIVE_WARMUP_S:-10}" \
+                --seconds "${LIVE_SECONDS:-30}" --budget-s "$((limit - 20))" \
+                --out "$OUT/livecontrol" ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done
@@ -125,6 +146,8 @@ for step in "${steps[@]}"; do
     echo "---- $step"
     if [ "$step" = throughput ] || [ "$step" = multigpu ] && [ -s "$OUT/$step.md" ]; then
         cat "$OUT/$step.md"
+    elif [ "$step" = livecontrol ] && [ -s "$OUT/livecontrol/results.md" ]; then
+        cat "$OUT/livecontrol/results.md"
     else
         tail -n 30 "$OUT/$step.log"
     fi

@@ -10,8 +10,9 @@ It writes ``OUT/config.yaml`` (the records go to a temporary folder, deleted aft
 and starts ``python run.py --config OUT/config.yaml`` as a new process (its stdout and
 stderr, each line prefixed with its second since the launch, go to ``OUT/run.log``), then:
 
-1. polls ``GET /api/health`` until it answers ``ok`` (the seconds from the launch are a row;
-   with ``--budget-s``, at most what the rest of the run leaves of it);
+1. polls ``GET /api/health`` until it answers ``ok``, then ``/api/sources`` until every
+   camera delivered a frame (the seconds from the launch of each are rows; with
+   ``--budget-s`` it waits at most what the rest of the run leaves);
 2. waits ``--warmup-s``, then opens a window of ``--seconds``. All through the run it scrapes
    ``/metrics`` (``runtime.metrics_port``) about 5 times a second and keeps, per host (label
    ``pipeline``), each new snapshot with the time it was first seen: hosts send theirs to the
@@ -192,7 +193,8 @@ class MetricsPoller:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        if self._thread.is_alive():
+            self._thread.join(5)
 
     def scrape(self) -> str:
         """One scrape now; records it and returns its text."""
@@ -384,6 +386,7 @@ class Result:
     """Everything measured; None: not measured (the notes say why)."""
 
     start_s: float | None = None  # launch until /api/health said ok
+    all_s: float | None = None  # launch until every configured camera had delivered a frame
     window_s: float | None = None
     hosts: list[str] = field(default_factory=list)
     offered: float | None = None
@@ -472,6 +475,14 @@ def window_numbers(poller: MetricsPoller, start: float, end: float, cameras: set
     result.busiest = busiest
 
 
+def said(process: subprocess.Popen[Any]) -> str:
+    """``: its last error line`` of run.log (``launch`` keeps the last one seen), or a
+    pointer to run.log."""
+    time.sleep(0.5)  # the log reader's last lines
+    last = getattr(process, "last_error", None)
+    return f": {last}" if last else "; see run.log"
+
+
 def wait_healthy(base: str, process: subprocess.Popen[Any], limit_s: float,
                  started: float) -> float:
     """Seconds from ``started`` until ``/api/health`` said ``ok``.
@@ -483,7 +494,7 @@ def wait_healthy(base: str, process: subprocess.Popen[Any], limit_s: float,
     while time.monotonic() - started < limit_s:
         if process.poll() is not None:
             raise BenchmarkError(f"run.py exited with {process.returncode} before /api/health "
-                                 f"said ok (last: {last}); see run.log")
+                                 f"said ok (last: {last}){said(process)}")
         try:
             last = get_json(f"{base}/api/health").get("status")
         except (OSError, ValueError, BenchmarkError):
@@ -492,6 +503,27 @@ def wait_healthy(base: str, process: subprocess.Popen[Any], limit_s: float,
             return time.monotonic() - started
         time.sleep(0.25)
     raise BenchmarkError(f"/api/health not ok within {limit_s:g} s (last: {last}); see run.log")
+
+
+def wait_delivering(base: str, process: subprocess.Popen[Any], limit_s: float,
+                    started: float) -> float:
+    """Seconds from ``started`` until every source of ``/api/sources`` had a frame.
+
+    Raises:
+        BenchmarkError: run.py ended first, or it took longer than ``limit_s``.
+    """
+    waiting: list[str] = []
+    while time.monotonic() - started < limit_s:
+        if process.poll() is not None:
+            raise BenchmarkError(f"run.py exited with {process.returncode} before every camera "
+                                 f"delivered{said(process)}")
+        sources = get_json(f"{base}/api/sources")["sources"]
+        waiting = [entry["name"] for entry in sources if not entry.get("frames")]
+        if sources and not waiting:
+            return time.monotonic() - started
+        time.sleep(0.25)
+    raise BenchmarkError(f"{len(waiting)} cameras had delivered no frame {limit_s:g} s after "
+                         f"the launch (first: {waiting[:3]}); see run.log")
 
 
 def source_entry(base: str, name: str) -> dict[str, Any] | None:
@@ -581,6 +613,8 @@ def launch(command: list[str], log: Path) -> tuple[subprocess.Popen[str], thread
             for line in process.stdout:  # type: ignore[union-attr]
                 sink.write(f"{time.monotonic() - started:8.2f} {line}")
                 sink.flush()
+                if line.startswith("error:"):
+                    process.last_error = line.strip()  # type: ignore[attr-defined]
 
     reader = threading.Thread(target=read, name="run-log", daemon=True)
     reader.start()
@@ -609,6 +643,7 @@ def measure(plan: Plan, command: list[str], result: Result) -> None:
     viewer: Viewer | None = None
     try:
         result.start_s = wait_healthy(base, process, plan.health_s, started)
+        result.all_s = wait_delivering(base, process, plan.health_s, started)
         poller.start()
         time.sleep(plan.warmup_s)
         names = [f"cam{i:03d}" for i in range(plan.cameras)]
@@ -649,6 +684,8 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
     """The table, one row per measurement, then the verdict line."""
     rows: list[tuple[str, str, str]] = [
         ("start: launch until /api/health ok", f"{num(result.start_s, 1)} s", ""),
+        ("start: launch until every camera delivered", f"{num(result.all_s, 1)} s",
+         "a frame of each in /api/sources"),
         ("window", f"{num(result.window_s, 1)} s",
          f"after {plan.warmup_s:g} s warm-up; hosts: " + ", ".join(
              f"{h} (cameras: {result.host_cameras[h]})" for h in result.hosts)),
@@ -802,7 +839,10 @@ def main(argv: list[str] | None = None) -> int:
             result.notes.append(f"failed: {error}")
         finally:
             shutil.rmtree(records, ignore_errors=True)
-    except BenchmarkError as error:
+    except ImportError as error:
+        print(f"error: {error.name or error} is not installed", file=sys.stderr)
+        return 1
+    except (BenchmarkError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     table = markdown(plan, result, header)
