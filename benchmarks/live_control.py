@@ -550,12 +550,13 @@ def add_and_remove(plan: Plan, base: str, poller: MetricsPoller, t0: float,
         entry = source_entry(base, ADDED)
         if entry is not None and entry.get("frames", 0) > 0:
             result.first_frame_s = time.monotonic() - answered
+            result.added_host = entry.get("host")  # the live view names each source's host
             break
         time.sleep(0.1)
     else:
         result.notes.append(f"{ADDED} delivered no frame within {0.9 * seconds:g} s of the "
                             f"window")
-    result.added_host = poller.host_of().get(ADDED)
+    result.added_host = result.added_host or poller.host_of().get(ADDED)
     time.sleep(max(0.0, t0 + 0.6 * seconds - time.monotonic()))
     began = time.monotonic()
     status, body, _ = request(f"{base}/api/sources/{ADDED}", "DELETE", timeout=120)
