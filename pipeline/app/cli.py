@@ -150,8 +150,11 @@ def run_pipeline(config: PipelineConfig, restart: bool = False) -> int:
                          url=f"http://{config.runtime.metrics_host}:{port}/metrics")
             if config.runtime.http is not None:
                 from pipeline.app.http import HttpServer
+                from pipeline.app.view import local_board
 
-                server = HttpServer(config.runtime.http, graph, graph.preview, config)
+                board, _, pump = local_board(graph, graph.preview, config)
+                graph.add_service(pump.start, pump.close)  # the graph's reports, while it runs
+                server = HttpServer(config.runtime.http, board, config)
                 server.start()  # logs "serving the live view" with its URL
         except (ConfigError, DeviceUnavailable, BackendUnavailable) as error:
             print(f"error: {error}", file=sys.stderr)  # what was asked for cannot be had

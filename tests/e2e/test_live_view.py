@@ -14,6 +14,7 @@ import pytest
 
 from pipeline.app.build import build_graph
 from pipeline.app.http import HttpServer
+from pipeline.app.view import local_board
 from pipeline.config import parse_config
 from tests.e2e.conftest import pipeline_config
 from tests.support import headless_page, require_chromium
@@ -35,11 +36,11 @@ def page_url(samples, tmp_path) -> Iterator[str]:
          {"name": "car", "uri": str(samples.carphone), "pace_fps": 4, "live": True}],
         output={"video": "{source}.mp4", "jsonl": None}, runtime={"decode_workers": 0, "http": {"port": 0}}))
     graph = build_graph(config)
-    hub = graph.preview
-    server = HttpServer(config.runtime.http, graph, hub, config)
+    board, _, pump = local_board(graph, graph.preview, config)
+    server = HttpServer(config.runtime.http, board, config)
     port = server.start()
     try:
-        with running(graph):
+        with pump, running(graph):
             yield f"http://127.0.0.1:{port}/"
     finally:
         server.close()
