@@ -24,8 +24,9 @@ is gone.
 **A host gone** (``host_gone``: its process died, or stopped reporting for good): each of
 its sources that had not ended shows as ``reconnecting`` with the error ``its host H
 stopped: being placed again`` (a health reason) until the host it is placed on next
-(``added``) reports it; one that ended or failed stays as it was. A host that comes back
-reports afresh. Counters are the current host's: they start afresh when a source moves.
+(``added``) reports it; one that ended or failed stays as it was until it is removed
+(``forget``), also once the host is back (a host that comes back starts empty and reports
+afresh). Counters are the current host's: they start afresh when a source moves.
 
 **Ordering**: reports of a host must reach ``update`` in the order the host made them, and
 ``added``/``forget`` must follow the host's own ``HostView.add``/``forget`` (the supervisor

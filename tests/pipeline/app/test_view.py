@@ -94,10 +94,16 @@ def test_only_wanted_sources_get_a_jpeg_and_only_a_newer_one(hosted) -> None:
     report = view.report(["street"])  # at once: no newer picture yet (6 fps, 5 kept a second)
     assert report.pictures.get("street", (sent + 1,))[0] > sent
     assert report.sources["street"]["picture"] == {"width": 640, "height": 272}
-    car = []
-    wait_for(lambda: bool(car.append(view.report(["car"]).pictures.get("car"))
-                          or car[-1]), 10, "a picture of the car")
-    assert jpeg_shape(car[-1][1]) == (144, 176, 3)
+    car: list[bytes] = []
+
+    def car_picture() -> bool:
+        picture = view.report(["car"]).pictures.get("car")
+        if picture is not None:
+            car.append(picture[1])
+        return bool(car)
+
+    wait_for(car_picture, 10, "a picture of the car")
+    assert jpeg_shape(car[0]) == (144, 176, 3)
 
 
 def test_a_source_added_removed_and_forgotten(hosted, samples) -> None:
