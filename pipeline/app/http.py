@@ -489,7 +489,9 @@ class HttpServer:
                     await asyncio.sleep(poll_s)
                     continue
                 picture = board.picture(name)
-                if picture is None:
+                if picture is None:  # none yet, or it left (its pictures went with it)
+                    if board.state(name) is None:
+                        return
                     await asyncio.sleep(poll_s)
                     continue
                 sent, data = picture

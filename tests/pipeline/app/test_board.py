@@ -11,18 +11,21 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
 import cv2
+import httpx
 import numpy as np
 import pytest
 
 import pipeline.app.board as board_module
 from pipeline.app.board import SourceBoard, starting_json
 from pipeline.app.build import build_graph
+from pipeline.app.http import HttpServer
 from pipeline.app.view import HostView, LocalPump, ViewReport, local_board
 from pipeline.config import SourceConfig, build_section, parse_config
 from pipeline.graph import Graph, SourceConflict
@@ -152,6 +155,28 @@ def test_a_removal_that_takes_longer_is_removing_then_leaves(local, samples) -> 
     assert board.state("car") in ("removing", None)
     wait_for(lambda: board.source("car") is None, 20, "the car to leave once final")
     assert graph.source_done("car") and board.names() == ["street"]
+
+
+def test_a_stream_of_a_source_that_is_removed_ends(local, samples) -> None:
+    board, graph = local
+    config = parse_config(pipeline_config(samples, Path("."), [camera("street", samples.bikes)],
+                                          runtime={"http": {"port": 0}}))
+    server = HttpServer(config.runtime.http, board, config)
+    port = server.start()
+    board.add({"name": "car", "uri": str(samples.carphone), "pace_fps": 15, "live": True})
+    parts, removing_at = 0, 0.0
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client, \
+                client.stream("GET", "/api/sources/car/stream.mjpg") as stream:
+            for chunk in stream.iter_bytes():
+                parts += chunk.count(b"--frame\r\n")
+                if parts >= 2 and not removing_at:  # streaming: now remove it (a DELETE)
+                    removing_at = time.monotonic()
+                    threading.Thread(target=board.remove, args=("car", 30)).start()
+        assert time.monotonic() - removing_at < 10, "the stream did not end with its source"
+        assert board.source("car") is None
+    finally:
+        server.close()
 
 
 # -- the merging rules, step by step -------------------------------------------------------------
