@@ -15,6 +15,7 @@ import pytest
 
 from pipeline.app.build import build_graph
 from pipeline.app.http import HttpServer
+from pipeline.app.view import local_board
 from pipeline.config import ConfigError, parse_config
 from tests.e2e.conftest import pipeline_config
 from tests.support import free_port
@@ -47,10 +48,11 @@ def api(samples, tmp_path: Path, rtsp_server) -> Iterator[tuple[httpx.Client, di
         runtime={"decode_workers": 2, "stop_when": "never", "http": {"port": 0}})
     config = parse_config(data)
     graph = build_graph(config)
-    server = HttpServer(config.runtime.http, graph, graph.preview, config)
+    board, _, pump = local_board(graph, graph.preview, config)
+    server = HttpServer(config.runtime.http, board, config)
     port = server.start()
     try:
-        with running(graph), httpx.Client(base_url=f"http://127.0.0.1:{port}",
+        with pump, running(graph), httpx.Client(base_url=f"http://127.0.0.1:{port}",
                                           timeout=60) as client:
             yield client, {"data": data, "yard": cameras.url("yard")}, graph
     finally:

@@ -1,7 +1,8 @@
 """The live view's page in a real headless Chromium: two paced sources running through the
 pipeline, the page served by the pipeline's HTTP server on a free loopback port; the page
-lists both sources with their state and counters, and a source's picture changes between
-two screenshots taken more than a second apart."""
+lists both sources with their state, counters and host, and a source's picture changes
+between two screenshots taken more than a second apart; a source added through the API gets
+a card with its picture, which goes when it is removed."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import time
 from collections.abc import Iterator
 
 import cv2
+import httpx
 import numpy as np
 import pytest
 
 from pipeline.app.build import build_graph
 from pipeline.app.http import HttpServer
+from pipeline.app.view import local_board
 from pipeline.config import parse_config
 from tests.e2e.conftest import pipeline_config
 from tests.support import headless_page, require_chromium
@@ -35,11 +38,11 @@ def page_url(samples, tmp_path) -> Iterator[str]:
          {"name": "car", "uri": str(samples.carphone), "pace_fps": 4, "live": True}],
         output={"video": "{source}.mp4", "jsonl": None}, runtime={"decode_workers": 0, "http": {"port": 0}}))
     graph = build_graph(config)
-    hub = graph.preview
-    server = HttpServer(config.runtime.http, graph, hub, config)
+    board, _, pump = local_board(graph, graph.preview, config)
+    server = HttpServer(config.runtime.http, board, config)
     port = server.start()
     try:
-        with running(graph):
+        with pump, running(graph):
             yield f"http://127.0.0.1:{port}/"
     finally:
         server.close()
@@ -51,7 +54,8 @@ def picture_of(page, name: str) -> np.ndarray:
     return cv2.imdecode(np.frombuffer(png, np.uint8), cv2.IMREAD_COLOR)
 
 
-def test_page_lists_the_sources_and_their_pictures_move(chromium: str, page_url: str) -> None:
+def test_page_lists_the_sources_and_their_pictures_move(chromium: str, page_url: str,
+                                                        samples) -> None:
     with headless_page(chromium) as page:
         page.goto(page_url)
         names = page.locator(".source").evaluate_all("cards => cards.map(c => c.dataset.source)")
@@ -77,3 +81,22 @@ def test_page_lists_the_sources_and_their_pictures_move(chromium: str, page_url:
         assert first.shape == second.shape and first.shape[0] > 50
         changed = np.abs(first.astype(np.int16) - second.astype(np.int16)).max(axis=2) > 24
         assert changed.mean() > 0.01, f"the picture did not move: {changed.mean():.4f} changed"
+        assert page.locator('.source[data-source="car"] [data-field=host]').text_content() \
+            == "pipeline0"
+
+        # A source added while the page is open gets its card; removed, the card goes.
+        with httpx.Client(base_url=page_url, timeout=30) as client:
+            added = client.post("api/sources", json={"name": "clip", "uri": str(samples.carphone),
+                                                     "pace_fps": 4, "live": True})
+            assert added.status_code == 201, added.text
+            page.wait_for_function(
+                """() => { const card = document.querySelector('.source[data-source="clip"]');
+                           const img = card && card.querySelector('img');
+                           return img && img.complete && img.naturalWidth === 176
+                                  && card.querySelector('[data-field=host]').textContent
+                                     === 'pipeline0'; }""", timeout=20_000)
+            assert client.delete("api/sources/clip").status_code == 200
+            page.wait_for_function(
+                "() => !document.querySelector('.source[data-source=\"clip\"]')", timeout=5_000)
+        names = page.locator(".source").evaluate_all("cards => cards.map(c => c.dataset.source)")
+        assert names == ["street", "car"]

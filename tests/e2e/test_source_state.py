@@ -19,6 +19,7 @@ import httpx
 from pipeline.app.build import build_graph
 from pipeline.app.http import HttpServer
 from pipeline.app.prometheus import PrometheusExporter
+from pipeline.app.view import local_board
 from pipeline.config import parse_config
 from pipeline.metrics import STALE_AFTER_S
 from tests.e2e.conftest import pipeline_config, records, wait_for
@@ -40,11 +41,12 @@ def served(config: dict) -> Iterator[tuple[httpx.Client, httpx.Client]]:
     (API client, metrics client)."""
     parsed = parse_config(config)
     graph = build_graph(parsed)
-    server = HttpServer(parsed.runtime.http, graph, graph.preview, parsed)
+    board, _, pump = local_board(graph, graph.preview, parsed)
+    server = HttpServer(parsed.runtime.http, board, parsed)
     exporter = PrometheusExporter(0)
     try:
         api_port, metrics_port = server.start(), exporter.start(graph)
-        with running(graph), \
+        with pump, running(graph), \
                 httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=10) as api, \
                 httpx.Client(base_url=f"http://127.0.0.1:{metrics_port}", timeout=10) as metrics:
             yield api, metrics

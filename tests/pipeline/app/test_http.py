@@ -1,31 +1,28 @@
 """The live view's HTTP API for real: a uvicorn server on a free port in front of a running
 pipeline (the sample street clip paced as a live camera, and a camera that refuses every
-connection), asked with httpx: the listing and one source, health, a snapshot that is a JPEG
-of the frame's size, an MJPEG stream, 404s, the token on a non-loopback bind, and no
-response holding a camera's password."""
+connection) whose host view reports to the server's board (``local_board``), asked with
+httpx: the listing and one source, health, a snapshot that is a JPEG of the frame's size, an
+MJPEG stream, 404s, the token on a non-loopback bind, and no response holding a camera's
+password."""
 
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from types import SimpleNamespace
 
 import cv2
 import httpx
 import numpy as np
 import pytest
 
-import pipeline.app.http as http
+from pipeline.app.board import SourceBoard
 from pipeline.app.build import build_graph
-from pipeline.app.http import HttpServer, SourceMonitor, check_settings, is_loopback
-from pipeline.app.preview import PreviewHub
+from pipeline.app.http import HttpServer, check_settings, is_loopback
+from pipeline.app.view import local_board
 from pipeline.config import parse_config
 from pipeline.graph import Graph
-from pipeline.metrics import LinkStatus, SourceMetrics
 from tests.e2e.conftest import pipeline_config, wait_for
 from tests.support.live_view import HttpSettings, running
 
@@ -37,7 +34,7 @@ TOKEN = "tok-9f2c1e77"
 @dataclass
 class LiveView:
     graph: Graph
-    hub: PreviewHub
+    board: SourceBoard
     server: HttpServer
     client: httpx.Client
 
@@ -51,13 +48,13 @@ def live(samples, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveView
          {"name": "door", "uri": DOOR_URI, "open_timeout_s": 1, "reconnect_max_s": 1}],
         output={"video": "{source}.mp4", "jsonl": None}, runtime={"decode_workers": 0, "http": {"port": 0}}))
     graph = build_graph(config)
-    hub = graph.preview
-    server = HttpServer(config.runtime.http, graph, hub, config)
+    board, _, pump = local_board(graph, graph.preview, config)
+    server = HttpServer(config.runtime.http, board, config)
     port = server.start()
     try:
-        with running(graph), httpx.Client(base_url=f"http://127.0.0.1:{port}",
-                                          timeout=10) as client:
-            view = LiveView(graph, hub, server, client)
+        with pump, running(graph), httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                                                timeout=10) as client:
+            view = LiveView(graph, board, server, client)
             wait_for(lambda: source(view, "street")["frames"] > 0, 30, "the first frame")
             yield view
     finally:
@@ -124,8 +121,9 @@ def test_mjpeg_stream_sends_new_pictures_at_most_preview_fps(live: LiveView) -> 
             while (end := buffer.find(b"\r\n--frame", 1)) >= 0:
                 parts.append(buffer[:end])
                 buffer = buffer[end + 2:]
-                assert live.hub.viewers("street") == 1  # watched while the stream is open
+                assert live.board.viewers("street") == 1  # watched while the stream is open
             if len(parts) >= 3:
+                assert source(live, "street")["viewers"] == 1  # and in its JSON
                 break
     elapsed = time.monotonic() - started
     pictures = []
@@ -137,7 +135,7 @@ def test_mjpeg_stream_sends_new_pictures_at_most_preview_fps(live: LiveView) -> 
     assert elapsed >= 2 * 0.2 * 0.9, f"3 parts in {elapsed:.2f} s: faster than preview_fps 5"
     numbers = [int(p.split(b"X-Picture: ")[1].split(b"\r\n")[0]) for p in parts]
     assert numbers == sorted(set(numbers)), f"a picture sent twice: {numbers}"
-    wait_for(lambda: live.hub.viewers("street") == 0, 5, "the stream's viewer to leave")
+    wait_for(lambda: live.board.viewers("street") == 0, 5, "the stream's viewer to leave")
 
 
 @pytest.mark.parametrize("path", [
@@ -177,8 +175,7 @@ def non_loopback_address() -> str:
 @pytest.mark.parametrize("host", ["0.0.0.0", "interface"])
 def test_a_non_loopback_bind_requires_the_token(live: LiveView, host: str) -> None:
     host = non_loopback_address() if host == "interface" else host
-    server = HttpServer(HttpSettings(host=host, token=TOKEN), live.graph, live.hub,
-                        live.server.config)
+    server = HttpServer(HttpSettings(host=host, token=TOKEN), live.board, live.server.config)
     port = server.start()
     target = "127.0.0.1" if host == "0.0.0.0" else host
     try:
@@ -236,108 +233,7 @@ def test_check_settings(host: str, token: str | None, error: str | None) -> None
 
 
 def test_a_taken_port_is_one_line_naming_the_key(live: LiveView) -> None:
-    server = HttpServer(HttpSettings(port=live.server.port), live.graph, live.hub,
-                        live.server.config)
+    server = HttpServer(HttpSettings(port=live.server.port), live.board, live.server.config)
     with pytest.raises(OSError, match=rf"^\[Errno \d+\] runtime\.http: cannot serve on "
                                       rf"127\.0\.0\.1:{live.server.port}: "):
         server.start()
-
-
-class FakeGraph:
-    """What ``SourceMonitor`` reads of a graph, set by hand."""
-
-    def __init__(self, names: list[str]) -> None:
-        self.sources = [SimpleNamespace(name=name, restarts=0) for name in names]
-        self.source_metrics = {name: SourceMetrics(name) for name in names}
-        self.chain = [SimpleNamespace(name="batch"), SimpleNamespace(name="infer")]
-        self.sinks = {name: SimpleNamespace(name=f"sink:{name}") for name in names}
-        self.depths: dict[str, int] = {}
-        self.done: set[str] = set()  # sources whose outputs are final
-        self.ready = threading.Event()  # the stages opened (the model warmed up)
-        self.ready.set()
-
-    def source_done(self, name: str) -> bool:
-        return name in self.done
-
-    def refresh_source_metrics(self) -> None:
-        pass
-
-    def queue_depths(self) -> dict[str, int]:
-        return dict(self.depths)
-
-
-def test_states_and_health_reasons(samples, tmp_path: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(http, "FULL_FOR_S", 0.1)
-    config = parse_config(pipeline_config(samples, tmp_path, [
-        {"name": "cam", "uri": "rtsp://127.0.0.1:8554/cam"}]))
-    graph, hub = FakeGraph(["cam"]), PreviewHub()
-    monitor = SourceMonitor(graph, hub, config, stale_after_s=0.2)
-    metrics = graph.source_metrics["cam"]
-
-    def check(state: str, reasons: list[str]) -> None:
-        monitor.sample()
-        health = monitor.health()
-        assert (monitor.state("cam"), health["reasons"]) == (state, reasons)
-        assert health["status"] == ("degraded" if reasons else "ok")
-
-    def frame() -> None:
-        metrics.frames_done(np.zeros(1))
-
-    graph.ready.clear()  # the model is warming up: starting, whatever the sources do
-    time.sleep(0.25)
-    monitor.sample()
-    assert monitor.health() == {"status": "starting", "reasons": ["the model is warming up"],
-                                "sources": {"cam": "starting"}}
-    graph.ready.set()
-    monitor = SourceMonitor(graph, hub, config, stale_after_s=0.2)
-    check("starting", [])
-    time.sleep(0.25)
-    check("stalled", ["source cam: no frame for 0 s (none yet)"])
-    frame()
-    check("running", [])
-    refused = "cannot open rtsp://127.0.0.1:8554/cam: Connection refused"
-    metrics.reconnects = 1
-    metrics.link = LinkStatus("reconnecting", 1, time.monotonic() + 30, refused)
-    check("reconnecting", [f"source cam is reconnecting (attempt 1, next try in 30.0 s: "
-                           f"{refused})"])
-    metrics.link = LinkStatus("reconnecting", 2, None, refused)
-    check("reconnecting", [f"source cam is reconnecting (attempt 2, trying now: {refused})"])
-    metrics.link = LinkStatus("connected", error=refused)
-    frame()
-    check("running", [])
-    time.sleep(0.25)
-    check("stalled", [f"source cam: no frame for 0 s; last error: {refused}"])
-    frame()
-    graph.depths = {"infer": 4, "sink:cam": 3}  # queue_size 4: infer full, the sink not
-    check("running", [])  # full for an instant: a burst
-    time.sleep(0.15)
-    frame()
-    check("running", ["queue infer has been full for 0 s (4 items)"])
-    graph.depths = {}
-    metrics.error = "reading rtsp://127.0.0.1:8554/cam failed: refused"
-    check("failed", ["source cam failed: reading rtsp://127.0.0.1:8554/cam failed: refused"])
-    metrics.error = None
-    graph.done.add("cam")
-    check("ended", [])
-
-
-def test_a_source_added_late_is_starting_until_it_has_been_shown_stale_after_s(
-        samples, tmp_path: Path) -> None:
-    config = parse_config(pipeline_config(samples, tmp_path, [
-        {"name": "cam", "uri": "rtsp://127.0.0.1:8554/cam"}]))
-    graph, hub = FakeGraph(["cam"]), PreviewHub()
-    monitor = SourceMonitor(graph, hub, config, stale_after_s=0.2)
-    time.sleep(0.25)  # the view has run longer than stale_after_s
-    added = parse_config(pipeline_config(samples, tmp_path, [
-        {"name": "door", "uri": "rtsp://127.0.0.1:8554/door"}])).sources[0]
-    graph.sources.append(SimpleNamespace(name="door", restarts=0))
-    graph.source_metrics["door"] = SourceMetrics("door")
-    graph.sinks["door"] = SimpleNamespace(name="sink:door")
-    monitor.add(added)
-    monitor.sample()
-    assert (monitor.state("cam"), monitor.state("door")) == ("stalled", "starting")
-    assert monitor.health()["reasons"] == ["source cam: no frame for 0 s (none yet)"]
-    time.sleep(0.25)
-    monitor.sample()
-    assert monitor.state("door") == "stalled"

@@ -1,0 +1,537 @@
+"""The live view's host side: what one host's graph shows, sampled beside it and sent to the
+control process as a ``ViewReport`` (``pipeline.app.board`` merges every host's).
+
+```
+host process (one graph)                               control process
+  graph counters, PreviewHub ──> HostView                SourceBoard <── ViewReport of each host
+    sampling thread (SAMPLE_S): rates, full queues          (update)      │
+    report(wanted), ~10 a second, by the host: ──ViewReport──>            ├─> HTTP API + page
+      every shown source's JSON, the health reasons,                     └─> wanted(host): the
+      a JPEG of each WANTED source, only when newer      <──wanted──          sources watched now
+```
+
+Pictures travel as small JPEGs at ``preview_fps``, never as frames: a wanted source's sink
+keeps one picture at most ``preview_fps`` times a second (``PreviewHub``), and ``report``
+encodes it (OpenCV, in the host's thread that calls it) only when it is newer than the one
+last sent. An unwanted source costs no copy and no encode.
+
+**States** (``pipeline.metrics.source_state``, documented for the API in
+``pipeline.app.http``): ``starting`` (no frame yet, no attempt failed), ``running``,
+``reconnecting`` (an attempt to connect failed, before any first connection too, and the next
+is due, or its decode worker is being restarted), ``stalled`` (live and connected, but no
+frame for ``stale_after_s``, or none since it was shown that long ago), ``failed`` (it ended
+with an error), ``ended`` (its outputs are final), ``removing`` (``mark_removing``, outputs
+being finalised: the source leaves the report once they are, ``forget``). Decode worker
+processes report each attempt as it happens.
+
+**Health reasons** (``SourceMonitor.reasons``): a source failed, or a camera is reconnecting
+or stalled (each named, with why: the attempt, the next try and the last error), or a queue
+was full in every sample for ``FULL_FOR_S`` while the graph has a live source (the pipeline
+is not keeping up: a live source's frames are being dropped; a queue full for an instant is
+a burst, and with files only a full queue is back-pressure, by design). Until the graph has
+opened its stages (``graph.ready``: the model warming up) a report says ``ready: False`` and
+gives no reasons.
+
+``local_board`` wires a ``HostView`` to a ``SourceBoard`` in one process (a pump thread), for
+a run of one graph in this process and for tests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from pipeline.app.board import SourceBoard
+from pipeline.app.preview import PreviewHub
+from pipeline.config import PipelineConfig, SourceConfig, partial_path, redact_url
+from pipeline.metrics import STALE_AFTER_S, source_state
+from stages.analytics import AnalyticsStage
+
+log = structlog.get_logger("view")
+
+SAMPLE_S = 0.5  # the sampling thread's period
+FPS_WINDOW_S = 5.0
+FULL_FOR_S = 2.0  # a queue full in every sample this long is a health reason
+PUMP_S = 0.1  # local_board: a report this often
+CLOSE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class ViewReport:
+    """What one host shows now (picklable: sent over a pipe, or by Ray).
+
+    Attributes:
+        host: the host's name (``pipeline0``, ``gpu0``, ...).
+        ready: its graph has opened its stages (``graph.ready``: the model is warm).
+        sources: source name -> that source's JSON exactly as ``GET /api/sources`` gives it
+            (``SourceMonitor.source``; the board adds ``host`` and its own ``viewers``), for
+            every source the host shows, in the order it took them.
+        pictures: source name -> (picture number on this host, JPEG bytes), only for the
+            wanted sources whose latest picture is newer than the one last reported.
+        reasons: why the host is not healthy, one line each (``SourceMonitor.reasons``:
+            sources failed, reconnecting or stalled, queues full); empty while not ``ready``.
+    """
+
+    host: str
+    ready: bool
+    sources: dict[str, dict[str, Any]]
+    pictures: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
+
+
+
+
+@dataclass
+class _Sampled:
+    """The monitor's view of one source: (monotonic time, frames out) samples."""
+
+    history: deque[tuple[float, int]] = field(default_factory=deque)
+
+
+class SourceMonitor:
+    """Reads a running graph's per-source and per-queue counters (as ``pipeline.app.prometheus``
+    does) and the preview hub's activity, and derives rates, states and health.
+
+    Args:
+        graph: a ``pipeline.graph.Graph`` (``sources``, ``source_metrics``, ``chain``,
+            ``sinks``, ``refresh_source_metrics()``, ``queue_depths()``).
+        hub: the hub the sinks report to.
+        config: the run's configuration (URIs, live flags, queue size).
+        stale_after_s: a live source with no frame this long is ``stalled``.
+    """
+
+    def __init__(self, graph: Any, hub: PreviewHub, config: PipelineConfig,
+                 stale_after_s: float = STALE_AFTER_S) -> None:
+        self.graph, self.hub, self.config = graph, hub, config
+        self.stale_after_s = stale_after_s
+        # Sources are added and removed while the view runs: these are replaced, never
+        # changed in place, under _lock.
+        self.names = [source.name for source in config.sources]
+        self._uris = {s.name: redact_url(s.uri) for s in config.sources}
+        self._live = {s.name: s.is_live for s in config.sources}
+        self._sampled = {name: _Sampled() for name in self.names}
+        self.removing: set[str] = set()
+        size = config.runtime.queue_size
+        chain = list(graph.chain)
+        self._capacity = {chain[0].name: size * len(graph.sources),
+                          **{stage.name: size for stage in chain[1:]},
+                          **{sink.name: size for sink in graph.sinks.values()}}
+        # queue -> when it was first seen full in the samples since, or None: not full now
+        self._full_since: dict[str, float | None] = {}
+        started = time.monotonic()
+        self._shown_since = {name: started for name in self.names}  # stalled counts from here
+        self._lock = threading.Lock()
+
+    def add(self, source: SourceConfig) -> None:
+        """Show a source added while the pipeline runs (after the graph took it); one that
+        takes the name of an ended source replaces its card."""
+        with self._lock:
+            self.names = [*(n for n in self.names if n != source.name), source.name]
+            self.removing = self.removing - {source.name}
+            self._uris = {**self._uris, source.name: redact_url(source.uri)}
+            self._live = {**self._live, source.name: source.is_live}
+            self._sampled = {**self._sampled, source.name: _Sampled()}
+            self._shown_since = {**self._shown_since, source.name: time.monotonic()}
+            size = self.config.runtime.queue_size
+            first = self.graph.chain[0].name
+            self._capacity = {**self._capacity, first: self._capacity[first] + size,
+                              self.graph.sinks[source.name].name: size}
+
+    def mark_removing(self, name: str) -> None:
+        """A source asked to stop (``DELETE``): ``removing`` until ``forget``."""
+        with self._lock:
+            self.removing = self.removing | {name}
+
+    def forget(self, name: str) -> None:
+        """Stop showing a removed source (its outputs are final)."""
+        with self._lock:
+            self.names = [n for n in self.names if n != name]
+            self._sampled = {n: s for n, s in self._sampled.items() if n != name}
+            self._shown_since = {n: t for n, t in self._shown_since.items() if n != name}
+            self.removing = self.removing - {name}
+            sink = self.graph.sinks.get(name)
+            if sink is not None:
+                self._capacity = {q: c for q, c in self._capacity.items() if q != sink.name}
+                self._full_since.pop(sink.name, None)
+
+    def sample(self) -> None:
+        """Take one sample of every source's counters (the monitor thread, twice a second)."""
+        self.graph.refresh_source_metrics()
+        now = time.monotonic()
+        with self._lock:
+            for name, sampled in self._sampled.items():
+                metrics = self.graph.source_metrics[name]
+                sampled.history.append((now, metrics.frames_out))
+                while len(sampled.history) > 2 and now - sampled.history[1][0] >= FPS_WINDOW_S:
+                    sampled.history.popleft()
+        depths = self.graph.queue_depths()
+        with self._lock:
+            for queue, capacity in self._capacity.items():
+                if depths.get(queue, 0) < capacity:
+                    self._full_since[queue] = None
+                elif self._full_since.get(queue) is None:
+                    self._full_since[queue] = now
+
+    def fps(self, name: str) -> float:
+        """Frames/s reaching ``name``'s sink over the last ~``FPS_WINDOW_S`` seconds."""
+        with self._lock:
+            sampled = self._sampled.get(name)
+            history = sampled.history if sampled is not None else deque()
+            if len(history) < 2:
+                return 0.0
+            (then, before), (now, frames) = history[0], history[-1]
+        return (frames - before) / (now - then) if now > then else 0.0
+
+    def state(self, name: str) -> str:
+        """One of the states of the module docstring (the graph's counters as last
+        refreshed: ``sample``, or a request)."""
+        with self._lock:
+            shown_since, live = self._shown_since[name], self._live[name]
+            removing = name in self.removing
+        return source_state(self.graph.source_metrics[name], live, self.graph.source_done(name),
+                            removing, shown_since, self.stale_after_s)
+
+    def why(self, name: str, state: str) -> str | None:
+        """Why ``name`` is not running, in a few words (``state``: its state), or None."""
+        metrics = self.graph.source_metrics[name]
+        link = metrics.link
+        if state == "failed":
+            return metrics.error or self.hub.activity(name).error
+        if state == "reconnecting" and link is not None:
+            wait = link.retry_in_s()
+            return (f"attempt {link.attempt}, next try in {wait:.1f} s"
+                    if wait else f"attempt {link.attempt}, trying now") + f": {link.error}"
+        if state == "stalled":
+            last = metrics.last_frame_at
+            with self._lock:
+                since = self._shown_since[name] if last is None else last
+            return (f"no frame for {time.monotonic() - since:.0f} s"
+                    + (" (none yet)" if last is None else "")
+                    + (f"; last error: {link.error}" if link is not None and link.error else ""))
+        return None
+
+    def source(self, name: str, counts: dict[str, dict[str, Any]] | None = None,
+               refresh: bool = True) -> dict[str, Any]:
+        """The JSON of one source (``pipeline.app.http``'s module docstring); ``counts``:
+        ``self.counts()`` when the caller has it already; ``refresh``: bring the graph's
+        connection counters up to date first (``sources`` does it once for all)."""
+        if refresh:
+            self.graph.refresh_source_metrics()  # the latest connection news, not 0.5 s old
+        metrics, activity = self.graph.source_metrics[name], self.hub.activity(name)
+        age = (None if activity.last_capture_time is None
+               else round(max(0.0, time.time() - activity.last_capture_time), 3))
+        state, link = self.state(name), metrics.link
+        wait = link.retry_in_s() if link is not None else None
+        return {
+            "name": name,
+            "uri": self._uris[name],
+            "live": self._live[name],
+            "state": state,
+            "frames": metrics.frames_out,
+            "fps": round(self.fps(name), 2),
+            "dropped": metrics.dropped,
+            "reconnects": metrics.reconnects,
+            "reconnect": ({"attempt": link.attempt,
+                           "next_try_in_s": None if wait is None else round(wait, 1)}
+                          if state == "reconnecting" and link is not None else None),
+            "last_frame_age_s": age,
+            "latency_ms": {"p50": metrics.latency_percentile(50),
+                           "p99": metrics.latency_percentile(99)},
+            "error": (metrics.error or activity.error
+                      or (link.error if link is not None and state in ("reconnecting", "stalled")
+                          else None)),
+            "last_error": metrics.error or (link.error if link is not None else None),
+            "picture": ({"width": activity.width, "height": activity.height}
+                        if activity.picture_seq else None),
+            "viewers": self.hub.viewers(name),
+            "counts": (self.counts() if counts is None else counts).get(name),
+        }
+
+    def sources(self) -> dict[str, dict[str, Any]]:
+        """Every shown source's JSON (``source``), in the order they were shown."""
+        self.graph.refresh_source_metrics()
+        counts = self.counts()
+        return {name: self.source(name, counts, refresh=False) for name in list(self.names)}
+
+    def counts(self) -> dict[str, dict[str, Any]]:
+        """Source name -> its analytics counts, for the sources with analytics."""
+        found: dict[str, dict[str, Any]] = {}
+        for stage in self.graph.chain:
+            if isinstance(stage, AnalyticsStage):
+                found.update(stage.counts())
+        return found
+
+    def reasons(self, states: dict[str, str] | None = None) -> list[str]:
+        """Why the graph is not healthy (module docstring), one line each; ``states``: the
+        shown sources' states when the caller has them already (counters refreshed)."""
+        reasons = []
+        if states is None:
+            self.graph.refresh_source_metrics()
+            states = {name: self.state(name) for name in list(self.names)}
+        for name, state in states.items():
+            why = self.why(name, state)
+            if state == "failed":
+                reasons.append(f"source {name} failed: {why}")
+            elif state == "reconnecting":
+                reasons.append(f"source {name} is reconnecting ({why})")
+            elif state == "stalled":
+                reasons.append(f"source {name}: {why}")
+        if any(self._live.values()):
+            now = time.monotonic()
+            with self._lock:
+                full = {queue: since for queue, since in self._full_since.items()
+                        if since is not None and now - since >= FULL_FOR_S}
+            for queue, since in full.items():
+                reasons.append(f"queue {queue} has been full for {now - since:.0f} s "
+                               f"({self._capacity[queue]} items)")
+        return reasons
+
+    def health(self) -> dict[str, Any]:
+        """``{"status", "reasons", "sources": {name: state}}`` of this graph alone:
+        ``starting`` until it is ready, then ``degraded`` with ``reasons``, else ``ok``."""
+        if not self.graph.ready.is_set():
+            return {"status": "starting", "reasons": ["the model is warming up"],
+                    "sources": {name: "starting" for name in self.names}}
+        self.graph.refresh_source_metrics()
+        states = {name: self.state(name) for name in list(self.names)}
+        reasons = self.reasons(states)
+        return {"status": "degraded" if reasons else "ok", "reasons": reasons,
+                "sources": states}
+
+
+class HostView:
+    """One host's live view: a ``SourceMonitor`` of its graph sampled twice a second, and
+    the ``ViewReport`` its host sends to the control process (module docstring).
+
+    Usage (in the host, beside its graph)::
+
+        view = HostView("pipeline0", graph, hub, config)
+        view.start()
+        ...  # ~10 times a second:
+        send(view.report(wanted))   # wanted: the board's ``wanted(host)``
+        ...
+        view.close()
+
+    Args:
+        host: the host's name, in every report.
+        graph: the host's ``pipeline.graph.Graph``.
+        hub: the ``PreviewHub`` its sinks report to, or None (no pictures, and no
+            ``last_frame_age_s``: the hub is where the sinks tell capture times).
+        config: the graph's configuration (the sources it started with).
+        stale_after_s: a live source with no frame this long is ``stalled``.
+    """
+
+    def __init__(self, host: str, graph: Any, hub: PreviewHub | None, config: PipelineConfig,
+                 stale_after_s: float = STALE_AFTER_S) -> None:
+        self.host, self.graph = host, graph
+        self.hub = hub if hub is not None else PreviewHub()  # nothing offers to it
+        self.monitor = SourceMonitor(graph, self.hub, config, stale_after_s)
+        self._sent: dict[str, int] = {}  # source -> number of the picture last reported
+        self._lock = threading.Lock()  # a report vs a source shown or forgotten
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Take a first sample and start the sampling thread (every ``SAMPLE_S``)."""
+        self.monitor.sample()
+        self._closing.clear()
+        self._thread = threading.Thread(target=self._loop, name=f"view:{self.host}",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the sampling thread; idempotent."""
+        self._closing.set()
+        if self._thread is not None:
+            self._thread.join(CLOSE_TIMEOUT_S)
+            if self._thread.is_alive():
+                log.warning("the view's sampling thread did not stop in time: left behind",
+                            host=self.host)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._closing.wait(SAMPLE_S):
+            try:
+                self.monitor.sample()
+                for name in list(self.monitor.removing):  # its outputs are final: not shown
+                    if self.graph.source_done(name):
+                        self.forget(name)
+            except Exception as error:  # noqa: BLE001 - the view must not stop the run
+                log.error("sampling the graph failed", host=self.host,
+                          error=f"{type(error).__name__}: {error}")
+
+    def add(self, source: SourceConfig) -> None:
+        """Show ``source``, which the graph took (added while it runs); one that takes the
+        name of an ended source replaces it."""
+        with self._lock:
+            self.monitor.add(source)
+            self._sent.pop(source.name, None)
+
+    def mark_removing(self, name: str) -> None:
+        """Source ``name`` was asked to stop: ``removing`` until ``forget``."""
+        with self._lock:
+            self.monitor.mark_removing(name)
+
+    def forget(self, name: str) -> None:
+        """Stop showing source ``name`` (its outputs are final); idempotent. The sampling
+        thread does it by itself for a ``removing`` source once its outputs are final."""
+        with self._lock:
+            if name in self.monitor.names:
+                self.monitor.forget(name)
+            self._sent.pop(name, None)
+
+    def names(self) -> list[str]:
+        """The sources shown, in the order they came."""
+        return list(self.monitor.names)
+
+    def report(self, wanted: Collection[str]) -> ViewReport:
+        """What this host shows now (``ViewReport``); called by the host ~5-10 times a
+        second.
+
+        Args:
+            wanted: the sources a viewer watches now (the board's ``wanted(host)``): their
+                pictures keep coming (``PreviewHub.request``: for ``WANT_WINDOW_S`` after the
+                last report that wanted them), and each one newer than the one last reported
+                is JPEG-encoded here, in the caller's thread (OpenCV releases the GIL).
+        """
+        with self._lock:
+            ready = self.graph.ready.is_set()
+            self.graph.refresh_source_metrics()
+            counts = self.monitor.counts()
+            names = list(self.monitor.names)
+            sources = {name: self.monitor.source(name, counts, refresh=False) for name in names}
+            reasons = self.monitor.reasons({n: s["state"] for n, s in sources.items()}
+                                           ) if ready else []
+            pictures: dict[str, tuple[int, bytes]] = {}
+            for name in wanted:
+                if name not in sources:
+                    continue
+                self.hub.request(name)
+                sent = self._sent.get(name, 0)
+                if self.hub.activity(name).picture_seq <= sent:
+                    continue
+                try:
+                    picture = self.hub.jpeg(name)
+                except ValueError as error:  # one bad picture: the next may do
+                    log.warning("a preview could not be encoded", source=name, error=str(error))
+                    continue
+                if picture is not None and picture[0] > sent:
+                    pictures[name] = picture
+                    self._sent[name] = picture[0]
+        return ViewReport(self.host, ready, sources, pictures, reasons)
+
+
+class LocalPump:
+    """Feeds a ``SourceBoard`` from a ``HostView`` in the same process: a thread calls
+    ``board.update(view.report(board.wanted(host)))`` every ``PUMP_S``. ``start`` starts the
+    view too, ``close`` closes both. Its ``lock`` makes a report and its update one step
+    against a source shown or forgotten on both sides (``local_board``'s add and remove), so
+    the board never takes a report older than such a change."""
+
+    def __init__(self, board: SourceBoard, view: HostView, period_s: float = PUMP_S) -> None:
+        self.board, self.view, self.period_s = board, view, period_s
+        self.lock = threading.Lock()
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def pump(self) -> None:
+        """One report, taken and merged now."""
+        with self.lock:
+            self.board.update(self.view.report(self.board.wanted(self.view.host)))
+
+    def start(self) -> None:
+        """Start the view's sampling, report once, then start the pump thread."""
+        self.view.start()
+        self.pump()
+        self._closing.clear()
+        self._thread = threading.Thread(target=self._loop, name=f"view:{self.view.host}:pump",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the pump thread, then the view's sampling; idempotent."""
+        self._closing.set()
+        if self._thread is not None:
+            self._thread.join(CLOSE_TIMEOUT_S)
+            self._thread = None
+        self.view.close()
+
+    def __enter__(self) -> LocalPump:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _loop(self) -> None:
+        while not self._closing.wait(self.period_s):
+            try:
+                self.pump()
+            except Exception as error:  # noqa: BLE001 - the view must not stop the run
+                log.error("reporting the view failed", host=self.view.host,
+                          error=f"{type(error).__name__}: {error}")
+
+
+def local_board(graph: Any, hub: PreviewHub | None, config: PipelineConfig,
+                host: str = "pipeline0", stale_after_s: float = STALE_AFTER_S,
+                preview_fps: float | None = None) -> tuple[SourceBoard, HostView, LocalPump]:
+    """A ``SourceBoard`` fed by one graph of this process: its ``HostView`` and the
+    ``LocalPump`` that joins them (start the pump with the run, close it after).
+
+    The board's ``add`` is ``graph.control.add`` (then shown on both sides at once), its
+    ``remove`` is ``graph.control.remove`` and a wait until the outputs are final (then
+    forgotten on both sides: ``{"name", "state": "removed", "frames", "outputs"}``, each
+    output under its ``.partial`` name when cut short, or its final one; none for a source
+    that delivered no frame), or ``{"name", "state": "removing"}`` after ``wait_s`` (the
+    view forgets it once they are). A graph without ``control`` can neither (None: 501).
+
+    Args:
+        graph: the ``pipeline.graph.Graph`` (``control``: a ``SourceControl`` or None).
+        hub: the ``PreviewHub`` its sinks report to, or None.
+        config: its configuration.
+        host: the name the board shows it under.
+        stale_after_s: a live source with no frame this long is ``stalled``.
+        preview_fps: pictures per second and source (default: the hub's, else 5).
+    """
+    view = HostView(host, graph, hub, config, stale_after_s)
+    control = getattr(graph, "control", None)
+    pump: LocalPump
+
+    def add(data: Any) -> SourceConfig:
+        source: SourceConfig = control.add(data)
+        with pump.lock:
+            view.add(source)
+            board.added(source, host)
+            board.update(view.report(board.wanted(host)))  # its first state, not a placeholder
+        return source
+
+    def remove(name: str, wait_s: float) -> dict[str, Any]:
+        control.remove(name)  # SourceConflict: no source of that name
+        view.mark_removing(name)
+        deadline = time.monotonic() + wait_s
+        while not graph.source_done(name) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not graph.source_done(name):
+            return {"name": name, "state": "removing"}
+        frames = graph.source_metrics[name].frames_out
+        outputs = [str(partial_path(path) if partial_path(path).exists() else path)
+                   for path in control.output_paths(name)
+                   if path.exists() or partial_path(path).exists()]
+        with pump.lock:
+            view.forget(name)
+            board.forget(name)
+        return {"name": name, "state": "removed", "frames": frames, "outputs": outputs}
+
+    fps = preview_fps if preview_fps is not None else (hub.preview_fps if hub is not None
+                                                       else 5.0)
+    board = SourceBoard(add if control is not None else None,
+                        remove if control is not None else None, fps,
+                        order=[source.name for source in config.sources])
+    pump = LocalPump(board, view)
+    return board, view, pump

@@ -1,0 +1,290 @@
+"""The live view's control side (``pipeline.app.board``): two real pipelines (the sample
+clips paced as cameras, on the CPU with the test model), each with its ``HostView``, feeding
+one ``SourceBoard``: every source listed in config order with its host, pictures of the
+watched source only and from its own host, a host gone (its source ``reconnecting``) and the
+source placed on the other host; ``local_board``'s add and remove on a real pipeline; the
+board's merging rules step by step with reports made by hand; and the control side's imports
+(no stage, no OpenCV)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import cv2
+import httpx
+import numpy as np
+import pytest
+
+import pipeline.app.board as board_module
+from pipeline.app.board import SourceBoard, starting_json
+from pipeline.app.build import build_graph
+from pipeline.app.http import HttpServer
+from pipeline.app.view import HostView, LocalPump, ViewReport, local_board
+from pipeline.config import SourceConfig, build_section, parse_config
+from pipeline.graph import Graph, SourceConflict
+from tests.e2e.conftest import pipeline_config, wait_for
+from tests.support.live_view import running
+
+
+def jpeg_shape(data: bytes) -> tuple[int, ...]:
+    picture = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    assert picture is not None, "not a JPEG"
+    return picture.shape
+
+
+def camera(name: str, uri: Path, fps: int = 6) -> dict:
+    return {"name": name, "uri": str(uri), "pace_fps": fps, "live": True}
+
+
+# -- two real pipelines, one board -------------------------------------------------------------
+def test_two_hosts_on_one_board(samples, tmp_path: Path,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(board_module, "SILENT_AFTER_S", 1.0)
+    runtime = {"decode_workers": 0, "stop_when": "never", "http": {"port": 0}}
+    configs = [parse_config(pipeline_config(samples, tmp_path / host, sources, runtime=runtime))
+               for host, sources in (("pipeline0", [camera("street", samples.bikes)]),
+                                     ("pipeline1", [camera("car", samples.carphone)]))]
+    graphs = [build_graph(config) for config in configs]
+    board = SourceBoard(None, None, preview_fps=5, order=["street", "car"])
+    views = [HostView(f"pipeline{i}", graph, graph.preview, config)
+             for i, (graph, config) in enumerate(zip(graphs, configs))]
+    pumps = [LocalPump(board, view) for view in views]
+    with ExitStack() as stack:
+        for graph, pump in zip(graphs, pumps):
+            stack.enter_context(pump)
+            stack.enter_context(running(graph))
+        wait_for(lambda: board.health()["sources"] == {"street": "running", "car": "running"},
+                 30, "both hosts ready and running")
+        assert board.names() == ["street", "car"]
+        assert [board.source(n)["host"] for n in board.names()] == ["pipeline0", "pipeline1"]
+        health = board.health()
+        assert (health["status"], health["reasons"]) == ("ok", [])
+        assert {host: (h["ready"], h["sources"], h["gone"])
+                for host, h in health["hosts"].items()} == {"pipeline0": (True, 1, False),
+                                                            "pipeline1": (True, 1, False)}
+        assert all(h["report_age_s"] < 1 for h in health["hosts"].values())
+
+        # A snapshot asked of the car: only its host is asked for pictures, of it only.
+        board.request("car")
+        assert (board.wanted("pipeline0"), board.wanted("pipeline1")) == ([], ["car"])
+        wait_for(lambda: board.picture_number("car") >= 2, 10, "two pictures of the car")
+        number, data = board.picture("car")
+        assert jpeg_shape(data) == (144, 176, 3)
+        assert board.picture("street") is None
+        assert board.source("car")["picture"] == {"width": 176, "height": 144}
+
+        # pipeline1 stops reporting, then is gone: the car is moved to pipeline0.
+        pumps[1].close()
+        wait_for(lambda: "host pipeline1 has not reported for 1 s" in board.health()["reasons"],
+                 5, "the silent host named")
+        assert board.health()["status"] == "degraded"
+        board.host_gone("pipeline1")
+        car = board.source("car")
+        assert (car["state"], car["host"], car["fps"]) == ("reconnecting", "pipeline1", 0.0)
+        assert car["error"] == "its host pipeline1 stopped: being placed again"
+        health = board.health()
+        assert health["hosts"]["pipeline1"]["gone"] is True
+        assert "source car is reconnecting (its host pipeline1 stopped: being placed again)" \
+            in health["reasons"] and "host pipeline1 stopped" in health["reasons"]
+
+        moved = graphs[0].control.add(camera("car", samples.carphone))
+        with pumps[0].lock:
+            views[0].add(moved)
+            board.added(moved, "pipeline0")
+        assert board.names() == ["street", "car"]  # a move keeps its place
+        assert (board.source("car")["state"], board.source("car")["host"]) == ("starting",
+                                                                                "pipeline0")
+        wait_for(lambda: board.source("car")["state"] == "running", 20, "the car running again")
+        assert board.source("car")["host"] == "pipeline0"
+        board.request("car")  # (the first request's window may be over)
+        assert board.wanted("pipeline0") == ["car"] and board.wanted("pipeline1") == []
+        wait_for(lambda: board.picture_number("car") > number, 10, "a picture from pipeline0")
+        assert jpeg_shape(board.picture("car")[1]) == (144, 176, 3)
+        assert board.health()["sources"] == {"street": "running", "car": "running"}
+
+
+# -- local_board on a real pipeline ----------------------------------------------------------
+@pytest.fixture()
+def local(samples, tmp_path: Path) -> Iterator[tuple[SourceBoard, Graph]]:
+    config = parse_config(pipeline_config(
+        samples, tmp_path, [camera("street", samples.bikes)],
+        runtime={"decode_workers": 0, "stop_when": "never", "http": {"port": 0}}))
+    graph = build_graph(config)
+    board, view, pump = local_board(graph, graph.preview, config, host="gpu0")
+    assert view.host == "gpu0" and board.editable
+    with pump, running(graph):
+        wait_for(lambda: board.state("street") == "running", 30, "the street running")
+        yield board, graph
+
+
+def test_local_board_adds_and_removes_through_the_graph(local, samples, tmp_path: Path) -> None:
+    board, graph = local
+    source = board.add({"name": "car", "uri": str(samples.carphone), "pace_fps": 15})
+    assert source.name == "car" and board.names() == ["street", "car"]
+    car = board.source("car")
+    assert car["host"] == "gpu0" and car["live"] is False and car["state"] in ("starting",
+                                                                                "running")
+    with pytest.raises(SourceConflict, match="is in use"):
+        board.add({"name": "car", "uri": str(samples.carphone)})
+    wait_for(lambda: board.source("car")["frames"] >= 10, 30, "10 frames of the car")
+    answer = board.remove("car", 30)
+    assert answer["name"] == "car" and answer["state"] == "removed"
+    lines = (tmp_path / "car.partial.jsonl").read_text().splitlines()
+    assert answer["outputs"] == [str(tmp_path / "car.partial.jsonl")]
+    assert answer["frames"] == len(lines) >= 10
+    for _ in range(5):  # reports keep coming: it does not come back
+        time.sleep(0.1)
+        assert board.names() == ["street"] and board.source("car") is None
+    with pytest.raises(SourceConflict, match="no source named 'car'"):
+        board.remove("car", 1)
+    assert board.source("street")["state"] == "running"
+
+
+def test_a_removal_that_takes_longer_is_removing_then_leaves(local, samples) -> None:
+    board, graph = local
+    board.add({"name": "car", "uri": str(samples.carphone), "pace_fps": 15})
+    answer = board.remove("car", 0)  # no wait at all: answered before the outputs are final
+    assert answer == {"name": "car", "state": "removing"}
+    assert board.state("car") in ("removing", None)
+    wait_for(lambda: board.source("car") is None, 20, "the car to leave once final")
+    assert graph.source_done("car") and board.names() == ["street"]
+
+
+def test_a_stream_of_a_source_that_is_removed_ends(local, samples) -> None:
+    board, graph = local
+    config = parse_config(pipeline_config(samples, Path("."), [camera("street", samples.bikes)],
+                                          runtime={"http": {"port": 0}}))
+    server = HttpServer(config.runtime.http, board, config)
+    port = server.start()
+    board.add({"name": "car", "uri": str(samples.carphone), "pace_fps": 15, "live": True})
+    parts, removing_at = 0, 0.0
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client, \
+                client.stream("GET", "/api/sources/car/stream.mjpg") as stream:
+            for chunk in stream.iter_bytes():
+                parts += chunk.count(b"--frame\r\n")
+                if parts >= 2 and not removing_at:  # streaming: now remove it (a DELETE)
+                    removing_at = time.monotonic()
+                    threading.Thread(target=board.remove, args=("car", 30)).start()
+        assert time.monotonic() - removing_at < 10, "the stream did not end with its source"
+        assert board.source("car") is None
+    finally:
+        server.close()
+
+
+# -- the merging rules, step by step -------------------------------------------------------------
+def source_config(name: str, uri: str | None = None) -> SourceConfig:
+    return build_section(SourceConfig, {"name": name, "uri": uri or f"rtsp://cam/{name}"},
+                         "sources[0]")
+
+
+def shown(name: str, state: str = "running", frames: int = 0) -> dict:
+    """A source's JSON as a host reports it."""
+    return {**starting_json(source_config(name)), "state": state, "frames": frames}
+
+
+def report(host: str, *sources: dict, ready: bool = True, pictures: dict | None = None,
+           reasons: tuple[str, ...] = ()) -> ViewReport:
+    return ViewReport(host, ready, {s["name"]: s for s in sources}, pictures or {},
+                      list(reasons))
+
+
+def test_health_is_starting_until_every_host_is_ready_and_names_hosts_when_several() -> None:
+    board = SourceBoard(None, None, preview_fps=5, order=["a", "b"])
+    assert board.health() == {"status": "starting", "reasons": ["no pipeline has reported yet"],
+                              "sources": {}, "hosts": {}}
+    board.update(report("h0", shown("a"), ready=False))
+    health = board.health()
+    assert (health["status"], health["reasons"], health["sources"]) == (
+        "starting", ["the model is warming up"], {"a": "starting"})
+    board.update(report("h0", shown("a")))
+    assert board.health()["status"] == "ok"
+    board.update(report("h1", shown("b", "stalled"), ready=False))
+    assert board.health()["status"] == "starting"
+    board.update(report("h1", shown("b", "stalled"), reasons=("source b: no frame for 12 s",)))
+    health = board.health()
+    assert (health["status"], health["reasons"], health["sources"]) == (
+        "degraded", ["h1: source b: no frame for 12 s"], {"a": "running", "b": "stalled"})
+    with pytest.raises(RuntimeError, match="cannot add sources"):
+        board.add({"name": "c", "uri": "rtsp://cam/c"})
+
+
+def test_a_report_made_before_a_forget_does_not_bring_the_source_back() -> None:
+    board = SourceBoard(None, None, preview_fps=5)
+    board.update(report("h0", shown("a"), shown("b")))
+    old = report("h0", shown("a"), shown("b", "removing"))
+    board.forget("b")
+    board.update(old)  # made before the host forgot it
+    assert board.names() == ["a"]
+    board.update(report("h0", shown("a")))
+    board.update(report("h0", shown("a"), shown("b", "starting")))  # a new b, first reported
+    assert board.names() == ["a", "b"]
+
+
+def test_a_source_its_host_no_longer_reports_has_left_unless_pending() -> None:
+    config = source_config("c", "rtsp://u:pw@cam/c")
+    board = SourceBoard(None, None, preview_fps=5, order=["a", "b"])
+    board.update(report("h0", shown("b"), shown("a")))
+    assert board.names() == ["a", "b"]  # config order, whatever the host's
+    board.added(config, "h1")
+    assert board.names() == ["a", "b", "c"]
+    c = board.source("c")
+    assert (c["state"], c["host"], c["uri"]) == ("starting", "h1", "rtsp://***@cam/c")
+    board.update(report("h1"))  # made before it took c: c still pending
+    board.update(report("h0", shown("a")))  # b's outputs are final: it left
+    assert board.names() == ["a", "c"]
+    board.update(report("h1", shown("c", frames=3)))
+    assert board.source("c")["frames"] == 3
+
+
+def test_a_moved_source_is_shown_from_its_new_host_only_and_its_pictures_keep_rising() -> None:
+    board = SourceBoard(None, None, preview_fps=5, order=["a", "b"])
+    board.update(report("h0", shown("a", frames=50), shown("b", "ended", 9),
+                        pictures={"a": (7, b"jpeg-h0-7")}))
+    assert board.picture("a") == (1, b"jpeg-h0-7")  # numbered here
+    board.host_gone("h0")
+    assert board.source("a")["state"] == "reconnecting" and board.state("b") == "ended"
+    moved = source_config("a")
+    board.added(moved, "h1")
+    a = board.source("a")
+    assert (a["state"], a["host"], a["frames"]) == ("starting", "h1", 50)  # last counters
+    board.update(report("h1", shown("a", frames=2), pictures={"a": (1, b"jpeg-h1-1")}))
+    board.update(report("h0", shown("a", "removing", 51), pictures={"a": (8, b"old")}))
+    assert (board.source("a")["host"], board.source("a")["frames"]) == ("h1", 2)
+    assert board.picture("a") == (2, b"jpeg-h1-1")
+    # h0 came back without b, which had ended there: still shown, ended, until removed
+    assert board.names() == ["a", "b"] and board.state("b") == "ended"
+    board.forget("b")
+    assert board.names() == ["a"]
+
+
+def test_pictures_are_wanted_while_watched_or_for_a_while_after_a_snapshot(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(board_module, "WANT_WINDOW_S", 0.2)
+    board = SourceBoard(None, None, preview_fps=5)
+    board.update(report("h0", shown("a"), shown("b")))
+    board.update(report("h1", shown("c")))
+    assert board.wanted("h0") == [] and not board.watched("a")
+    board.request("a")
+    with board.watching("c"), board.watching("c"):
+        assert (board.wanted("h0"), board.wanted("h1")) == (["a"], ["c"])
+        assert board.viewers("c") == 2 and board.source("c")["viewers"] == 2
+    time.sleep(0.25)
+    assert (board.wanted("h0"), board.wanted("h1")) == ([], [])
+    assert board.source("c")["viewers"] == 0
+
+
+def test_the_control_side_imports_no_stage_and_no_encoder() -> None:
+    code = ("import sys, json, pipeline.app.http, pipeline.app.board; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('stages', 'cv2', 'kernels') or m in ('pipeline.app.view', 'pipeline.app.preview'))))")
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, cwd=Path(__file__).resolve().parents[3])
+    assert json.loads(found.stdout) == []
