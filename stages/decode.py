@@ -105,10 +105,18 @@ class Pacer:
         return time.time() - (time.monotonic() - self.next)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or ``taskset``'s
+    limit, or the share a supervisor gave this pipeline), not every core of the machine."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def decoder_threads(sources: int, cores: int | None = None) -> int:
     """FFmpeg threads per CPU-decoded source: the cores less two (the pipeline's own threads),
-    shared among the sources, at least one each."""
-    cores = cores or os.cpu_count() or 1
+    shared among the sources, at least one each (``cores``: default ``usable_cores()``)."""
+    cores = cores or usable_cores()
     return max(1, round((cores - 2) / max(sources, 1)))
 
 

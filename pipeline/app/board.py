@@ -214,8 +214,8 @@ class SourceBoard:
 
     def added(self, source: SourceConfig, host: str) -> None:
         """``source`` was placed on ``host`` (added, or moved there): shown at once as
-        ``starting`` (a moved one keeps its last counters) until that host reports it. A new
-        source (not a move) goes to the end of the list."""
+        ``starting`` (a moved one keeps its last counters) until that host reports it. A source
+        new to the board goes to the end of the list; a configured one keeps its place."""
         name = source.name
         with self._lock:
             moving = name in self._orphaned
@@ -229,7 +229,8 @@ class SourceBoard:
                 data = starting_json(source)
                 self._pictures.pop(name, None)
                 self._shown.pop(name, None)
-                self._order = [n for n in self._order if n != name] + [name]
+                if name not in self._order:  # a configured one keeps its place
+                    self._order.append(name)
             self._pending[name] = data
 
     def forget(self, name: str) -> None:

@@ -206,7 +206,8 @@ def check_sources(config: PipelineConfig, model: ModelSetup,
 def build_graph(config: PipelineConfig,
                 on_batch_done: Callable[[str, BatchDetections], None] | None = None,
                 profile_gpu: bool = False, start_sources: bool = True,
-                expected_sources: int | None = None, stop_when: str | None = None) -> Graph:
+                expected_sources: int | None = None, stop_when: str | None = None,
+                cores: int | None = None) -> Graph:
     """Create every stage the configuration asks for, connect them, and add the configured
     sources (``start_sources``) through ``graph.control``, the path every source takes.
 
@@ -222,6 +223,8 @@ def build_graph(config: PipelineConfig,
         expected_sources: how many sources the ring and the decode workers are sized for
             (default: every configured one).
         stop_when: overrides ``runtime.stop_when`` (a host's graph: ``never``).
+        cores: the cores its decode workers and FFmpeg threads are sized for (default: the
+            cores this process may use; a supervisor gives each of its hosts a share).
     """
     from pipeline.app.control import SourceControl  # it builds sources with this module
 
@@ -245,12 +248,12 @@ def build_graph(config: PipelineConfig,
     expected = len(config.sources) if expected_sources is None else expected_sources
     on_cpu = math.ceil(kinds.count("cpu") * expected / max(1, len(config.sources)))
     workers = config.runtime.decode_workers
-    workers = min(on_cpu, default_worker_count(on_cpu) if workers is None else workers)
+    workers = min(on_cpu, default_worker_count(on_cpu, cores) if workers is None else workers)
     ring = SlotRing(frame_slots(config, expected), slot_bytes, pinned=gpu is not None,
                     shared=workers > 0)
     log.info("frame slots allocated", slots=ring.slots, pinned=ring.pinned,
              shared=ring.shm_name is not None, mb=round(ring.slots * slot_bytes / 2**20, 1))
-    threads = decoder_threads(on_cpu)
+    threads = decoder_threads(on_cpu, cores)
     pool = DecodeWorkerPool(config, ring, workers, threads) if workers else None
     video = config.output.video is not None
     http = config.runtime.http

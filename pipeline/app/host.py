@@ -146,16 +146,19 @@ class PipelineHost:
             source needs; which sources run here is the supervisor's choice.
         name: this host's name in logs and metrics (``pipeline0``, ``gpu0``, ``actor1``).
         expected_sources: how many sources the graph is sized for (its share).
+        cores: the cores its decode workers are sized for (its share of the supervisor's;
+            default: the cores this process may use).
         on_batch_done: called from a sink thread per batch part (the Python API, in-process).
         metrics: read the graph's Prometheus metrics for ``poll(metrics=True)``.
     """
 
     def __init__(self, config: PipelineConfig, name: str, expected_sources: int | None = None,
                  on_batch_done: Callable[[str, BatchDetections], None] | None = None,
-                 metrics: bool = False) -> None:
+                 metrics: bool = False, cores: int | None = None) -> None:
         self.config = config
         self.name = name
         self.expected_sources = expected_sources
+        self.cores = cores
         self._on_batch_done = on_batch_done
         self._metrics = metrics
         self.graph: Any = None
@@ -291,12 +294,13 @@ class PipelineHost:
 
         try:
             graph = build_graph(self.config, on_batch_done=batch_done, start_sources=False,
-                                expected_sources=self.expected_sources, stop_when="never")
+                                expected_sources=self.expected_sources, stop_when="never",
+                                cores=self.cores)
         except (ConfigError, BackendUnavailable) as error:
             self._fail(str(error), usage=True)
             return
         except Exception as error:  # noqa: BLE001 - reported to the supervisor
-            self._fail(f"{type(error).__name__}: {error}", usage=False)
+            self._fail(f"failed to start: {type(error).__name__}: {error}", usage=False)
             return
         if self._metrics:
             self._collector = GraphCollector(graph, latency)
@@ -393,7 +397,7 @@ def _name_of(source: SourceConfig | dict) -> str | None:
 
 def host_main(name: str, device: int | None, config: PipelineConfig, conn: Connection,
               metrics: bool, cpus: list[int] | None = None,
-              expected_sources: int | None = None) -> None:
+              expected_sources: int | None = None, cores: int | None = None) -> None:
     """A host in a spawned process: build and run its graph, serve the supervisor's calls
     from ``conn`` and send it a ``HostReport`` whenever there is news (a metrics snapshot
     every ``METRICS_EVERY_S`` when ``metrics``, a live-view report every ``VIEW_EVERY_S``
@@ -410,6 +414,8 @@ def host_main(name: str, device: int | None, config: PipelineConfig, conn: Conne
             None for all: hosts on the CPU path share the cores out, else each would size
             its inference threads for every core and they would fight over them.
         expected_sources: its share of the sources (sizes its ring and decode workers).
+        cores: its share of the supervisor's cores (sizes its decode workers) when ``cpus``
+            does not pin it to them.
     """
     from pipeline.app.workers import name_this_process
     from pipeline.logging import configure_logging
@@ -424,7 +430,8 @@ def host_main(name: str, device: int | None, config: PipelineConfig, conn: Conne
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(config.runtime.log_format, config.runtime.log_level)
-    host = PipelineHost(config, name, expected_sources, metrics=metrics)
+    host = PipelineHost(config, name, expected_sources, metrics=metrics,
+                        cores=None if cpus else cores)
     host.start()
     view = config.runtime.http is not None
     exiting = ready = False

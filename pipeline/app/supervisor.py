@@ -639,7 +639,10 @@ class LocalExecutor:
         self.devices = devices
         self.metrics = metrics
         self.names = host_names(devices)
+        # The CPU path pins each host to its share of the cores; a GPU host sizes its decode
+        # workers for its share without being pinned (its threads feed the GPU).
         self.cpus = share_cores(len(devices)) if all(d is None for d in devices) else None
+        self.cores = max(1, usable_cores() // len(devices))
         self.processes: dict[int, Any] = {}
         self.conns: dict[int, Connection] = {}
         self._context = multiprocessing.get_context("spawn")
@@ -650,7 +653,7 @@ class LocalExecutor:
             target=host_main, name=f"streamdet-{self.names[host]}", daemon=False,
             args=(self.names[host], self.devices[host], self.config, theirs, self.metrics,
                   self.cpus[host] if self.cpus else None,
-                  -(-len(self.config.sources) // len(self.devices))))
+                  -(-len(self.config.sources) // len(self.devices)), self.cores))
         process.start()
         theirs.close()
         self.processes[host], self.conns[host] = process, ours
@@ -704,6 +707,13 @@ class LocalExecutor:
                 process.kill()
                 process.join(1.0)
             self.conns[host].close()
+
+
+def usable_cores() -> int:
+    """The cores this process may use (``stages.decode.usable_cores``: its CPU affinity)."""
+    from stages.decode import usable_cores as cores
+
+    return cores()
 
 
 def share_cores(hosts: int) -> list[list[int]] | None:

@@ -67,8 +67,11 @@ POLL_S = 0.2
 
 def default_worker_count(sources: int, cores: int | None = None) -> int:
     """Decode workers when ``runtime.decode_workers`` is null: one per source, at most the
-    core count less two (the pipeline's own threads need cores too), at least one."""
-    cores = cores or os.cpu_count() or 1
+    core count less two (the pipeline's own threads need cores too), at least one
+    (``cores``: default the cores this process may use, ``stages.decode.usable_cores``)."""
+    from stages.decode import usable_cores
+
+    cores = cores or usable_cores()
     return max(1, min(sources, cores - 2))
 
 

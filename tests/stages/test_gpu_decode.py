@@ -70,7 +70,7 @@ def test_the_live_view_keeps_gpu_decode(samples, monkeypatch, decode):
     config = parse_config({"sources": [{"name": "b", "uri": str(samples.bikes), "decode": decode}],
                            "model": {"path": str(samples.model)}, "output": {"video": None},
                            "runtime": {"http": {"port": 0}}})
-    assert build.decoder_kind(config, 0, ON_GPU) == "gpu"
+    assert build.decoder_kind(config, config.sources[0], "sources[0]", ON_GPU) == "gpu"
 
 
 class RecordingTap:

@@ -1,0 +1,132 @@
+"""One way to run at any scale: ``runtime.pipelines: 2`` with the live view, through ``run.py``
+as users run it (local processes, and Ray actors with ``--ray local``).
+
+The page (a real headless Chromium) shows every source of both pipeline hosts with a
+changing preview; ``POST /api/sources`` adds a file that completes with every record;
+``DELETE`` stops a camera; health and ``/metrics`` cover both hosts. The other sources lose
+no frame and are never restarted: each was placed once, never moved, and its records are
+one run's (frame numbers 0, 1, 2, ... with no gap and no resume)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.e2e.conftest import pipeline_config, records
+from tests.support.browser import headless_page, require_chromium
+from tests.support.harness import wait_for
+
+pytestmark = pytest.mark.slow
+
+STREET_FRAMES = 250  # bikes.mp4
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def picture(page, name: str) -> np.ndarray:
+    """The preview of ``name`` as the page shows it (decoded from a screenshot)."""
+    import cv2
+
+    png = page.locator(f'.source[data-source="{name}"] img').screenshot()
+    return cv2.imdecode(np.frombuffer(png, np.uint8), cv2.IMREAD_COLOR)
+
+
+@pytest.mark.parametrize("mode", ["processes", "ray"])
+def test_two_pipelines_one_live_view_add_and_remove_without_touching_the_others(
+        mode, samples, tmp_path: Path, rtsp_server, run_pipeline) -> None:
+    chromium = require_chromium()
+    if mode == "ray":
+        from tests.e2e.test_cluster import require_ray
+
+        require_ray()
+    cameras = rtsp_server({"door": "live:5", "yard": "live:5"})  # 5 frames/s: CI has 2 cores
+    http_port, metrics_port = free_port(), free_port()
+    config = pipeline_config(
+        samples, tmp_path,
+        [{"name": "street", "uri": str(samples.bikes), "pace_fps": 10, "detect_every": 2},
+         {"name": "door", "uri": cameras.url("door")},
+         {"name": "yard", "uri": cameras.url("yard")}],
+        runtime={"pipelines": 2, "stop_when": "never", "decode_workers": 0,
+                 "http": {"port": http_port, "preview_fps": 4}, "metrics_port": metrics_port})
+    config["output"]["video"] = None
+    run = run_pipeline(config, tmp_path, extra_args=["--ray", "local"] if mode == "ray" else [])
+    base = f"http://127.0.0.1:{http_port}/"
+    with httpx.Client(base_url=base, timeout=30) as client:
+        def health() -> dict:
+            try:
+                return client.get("api/health").json()
+            except httpx.HTTPError:
+                return {}
+
+        wait_for(lambda: health().get("status") == "ok"
+                 and all(s == "running" for s in health()["sources"].values()),
+                 "every source running", 180, run)
+        sources = {s["name"]: s for s in client.get("api/sources").json()["sources"]}
+        assert list(sources) == ["street", "door", "yard"]
+        hosts = {s["host"] for s in sources.values()}
+        names = ({"pipeline0", "pipeline1"} if mode == "processes" else {"actor0", "actor1"})
+        assert hosts == names, sources  # both hosts run some
+        assert set(health()["hosts"]) == names
+
+        with headless_page(chromium) as page:
+            page.goto(base)
+            cards = page.locator(".source").evaluate_all("cards => cards.map(c => c.dataset.source)")
+            assert cards == ["street", "door", "yard"]
+            for name in cards:
+                page.wait_for_function(
+                    f"""() => {{ const img = document.querySelector(
+                                   '.source[data-source="{name}"] img');
+                                return img && img.complete && img.naturalWidth > 0; }}""",
+                    timeout=30_000)
+                assert page.locator(f'.source[data-source="{name}"] [data-field=host]'
+                                    ).text_content() == sources[name]["host"]
+            first = picture(page, "street")
+            time.sleep(2.0)
+            second = picture(page, "street")
+            changed = np.abs(first.astype(np.int16) - second.astype(np.int16)).max(axis=2) > 24
+            assert changed.mean() > 0.01, f"the preview did not move: {changed.mean():.4f}"
+
+        # Prometheus: every host's samples on the one endpoint.
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
+        assert all(f'pipeline="{host}"' in metrics for host in names)
+
+        # A file added while the others run completes with every record.
+        added = client.post("api/sources", json={"name": "car", "uri": str(samples.carphone),
+                                                 "detect_every": 2})
+        assert added.status_code == 201, added.text
+        wait_for(lambda: health().get("sources", {}).get("car") == "ended", "car ended", 180,
+                 run)
+        car = records(tmp_path / "car.jsonl")
+        assert [r["frame"] for r in car] == list(range(len(car))) and len(car) > 50
+        # A camera removed: its outputs are final, the others go on.
+        removed = client.delete("api/sources/yard")
+        assert removed.status_code == 200, removed.text
+        assert removed.json()["outputs"] == [str(tmp_path / "yard.jsonl")]
+        wait_for(lambda: health().get("sources", {}).get("street") == "ended", "street ended",
+                 180, run)
+        assert set(health()["sources"]) == {"street", "door", "car"}
+    run.signal(signal.SIGINT)
+    assert run.wait(60) == 0, run.stderr()[-3000:]
+
+    # Nothing of the others was cut, moved or resumed: each placed once, one run's records.
+    placed = [e["source"] for e in run.events("source placed")]
+    assert sorted(placed) == ["door", "street", "yard"], placed
+    assert not run.events("moving a source: cutting it short where it runs")
+    street = records(tmp_path / "street.jsonl")
+    assert [r["frame"] for r in street] == list(range(STREET_FRAMES))
+    for camera in ("door", "yard"):  # numbered on from one connection: gaps are drops only
+        frames = [r["frame"] for r in records(tmp_path / f"{camera}.jsonl")]
+        summary = next(e for e in run.events("source summary") if e["source"] == camera)
+        assert frames == sorted(set(frames)) and len(frames) > 20
+        assert frames[-1] - frames[0] + 1 - len(frames) <= summary["dropped"], summary
+    assert not list(tmp_path.glob("*.partial.*"))
