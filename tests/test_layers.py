@@ -7,6 +7,7 @@ Read from the source (``ast``), every import counted, also those inside function
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,55 @@ def test_a_core_module_that_imported_a_stage_would_be_caught(tmp_path: Path) -> 
     assert reaches(imported, "stages") == ["stages.sinks", "stages.sinks.SinkStage"]
     assert reaches(imported, "pipeline.app") == ["pipeline.app.http"]
 
+
+
+def import_cycles(paths: list[Path]) -> list[list[str]]:
+    """The groups of modules among ``paths`` that import each other in a loop (strongly
+    connected components of more than one module; lazy and ``TYPE_CHECKING`` imports count)."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in paths}
+    edges = {name: {m for m in imported_modules(path) if m in modules and m != name}
+             for name, path in modules.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(name: str) -> None:  # Tarjan's algorithm
+        order[name] = low[name] = len(order)
+        stack.append(name)
+        for other in sorted(edges[name]):
+            if other not in order:
+                visit(other)
+                low[name] = min(low[name], low[other])
+            elif other in stack:
+                low[name] = min(low[name], order[other])
+        if low[name] == order[name]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == name:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for name in sorted(edges):
+        if name not in order:
+            visit(name)
+    return cycles
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """The app layer, the core and the stages have no import loop (cli <-> supervisor and
+    sinks -> preview -> annotate were ones)."""
+    assert import_cycles(modules_of("pipeline") + modules_of("stages")) == []
+
+
+def test_a_loop_would_be_caught(tmp_path: Path, monkeypatch) -> None:
+    package = tmp_path / "loop"
+    package.mkdir()
+    (package / "a.py").write_text("from loop.b import x\n")
+    (package / "b.py").write_text("def f():\n    import loop.a\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert import_cycles(sorted(package.glob("*.py"))) == [["loop.a", "loop.b"]]

@@ -47,20 +47,40 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.config import SourceConfig, redact_url
 from pipeline.graph import SourceConflict
 
-if TYPE_CHECKING:
-    from pipeline.app.view import ViewReport
-
-__all__ = ["SourceBoard", "SourceConflict"]
+__all__ = ["SourceBoard", "SourceConflict", "ViewReport"]
 
 WANT_WINDOW_S = 5.0  # a snapshot request keeps its source's pictures coming this long
 SILENT_AFTER_S = 3.0  # a host that has not reported this long is a health reason
 FINAL_STATES = ("ended", "failed")
+
+
+@dataclass(frozen=True)
+class ViewReport:
+    """What one host shows now (picklable: sent over a pipe, or by Ray).
+
+    Attributes:
+        host: the host's name (``pipeline0``, ``gpu0``, ...).
+        ready: its graph has opened its stages (``graph.ready``: the model is warm).
+        sources: source name -> that source's JSON exactly as ``GET /api/sources`` gives it
+            (``SourceMonitor.source``; the board adds ``host`` and its own ``viewers``), for
+            every source the host shows, in the order it took them.
+        pictures: source name -> (picture number on this host, JPEG bytes), only for the
+            wanted sources whose latest picture is newer than the one last reported.
+        reasons: why the host is not healthy, one line each (``SourceMonitor.reasons``:
+            sources failed, reconnecting or stalled, queues full); empty while not ``ready``.
+    """
+
+    host: str
+    ready: bool
+    sources: dict[str, dict[str, Any]]
+    pictures: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
 
 
 @dataclass

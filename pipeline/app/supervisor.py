@@ -96,7 +96,9 @@ class _HostState:
     gone: bool = False  # given up: no more restarts
     attempts: int = 0  # restart attempts in a row that found it not back yet
     finished: bool = False  # its graph's run returned
-    ready: bool = False
+    ready: bool = False  # its graph has started (the model is warm)
+    failed: bool = False  # its graph failed: nothing more is placed on it
+    rebalance: bool = False  # restarted: even the loads onto it once it is ready
 
 
 @dataclass
@@ -251,7 +253,7 @@ class Supervisor:
             check_config(dataclasses.replace(self.config, sources=[*others, source]))
         load = load or probe_load(source)  # outside the lock: it may open the file
         with self._lock:
-            live = [h for h, state in self.hosts.items() if state.alive]
+            live = self._placeable_hosts()
             if not live:
                 raise SourceConflict("no pipeline is running: no source can be added")
             self.loads[source.name] = load
@@ -370,6 +372,13 @@ class Supervisor:
     def _live_hosts(self) -> list[int]:
         return [host for host, state in self.hosts.items() if state.alive]
 
+    def _placeable_hosts(self) -> list[int]:
+        """The hosts sources may go to: alive, not failed, and ready (the model warm) when
+        any is: a restarting host takes sources once it can run them."""
+        hosts = [h for h, state in self.hosts.items() if state.alive and not state.failed]
+        ready = [h for h in hosts if self.hosts[h].ready]
+        return ready or hosts
+
     def _live_unfinished_hosts(self) -> list[int]:
         return [host for host, state in self.hosts.items() if state.alive and not state.finished]
 
@@ -405,6 +414,9 @@ class Supervisor:
         """Take in one report; returns the frames done since the previous one."""
         state = self.hosts[host]
         state.ready, state.finished = report.ready, report.finished
+        if state.ready and state.rebalance:
+            state.rebalance = False
+            self._changed.set()  # the next turn evens the loads, moving sources onto it
         done = 0
         with self._lock:
             for reply in report.replies:
@@ -422,6 +434,7 @@ class Supervisor:
             if report.failure is not None and self.failure is None:
                 self.failure = (report.failure, report.usage)
             if report.failure is not None:
+                state.failed = True
                 for name, run in self.sources.items():
                     if run.host == host and name not in self.results:
                         run.host = None
@@ -530,10 +543,10 @@ class Supervisor:
             if back:
                 state.restarts += 1
                 state.alive, state.restart_at, state.attempts = True, None, 0
-                state.finished = False
-                log.info("pipeline host restarted: rebalancing onto it",
-                         host=self.executor.names[host], restarts=state.restarts)
-                self._changed.set()  # the next turn evens the loads, moving sources to it
+                state.finished = state.ready = False
+                state.rebalance = True  # once it is ready
+                log.info("pipeline host restarted: the loads are evened onto it once it is "
+                         "ready", host=self.executor.names[host], restarts=state.restarts)
             elif back is None or state.attempts >= MAX_RESTART_ATTEMPTS:
                 state.gone = True
                 log.error("pipeline host gone for good", host=self.executor.names[host])
@@ -544,7 +557,7 @@ class Supervisor:
     def _place(self, max_moves: int) -> None:
         """Place every unfinished source on a live host; cut short the sources that move
         (each resumes on its new host once its old one reported its end)."""
-        live = self._live_hosts()
+        live = self._placeable_hosts()
         with self._lock:
             names = [n for n in self._unfinished() if not self.sources[n].removing]
             loads = [self.loads[name] for name in names if name in self.loads]

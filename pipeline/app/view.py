@@ -47,7 +47,7 @@ from typing import Any
 
 import structlog
 
-from pipeline.app.board import SourceBoard
+from pipeline.app.board import SourceBoard, ViewReport
 from pipeline.app.preview import PreviewHub
 from pipeline.config import PipelineConfig, SourceConfig, partial_path, redact_url
 from pipeline.metrics import STALE_AFTER_S, source_state
@@ -60,31 +60,6 @@ FPS_WINDOW_S = 5.0
 FULL_FOR_S = 2.0  # a queue full in every sample this long is a health reason
 PUMP_S = 0.1  # local_board: a report this often
 CLOSE_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class ViewReport:
-    """What one host shows now (picklable: sent over a pipe, or by Ray).
-
-    Attributes:
-        host: the host's name (``pipeline0``, ``gpu0``, ...).
-        ready: its graph has opened its stages (``graph.ready``: the model is warm).
-        sources: source name -> that source's JSON exactly as ``GET /api/sources`` gives it
-            (``SourceMonitor.source``; the board adds ``host`` and its own ``viewers``), for
-            every source the host shows, in the order it took them.
-        pictures: source name -> (picture number on this host, JPEG bytes), only for the
-            wanted sources whose latest picture is newer than the one last reported.
-        reasons: why the host is not healthy, one line each (``SourceMonitor.reasons``:
-            sources failed, reconnecting or stalled, queues full); empty while not ``ready``.
-    """
-
-    host: str
-    ready: bool
-    sources: dict[str, dict[str, Any]]
-    pictures: dict[str, tuple[int, bytes]] = field(default_factory=dict)
-    reasons: list[str] = field(default_factory=list)
-
-
 
 
 @dataclass

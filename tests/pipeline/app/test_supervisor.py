@@ -26,6 +26,11 @@ from pipeline.config import ConfigError, SourceConfig, parse_config
 from pipeline.graph import SourceConflict
 
 
+def Report(*args, **kwargs) -> HostReport:  # noqa: N802 - reads as the record it makes
+    """A report of a host whose graph is ready (the scripted hosts always are)."""
+    return HostReport(*args, **{"ready": True, **kwargs})
+
+
 class ScriptedExecutor:
     """Hosts that run nothing: every ``add`` is accepted (or refused, ``refuse``); the test
     ends sources and kills hosts. Records every call."""
@@ -53,22 +58,22 @@ class ScriptedExecutor:
                     source = SourceConfig(**source)
                 if source.name in self.refuse:
                     error, conflict = self.refuse[source.name]
-                    self.reports[host].append(HostReport(
+                    self.reports[host].append(Report(
                         (Reply(request.id, error=error, conflict=conflict),)))
                     return
                 self.running[source.name] = (host, request)
-                self.reports[host].append(HostReport((Reply(request.id, source),)))
+                self.reports[host].append(Report((Reply(request.id, source),)))
             elif method == "remove" and args[0] in self.running:
                 self._end(args[0], complete=False)
             elif method == "stop":
                 for name, (h, _) in list(self.running.items()):
                     if h == host:
                         self._end(name, complete=True)
-                self.reports[host].append(HostReport(finished=True))
+                self.reports[host].append(Report(finished=True))
 
     def _end(self, name: str, complete: bool, error: str | None = None) -> None:
         host, _ = self.running.pop(name)
-        self.reports[host].append(HostReport(ended=(SourceEnded(
+        self.reports[host].append(Report(ended=(SourceEnded(
             name, error, complete, None if complete else "stopped at frame 5 of 60", 5,
             {"source": name}),)))
 
@@ -79,6 +84,8 @@ class ScriptedExecutor:
 
     def restart(self, host: int) -> bool:
         self.calls.append((host, "restart_host", ()))
+        with self.lock:
+            self.reports[host].append(Report())  # its graph is ready again
         return True
 
     def close(self) -> None:
@@ -222,7 +229,7 @@ def test_a_pipeline_that_cannot_start_fails_its_sources_once(config):
     wait_until(lambda: len(executor.running) == 4, "four sources")
     with executor.lock:
         executor.running.clear()
-        executor.reports[0].append(HostReport(failure="inference.device: 'cuda' cannot be used",
+        executor.reports[0].append(Report(failure="inference.device: 'cuda' cannot be used",
                                               usage=True, finished=True))
     thread.join(5)
     assert not thread.is_alive()
