@@ -76,10 +76,14 @@ def test_default_worker_count(sources: int, cores: int, expected: int) -> None:
     assert default_worker_count(sources, cores) == expected
 
 
-def test_default_worker_count_reads_the_core_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+def test_default_worker_count_reads_the_cores_this_process_may_use(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU affinity (a container's or taskset's limit), not every core of the machine."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
     assert default_worker_count(10) == 4
-    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert default_worker_count(10, cores=3) == 1  # a host's share
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert default_worker_count(10) == 1
 
 
