@@ -14,16 +14,15 @@ import pytest
 from pipeline.app.cli import main
 from stages.backends.base import detect_layout, metadata_names, read_model_info
 from tests.e2e.conftest import pipeline_config
-from tests.support import read_frames, write_clip
+from tests.support.clips import ClipFactory
 from tests.support.layouts import to_end2end, to_yolov5_layout
 
 CONF, IOU = 0.25, 0.45  # the configuration's defaults, also inside the end-to-end graph
 
 
 @pytest.fixture(scope="module")
-def clip(samples, tmp_path_factory) -> Path:
-    return write_clip(tmp_path_factory.mktemp("clip") / "bikes60.mp4",
-                      read_frames(samples.bikes, 60), (640, 272))
+def clip(make_clip: ClipFactory) -> Path:
+    return make_clip("bikes", 60, (640, 272))
 
 
 def detections(samples, tmp_path: Path, clip: Path, model: Path, inference: dict | None = None,

@@ -16,14 +16,13 @@ from pipeline.app.workers import WorkerSource
 from pipeline.config import parse_config
 from pipeline.records import BatchDetections
 from tests.e2e.conftest import Run, pipeline_config, records, wait_for
-from tests.support import read_frames, write_clip
+from tests.support.clips import ClipFactory
 
 
 @pytest.fixture(scope="module")
-def clip(samples, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def clip(make_clip: ClipFactory) -> Path:
     """A 30-frame street clip."""
-    out = tmp_path_factory.mktemp("worker-e2e")
-    return write_clip(out / "street.mp4", read_frames(samples.bikes, 30), (320, 136))
+    return make_clip("bikes", 30, (320, 136))
 
 
 # -- processes and shared memory, read from /proc ---------------------------------------------
