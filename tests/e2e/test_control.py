@@ -6,7 +6,6 @@ bad bodies answered with the configuration file's one-line messages."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from pipeline.app.http import HttpServer
 from pipeline.config import ConfigError, parse_config
 from tests.e2e.conftest import pipeline_config
 from tests.support import free_port
+from tests.support.harness import wait_for
 from tests.support.live_view import running
 
 BIKES_FRAMES, CARPHONE_FRAMES = 250, 120
@@ -25,14 +25,6 @@ BIKES_FRAMES, CARPHONE_FRAMES = 250, 120
 
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture()
@@ -72,8 +64,8 @@ def test_add_and_remove_sources_while_others_run(api, samples, tmp_path: Path) -
     assert [s["name"] for s in client.get("/api/sources").json()["sources"]] == [
         "street", "door", "car", "yard"]
 
-    wait_for(lambda: client.get("/api/sources/yard").json()["frames"] >= 10, 60,
-             "10 frames of the added camera")
+    wait_for(lambda: client.get("/api/sources/yard").json()["frames"] >= 10,
+             "10 frames of the added camera", 60)
     assert state(client, "street") == "running" and state(client, "door") == "running"
     removed = client.delete("/api/sources/yard")  # while street and door (at least) run
     assert removed.status_code == 200, removed.text
@@ -87,7 +79,7 @@ def test_add_and_remove_sources_while_others_run(api, samples, tmp_path: Path) -
     assert client.delete("/api/sources/yard").status_code == 404
 
     wait_for(lambda: state(client, "street") == "ended" and state(client, "car") == "ended",
-             180, "the two files to end")
+             "the two files to end", 180)
     for name, frames in (("street", BIKES_FRAMES), ("car", CARPHONE_FRAMES)):
         assert [r["frame"] for r in records(tmp_path / f"{name}.jsonl")] == list(range(frames))
     ended = client.delete("/api/sources/car")  # an ended card goes
@@ -99,8 +91,8 @@ def test_add_and_remove_sources_while_others_run(api, samples, tmp_path: Path) -
     # A removed source's name may be used again: its new outputs get numbered names.
     again = client.post("/api/sources", json={"name": "yard", "uri": run["yard"]})
     assert again.status_code == 201, again.text
-    wait_for(lambda: client.get("/api/sources/yard").json()["frames"] >= 5, 60,
-             "frames of the camera added again")
+    wait_for(lambda: client.get("/api/sources/yard").json()["frames"] >= 5,
+             "frames of the camera added again", 60)
     removed = client.delete("/api/sources/yard").json()
     assert removed["outputs"] == [str(tmp_path / "yard.2.jsonl")]
     assert len(records(tmp_path / "yard.2.jsonl")) == removed["frames"] >= 5

@@ -15,8 +15,9 @@ from pipeline.app.build import build_graph
 from pipeline.app.workers import WorkerSource
 from pipeline.config import parse_config
 from pipeline.records import BatchDetections
-from tests.e2e.conftest import Run, pipeline_config, records, wait_for
+from tests.e2e.conftest import Run, pipeline_config, records
 from tests.support.clips import ClipFactory
+from tests.support.harness import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +81,8 @@ def start_two_files(samples, clip: Path, tmp_path: Path, run_pipeline,
     sources = [{"name": "bikes", "uri": str(samples.bikes)}, {"name": "street", "uri": str(clip)}]
     run = run_pipeline(pipeline_config(samples, tmp_path, sources,
                                        runtime={"decode_workers": 2}), tmp_path, new_session)
-    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, 90,
-             "the first frames", run)
+    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, "the first frames",
+             90, run)
     pid = run.process.pid
     workers = decode_workers(pid)
     segments = shm_segments(pid)

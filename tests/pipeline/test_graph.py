@@ -15,6 +15,7 @@ from pipeline.records import BatchDetections, EndOfStream, Frame, FrameBatch
 from pipeline.slots import SlotRing
 from pipeline.stage import SourceStage, Stage
 from stages.batcher import BatcherStage
+from tests.support.harness import wait_for
 
 NAMES = ("a", "b", "cam", "clip", "file")
 
@@ -336,9 +337,7 @@ def test_by_default_cameras_keep_running_after_the_files_ended() -> None:
     sinks = {"cam": ListSink("sink:cam"), "clip": ListSink("sink:clip")}
     graph = Graph([cam, clip], chain_of(Tag("one")), sinks, 2)  # type: ignore[arg-type]
     thread = run_in_thread(graph)
-    deadline = time.monotonic() + 10
-    while not graph.source_done("clip") and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: graph.source_done("clip"), "the clip to end")
     assert graph.source_done("clip") and sinks["clip"].closed  # finalised as it ended
     assert sinks["clip"].frames == list(range(20))
     time.sleep(0.3)
@@ -354,9 +353,7 @@ def test_stop_when_never_runs_on_with_no_source_left_and_takes_new_ones() -> Non
     graph = Graph([clip], chain_of(Tag("one")), sinks, 2,  # type: ignore[arg-type]
                   stop_when="never")
     thread = run_in_thread(graph)
-    deadline = time.monotonic() + 10
-    while not graph.source_done("clip") and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: graph.source_done("clip"), "the clip to end")
     time.sleep(0.3)
     assert thread.is_alive()  # every source ended, and the run goes on
     late, late_sink = ListSource("late", 7, delay_s=0.1), ListSink("sink:late")
@@ -368,9 +365,8 @@ def test_stop_when_never_runs_on_with_no_source_left_and_takes_new_ones() -> Non
     again, again_sink = ListSource("clip", 3), ListSink("sink:clip2")
     graph.chain[0].add_source("clip")
     graph.add_source(again, again_sink)
-    while not (graph.source_done("late") and graph.source_done("clip")) \
-            and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: graph.source_done("late") and graph.source_done("clip"),
+             "the late source and the clip added again to end")
     assert late_sink.frames == list(range(7)) and late_sink.closed
     assert again_sink.frames == list(range(3)) and again_sink.closed
     assert sinks["clip"].frames == list(range(5))
@@ -390,9 +386,7 @@ def test_a_removed_source_ends_cleanly_while_another_runs() -> None:
     thread = run_in_thread(graph)
     time.sleep(0.3)
     graph.remove_source("clip")
-    deadline = time.monotonic() + 10
-    while not graph.source_done("clip") and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: graph.source_done("clip"), "the clip to end")
     count = len(sinks["clip"].frames)
     assert 0 < count < 100_000 and sinks["clip"].frames == list(range(count))
     assert [e.frames for e in sinks["clip"].ends] == [count]

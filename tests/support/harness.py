@@ -126,7 +126,7 @@ class Running(Protocol):
     def stderr(self) -> str: ...
 
 
-def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 10.0,
+def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 15.0,
              run: Running | None = None, interval_s: float = 0.02) -> None:
     """Poll ``condition`` until it is true; fail naming ``what`` after ``timeout_s``. With
     ``run``, fail at once when its process exits first, and show its log's tail."""

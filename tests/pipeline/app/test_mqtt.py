@@ -26,20 +26,12 @@ from structlog.testing import capture_logs
 from pipeline.app.mqtt import FLUSH_S, GOODBYE_S, MqttPublisher
 from pipeline.config import ConfigError, MqttConfig
 from tests.support import MosquittoBroker, require_mosquitto
+from tests.support.harness import wait_for
 from tests.support.mosquitto import free_loopback_port, make_tls_files
 
 TIMEOUT_S = 15.0  # for any one condition; the tests take far less when they pass
 PUBLISHER_PASSWORD = "pub-Secret-7f3a"
 SUBSCRIBER_PASSWORD = "sub-Secret-1c9e"
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = TIMEOUT_S) -> None:
-    """Return once ``condition()`` is true; fail naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
 
 
 class Subscriber:

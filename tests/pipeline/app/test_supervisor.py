@@ -23,6 +23,7 @@ from pipeline.app.supervisor import (
     share_cores,
 )
 from pipeline.config import ConfigError, parse_config
+from tests.support.harness import wait_for
 
 
 class ScriptedExecutor:
@@ -84,13 +85,6 @@ class ScriptedExecutor:
             return [a for h, a in self.running.values() if h == host]
 
 
-def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 @pytest.fixture()
 def config(samples):
     return parse_config({"sources": [{"name": n, "uri": str(samples.bikes)}
@@ -113,7 +107,7 @@ def start(config, executor, **kwargs) -> tuple[Supervisor, threading.Thread, dic
 def test_sources_are_placed_by_load_and_the_run_ends_when_each_ended(config):
     executor = ScriptedExecutor(2)
     supervisor, thread, results = start(config, executor)
-    wait_until(lambda: len(executor.running) == 2, "two assignments")
+    wait_for(lambda: len(executor.running) == 2, "two assignments")
     assert [sorted(a.sources) for a in executor.on(0)] == [["a", "d"]]
     assert [sorted(a.sources) for a in executor.on(1)] == [["b", "c"]]
     assert all(not a.resume for a in executor.on(0) + executor.on(1))
@@ -129,7 +123,7 @@ def test_sources_are_placed_by_load_and_the_run_ends_when_each_ended(config):
 def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restarts(config):
     executor = ScriptedExecutor(2)
     supervisor, thread, results = start(config, executor, max_restarts=1)
-    wait_until(lambda: len(executor.running) == 2, "two assignments")
+    wait_for(lambda: len(executor.running) == 2, "two assignments")
     (kept,) = executor.on(0)
     died_at = time.monotonic()
     executor.die(1)
@@ -138,14 +132,14 @@ def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restar
         return [args[0] for host, method, args in list(executor.calls)
                 if host == 0 and method == "start" and args[0].id != kept.id]
 
-    wait_until(started_on_0, "the moved sources on host 0")
+    wait_for(started_on_0, "the moved sources on host 0")
     (moved,) = started_on_0()
     assert time.monotonic() - died_at >= backoff_s(0) * 0.9  # not at once: a backoff
     assert sorted(moved.sources) == sorted(moved.resume) == ["b", "c"]  # they resume
     assert supervisor.moves == {"b": 1, "c": 1}
     # Host 1 is back: the loads are evened again (a 4 + d 1 | b 3 + c 2 -> 5 | 5), the
     # moved sources' pipelines cut short and every source resumed after its records.
-    wait_until(lambda: executor.on(1) and len(executor.on(0)) == 1 and kept.id not in
+    wait_for(lambda: executor.on(1) and len(executor.on(0)) == 1 and kept.id not in
                executor.running, "sources rebalanced onto the restarted host 1")
     assert (1, "restart_host", ()) in executor.calls
     on = {host: sorted(n for a in executor.on(host) for n in a.sources) for host in (0, 1)}
@@ -153,8 +147,8 @@ def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restar
     assert all(set(a.resume) == set(a.sources) for h in (0, 1) for a in executor.on(h))
     # It dies again: no restart left (max_restarts=1); the run goes on with host 0.
     executor.die(1)
-    wait_until(lambda: supervisor.hosts[1].gone, "host 1 given up")
-    wait_until(lambda: sorted(n for a in executor.on(0) for n in a.sources) == list("abcd"),
+    wait_for(lambda: supervisor.hosts[1].gone, "host 1 given up")
+    wait_for(lambda: sorted(n for a in executor.on(0) for n in a.sources) == list("abcd"),
                "every source on host 0")
     for assignment in executor.on(0):
         executor.finish(assignment.id)
@@ -165,7 +159,7 @@ def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restar
 def test_every_host_dead_for_good_fails_the_remaining_sources(config):
     executor = ScriptedExecutor(1)
     supervisor, thread, results = start(config, executor, max_restarts=0)
-    wait_until(lambda: len(executor.running) == 1, "one assignment")
+    wait_for(lambda: len(executor.running) == 1, "one assignment")
     executor.die(0)
     thread.join(5)
     assert not thread.is_alive()
@@ -175,11 +169,11 @@ def test_every_host_dead_for_good_fails_the_remaining_sources(config):
 def test_removing_a_source_cuts_its_pipeline_and_the_others_of_it_resume(config):
     executor = ScriptedExecutor(2)
     supervisor, thread, results = start(config, executor)
-    wait_until(lambda: len(executor.running) == 2, "two assignments")
+    wait_for(lambda: len(executor.running) == 2, "two assignments")
     (old,) = executor.on(1)  # b (3) and c (2); host 0: a (4) and d (1)
     supervisor.remove_source("c")
     # Rebalanced: d moves to host 1 (4 | 4); both pipelines are cut and their sources resume.
-    wait_until(lambda: old.id not in executor.running and executor.on(1) and executor.on(0),
+    wait_for(lambda: old.id not in executor.running and executor.on(1) and executor.on(0),
                "the sources restarted")
     assert (1, "abort", (old.id,)) in executor.calls
     (again,) = executor.on(1)
@@ -187,7 +181,7 @@ def test_removing_a_source_cuts_its_pipeline_and_the_others_of_it_resume(config)
     assert [(a.sources, a.resume) for a in executor.on(0)] == [(("a",), ("a",))]
     supervisor.add_source(parse_config({"sources": [{"name": "e", "uri": "rtsp://h/x"}]}).sources[0],
                           SourceLoad("e", 100, 100, 1))
-    wait_until(lambda: any("e" in a.sources for a in executor.running.values() for a in [a[1]]),
+    wait_for(lambda: any("e" in a.sources for a in executor.running.values() for a in [a[1]]),
                "e started")
     supervisor.request_stop()
     thread.join(5)
