@@ -252,6 +252,7 @@ def test_mqtt_gets_every_event_and_the_counts(analytics_run: dict[str, Any]) -> 
     assert 2 <= len(publisher.counts) <= 1 + len({e["frame"] for e in analytics_run["events"]})
 
 
+@pytest.mark.slow  # a real MQTT broker, paced
 def test_events_reach_a_real_broker_across_its_restart(samples, tmp_path: Path) -> None:
     """output.mqtt to a real mosquitto that is stopped for 3 s mid-run and started again: the
     pipeline loses no frame, and a subscriber receives every event of the events file, in

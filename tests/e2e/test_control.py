@@ -20,6 +20,8 @@ from tests.support import free_port
 from tests.support.harness import wait_for
 from tests.support.live_view import running
 
+pytestmark = pytest.mark.slow  # real RTSP servers, paced files
+
 BIKES_FRAMES, CARPHONE_FRAMES = 250, 120
 
 

@@ -8,6 +8,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import pytest
+
 from pipeline.app.build import build_graph
 from pipeline.config import parse_config
 from pipeline.graph import Graph
@@ -21,6 +23,8 @@ from tests.e2e.conftest import (
     wait_for,
 )
 from tests.support import read_frames
+
+pytestmark = pytest.mark.slow  # real RTSP servers
 
 OUTAGE_S = 2.0
 

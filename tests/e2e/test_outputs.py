@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from pipeline.app.build import build_graph
@@ -167,6 +168,7 @@ def test_an_output_over_the_input_collides(samples, tmp_path: Path) -> None:
     assert video.read_bytes() == Path(samples.bikes).read_bytes()
 
 
+@pytest.mark.slow  # paced end to end
 def test_a_source_removed_before_its_first_frame_leaves_no_file(samples, tmp_path: Path) -> None:
     """A camera that never connected (a closed port, retrying) removed from a running graph:
     no ``door.jsonl`` of 0 bytes, nothing at all."""
@@ -184,6 +186,7 @@ def test_a_source_removed_before_its_first_frame_leaves_no_file(samples, tmp_pat
         assert not list(tmp_path.glob("door*"))
 
 
+@pytest.mark.slow  # paced end to end
 def test_with_two_pipelines_a_stopped_file_stays_partial_and_the_next_run_resumes_it(
         samples, tmp_path: Path, run_pipeline) -> None:
     """``runtime.pipelines: 2``: the same exit 3, ``.partial`` names, and resume."""
@@ -206,6 +209,7 @@ def test_with_two_pipelines_a_stopped_file_stays_partial_and_the_next_run_resume
     assert not (tmp_path / "bikes.partial.jsonl").exists()
 
 
+@pytest.mark.slow  # paced end to end
 def test_a_source_added_while_running_and_cut_short_is_not_promised_a_resume(
         samples, tmp_path: Path, run_pipeline) -> None:
     """A rerun of the config resumes its own files only: a file added through the API and

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 
 from pipeline.app.build import build_graph
 from pipeline.app.http import HttpServer
@@ -92,6 +93,7 @@ def test_a_refused_camera_in_a_worker_is_reconnecting_with_why_within_5_s(
                    for r in health["reasons"]), health
 
 
+@pytest.mark.slow  # a real RTSP server
 def test_a_10_s_outage_shows_reconnecting_then_running_and_pts_keep_increasing(
         samples, tmp_path: Path, rtsp_server) -> None:
     camera = rtsp_server({"cam": "live:5"})

@@ -95,6 +95,7 @@ def start_two_files(samples, clip: Path, tmp_path: Path, run_pipeline,
 
 # -- tests ------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a real RTSP server
 def test_a_camera_decoded_in_a_worker_beside_a_file(samples, clip: Path, tmp_path: Path,
                                                     rtsp_server) -> None:
     """The file completes, the camera's frames arrive, and when the file is done the camera

@@ -303,6 +303,7 @@ def take(source: SourceConfig, until: Callable[[list[Frame], list[dict]], bool],
     raise AssertionError("the stream did not end with an EndOfStream")
 
 
+@pytest.mark.slow  # a real RTSP server
 @pytest.mark.parametrize("transport", ["tcp", "udp"])
 def test_live_rtsp_stream_over_either_transport(rtsp: RtspServer, transport: str) -> None:
     source = SourceConfig(name="cam", uri=rtsp.url("live"), rtsp_transport=transport)
@@ -313,6 +314,7 @@ def test_live_rtsp_stream_over_either_transport(rtsp: RtspServer, transport: str
     assert 0.6 < frames[-1].capture_time - frames[40].capture_time < 1.6
 
 
+@pytest.mark.slow  # a real RTSP server
 def test_stalled_camera_hits_the_read_timeout_and_reconnects(rtsp: RtspServer) -> None:
     source = SourceConfig(name="cam", uri=rtsp.url("stall"), read_timeout_s=1.0,
                           reconnect_initial_s=0.05, reconnect_max_s=0.1)

@@ -139,6 +139,7 @@ def publish_numbered(publisher: MqttPublisher, numbers: range, source: str = "ca
     return slowest
 
 
+@pytest.mark.slow  # a real MQTT broker
 def test_a_subscriber_gets_every_event_in_order_and_the_retained_counts_and_availability(
         broker: MosquittoBroker, subscribers: list[Subscriber],
         publishers: Callable[..., MqttPublisher]) -> None:
@@ -174,6 +175,7 @@ def test_a_subscriber_gets_every_event_in_order_and_the_retained_counts_and_avai
              "offline after close()")
 
 
+@pytest.mark.slow  # a real MQTT broker
 def test_events_published_while_the_broker_is_down_at_start_arrive_once_it_is_up(
         broker: MosquittoBroker, subscribers: list[Subscriber],
         publishers: Callable[..., MqttPublisher]) -> None:
@@ -193,6 +195,7 @@ def test_events_published_while_the_broker_is_down_at_start_arrive_once_it_is_up
     assert publisher.dropped == 0
 
 
+@pytest.mark.slow  # a real MQTT broker
 def test_a_broker_restart_mid_stream_loses_no_event(
         broker: MosquittoBroker, subscribers: list[Subscriber],
         publishers: Callable[..., MqttPublisher]) -> None:
@@ -222,6 +225,7 @@ def test_a_broker_restart_mid_stream_loses_no_event(
     assert publisher.dropped == 0
 
 
+@pytest.mark.slow  # a real MQTT broker
 def test_overflow_drops_the_oldest_and_counts_exactly_the_overflow(
         broker: MosquittoBroker, subscribers: list[Subscriber],
         publishers: Callable[..., MqttPublisher]) -> None:
@@ -270,6 +274,7 @@ threading.Event().wait()
 """
 
 
+@pytest.mark.slow  # a real MQTT broker
 def test_the_last_will_says_offline_when_the_publisher_process_is_killed(
         broker: MosquittoBroker, subscribers: list[Subscriber], repo_root: Path) -> None:
     subscribers.append(subscriber := Subscriber(broker))
@@ -291,6 +296,7 @@ def test_the_last_will_says_offline_when_the_publisher_process_is_killed(
     wait_for(lambda: late.last("streamdet/availability") == "offline", "retained offline")
 
 
+@pytest.mark.slow  # a real MQTT broker
 def test_a_login_works_and_the_password_is_never_logged(
         tmp_path: Path, subscribers: list[Subscriber],
         publishers: Callable[..., MqttPublisher]) -> None:
@@ -332,6 +338,7 @@ def test_a_wrong_host_name_is_logged_clearly_and_never_raises(
     assert len(failures) == 1 and failures[0]["log_level"] == "warning"
 
 
+@pytest.mark.slow  # a real MQTT broker
 def test_tls_with_the_brokers_ca_and_a_clear_line_for_an_untrusted_certificate(
         tmp_path: Path, subscribers: list[Subscriber],
         publishers: Callable[..., MqttPublisher]) -> None:
