@@ -21,6 +21,8 @@ import pytest
 from pipeline.records import EndOfStream, Frame
 from pipeline.stage import SourceStage, Stage
 
+_EXHAUSTED = object()
+
 
 class SourceAborted(RuntimeError):
     """Raised by ``ListSource`` at its ``ABORT`` marker."""
@@ -32,7 +34,8 @@ class ListSource(SourceStage):
 
     Args:
         name: the source's name.
-        items: frames, end markers and the ``EOF`` / ``ABORT`` markers.
+        items: frames, end markers and the ``EOF`` / ``ABORT`` markers; any iterable (a
+            generator makes them as they are taken).
         delay_s: sleep before each frame (a paced source).
         live: report the source as a live camera (its queue lane drops the oldest frame).
     """
@@ -43,18 +46,20 @@ class ListSource(SourceStage):
     def __init__(self, name: str, items: Iterable[Frame | EndOfStream | object],
                  delay_s: float = 0.0, live: bool = False) -> None:
         super().__init__(name)
-        self.items = list(items)
+        self.items = iter(items)  # taken one at a time: a later frames() goes on from there
         self.delay_s, self.live = delay_s, live
-        self.position = 0  # the next item: a later frames() call goes on from there
+        self.taken = 0  # items taken so far, markers included
         self.closed = False
 
     def frames(self, stop_reading: threading.Event) -> Iterator[Frame | EndOfStream]:
         produced = 0
-        while self.position < len(self.items) and not stop_reading.is_set():
-            item = self.items[self.position]
-            self.position += 1
+        while not stop_reading.is_set():
+            item = next(self.items, _EXHAUSTED)
+            if item is _EXHAUSTED:
+                break
+            self.taken += 1
             if item is ListSource.ABORT:
-                raise SourceAborted(f"source {self.name} aborted at item {self.position - 1}")
+                raise SourceAborted(f"source {self.name} aborted at item {self.taken - 1}")
             if item is ListSource.EOF:
                 break
             if isinstance(item, EndOfStream):
