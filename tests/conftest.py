@@ -43,7 +43,8 @@ def make_clip(samples: SamplePaths, tmp_path_factory: pytest.TempPathFactory) ->
     """``make_clip(scene, frames, (width, height))``: an H.264 clip, made once a session
     (``tests.support.clips.ClipFactory``); ``make_clip.frames(scene, count)`` its frames."""
     return ClipFactory(tmp_path_factory.mktemp("clips"),
-                       {"bikes": samples.bikes, "carphone": samples.carphone})
+                       {"bikes": samples.bikes, "carphone": samples.carphone,
+                        "bigbuckbunny": samples.bigbuckbunny})
 
 
 @pytest.fixture(scope="session")

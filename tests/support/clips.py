@@ -44,8 +44,8 @@ class ClipFactory:
     """Clips of a scene at a size, each made once and cached by its parameters.
 
     Scenes: the sample videos by name (``bikes``: a street with people, cars and bicycles,
-    detections on most frames; ``carphone``: a person in a car) and ``shapes`` (drawn:
-    gradients and shapes moving 4 pixels a frame, no detections).
+    detections on most frames; ``carphone``: a person in a car; ``bigbuckbunny``: cartoon)
+    and ``shapes`` (drawn: gradients and shapes moving 4 pixels a frame, no detections).
 
     Args:
         folder: where the clips are written (a session's temporary folder).
