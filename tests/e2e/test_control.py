@@ -22,7 +22,9 @@ from tests.support.live_view import running
 
 pytestmark = pytest.mark.slow  # real RTSP servers, paced files
 
-BIKES_FRAMES, CARPHONE_FRAMES = 250, 120
+# Clips of the samples' first frames: street long enough (12 s at 15 fps) to be running
+# while a camera is added and removed, car only to end.
+BIKES_FRAMES, CARPHONE_FRAMES = 180, 40
 
 
 def records(path: Path) -> list[dict]:
@@ -30,13 +32,15 @@ def records(path: Path) -> list[dict]:
 
 
 @pytest.fixture()
-def api(samples, tmp_path: Path, rtsp_server) -> Iterator[tuple[httpx.Client, dict, object]]:
+def api(samples, make_clip, tmp_path: Path, rtsp_server
+        ) -> Iterator[tuple[httpx.Client, dict, object]]:
     """A run with one paced file (``street``) and one camera (``door``), decoded in two
     worker processes, that ends only when stopped (``stop_when: never``); its API client."""
     cameras = rtsp_server({"door": "live:5", "yard": "live:5"})  # 5 frames/s: CI has 2 cores
     data = pipeline_config(
         samples, tmp_path,
-        [{"name": "street", "uri": str(samples.bikes), "pace_fps": 15},
+        [{"name": "street", "uri": str(make_clip("bikes", BIKES_FRAMES, (640, 272))),
+          "pace_fps": 15},
          {"name": "door", "uri": cameras.url("door")}],
         runtime={"decode_workers": 2, "stop_when": "never", "http": {"port": 0}})
     config = parse_config(data)
@@ -55,9 +59,10 @@ def state(client: httpx.Client, name: str) -> str:
     return client.get(f"/api/sources/{name}").json()["state"]
 
 
-def test_add_and_remove_sources_while_others_run(api, samples, tmp_path: Path) -> None:
+def test_add_and_remove_sources_while_others_run(api, make_clip, tmp_path: Path) -> None:
     client, run, graph = api
-    added = client.post("/api/sources", json={"name": "car", "uri": str(samples.carphone),
+    car = make_clip("carphone", CARPHONE_FRAMES, (176, 144))
+    added = client.post("/api/sources", json={"name": "car", "uri": str(car),
                                               "pace_fps": 15})
     assert added.status_code == 201, added.text
     assert added.json()["name"] == "car" and added.json()["live"] is False
