@@ -209,6 +209,7 @@ def test_events_match_the_frames_they_happened_on(analytics_run: dict[str, Any])
                 assert event["class_name"] == "person"
 
 
+@pytest.mark.slow  # the detector over a whole video on the CPU
 def test_skipped_frames_carry_the_tracks_predictions(samples, tmp_path: Path) -> None:
     """detect_every 3: each frame in between shows, at its predicted place, every track the
     detector had confirmed on the frame before (less those that left the picture)."""

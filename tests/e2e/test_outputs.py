@@ -53,6 +53,7 @@ def test_an_older_output_survives_a_failed_source(samples, tmp_path: Path, run_p
     assert (tmp_path / "cam.jsonl").read_text() == OLDER
 
 
+@pytest.mark.slow  # the detector over a whole video on the CPU, twice
 def test_a_stopped_file_stays_partial_and_the_next_run_resumes_it(samples, tmp_path: Path,
                                                                   run_pipeline) -> None:
     config = bikes(samples, tmp_path, video="{source}.mp4")

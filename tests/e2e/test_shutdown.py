@@ -59,6 +59,7 @@ def test_second_signal_aborts_at_once_and_leaves_outputs_partial(samples, tmp_pa
     assert run.events("aborting") and "Traceback" not in run.stderr()
 
 
+@pytest.mark.slow  # the detector over a whole video on the CPU
 def test_a_killed_pipeline_leaves_a_file_source_s_video_playable(samples, tmp_path: Path,
                                                                   run_pipeline) -> None:
     """A file source's MP4 is fragmented too (a 2 s keyframe fragment, of video time):

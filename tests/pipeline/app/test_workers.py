@@ -141,6 +141,7 @@ def test_attach_in_a_child_process_sees_the_parents_writes_and_vice_versa() -> N
 # The pipeline with worker processes
 
 
+@pytest.mark.slow  # every clip twice through the CPU detector
 def test_files_through_worker_processes_match_the_threaded_decode(samples, clips, tmp_path) -> None:
     sources = [{"name": name, "uri": str(clips[name])} for name in SIZES]
     results = {}
