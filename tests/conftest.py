@@ -1,4 +1,5 @@
-"""Fixtures shared by every test: the repository root and the sample assets."""
+"""Fixtures shared by every test: the repository root, the sample assets and clips made
+from them (once a session)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import structlog
 
 from samples.fetch import SampleError, SamplePaths, ensure_samples
+from tests.support.clips import ClipFactory, make_defect_clips
 
 
 @pytest.fixture(autouse=True)
@@ -34,3 +36,20 @@ def samples(repo_root: Path) -> SamplePaths:
         return ensure_samples(repo_root / "assets")
     except SampleError as e:
         pytest.fail(f"cannot fetch the sample assets: {e}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def make_clip(samples: SamplePaths, tmp_path_factory: pytest.TempPathFactory) -> ClipFactory:
+    """``make_clip(scene, frames, (width, height))``: an H.264 clip, made once a session
+    (``tests.support.clips.ClipFactory``); ``make_clip.frames(scene, count)`` its frames."""
+    return ClipFactory(tmp_path_factory.mktemp("clips"),
+                       {"bikes": samples.bikes, "carphone": samples.carphone,
+                        "bigbuckbunny": samples.bigbuckbunny})
+
+
+@pytest.fixture(scope="session")
+def defect_clips(make_clip: ClipFactory, tmp_path_factory: pytest.TempPathFactory
+                 ) -> dict[str, Path]:
+    """Small clips, each with one defect a decoder meets, and the clean one they were made
+    from (``tests.support.clips.make_defect_clips``)."""
+    return make_defect_clips(make_clip, tmp_path_factory.mktemp("defects"))

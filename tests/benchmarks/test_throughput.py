@@ -75,6 +75,7 @@ def parse(table: str) -> list[list[list[str]]]:
     return tables
 
 
+@pytest.mark.slow  # every benchmark mode on the CPU
 def test_small_mode_runs_on_the_cpu_and_writes_its_tables(samples, repo_root, tmp_path, capsys):
     # Both CPU decode modes, the paced run at a rate this (loaded) machine keeps up with.
     out = tmp_path / "table.md"

@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -110,20 +109,6 @@ def records(path: Path) -> list[dict]:
         return []
     text = path.read_text()
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str,
-             run: Run | None = None) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` (and the run's log tail)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if run is not None and run.process.poll() is not None:
-            pytest.fail(f"the pipeline exited ({run.process.returncode}) before {what}:\n"
-                        f"{run.stderr()[-3000:]}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}"
-                        + (f":\n{run.stderr()[-3000:]}" if run else ""))
-        time.sleep(0.05)
 
 
 # x264 (preset veryfast) holds this many frames before the first packet comes out: its

@@ -209,6 +209,7 @@ def test_events_match_the_frames_they_happened_on(analytics_run: dict[str, Any])
                 assert event["class_name"] == "person"
 
 
+@pytest.mark.slow  # the detector over a whole video on the CPU
 def test_skipped_frames_carry_the_tracks_predictions(samples, tmp_path: Path) -> None:
     """detect_every 3: each frame in between shows, at its predicted place, every track the
     detector had confirmed on the frame before (less those that left the picture)."""
@@ -252,6 +253,7 @@ def test_mqtt_gets_every_event_and_the_counts(analytics_run: dict[str, Any]) -> 
     assert 2 <= len(publisher.counts) <= 1 + len({e["frame"] for e in analytics_run["events"]})
 
 
+@pytest.mark.slow  # a real MQTT broker, paced
 def test_events_reach_a_real_broker_across_its_restart(samples, tmp_path: Path) -> None:
     """output.mqtt to a real mosquitto that is stopped for 3 s mid-run and started again: the
     pipeline loses no frame, and a subscriber receives every event of the events file, in

@@ -17,43 +17,24 @@ import yaml
 
 from pipeline.app.cli import main
 from tests.e2e.conftest import pipeline_config
-from tests.support import (
-    damage_packets,
-    free_port,
-    read_frames,
-    truncate,
-    write_clip,
-    write_multitrack,
-    write_size_change,
-)
+from tests.support import free_port, read_frames
 
 OK, FAILED, USAGE = 0, 1, 2
 
 
 @pytest.fixture(scope="module")
-def media(samples, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Small clips, each with one defect (paths as strings, for configs)."""
+def media(defect_clips: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+          ) -> dict[str, str]:
+    """The clips with one defect each (``defect_clips``), a folder named like a video, a
+    names file of five classes and a model of ten anchors (paths as strings, for configs)."""
     out = tmp_path_factory.mktemp("media")
-    car, bikes = read_frames(samples.carphone, 30), read_frames(samples.bikes, 40)
-    clean = write_clip(out / "clean.mp4", bikes, (320, 136))  # its index first: cuts keep it
-    (out / "text.mp4").write_text("not a video\n")
-    (out / "empty.mp4").write_bytes(b"")
     (out / "folder.mp4").mkdir()
     (out / "five.names").write_text("a\nb\nc\nd\ne\n")
     made = {
-        "clean": clean,
-        "text": out / "text.mp4",
-        "empty": out / "empty.mp4",
+        **defect_clips,
         "folder": out / "folder.mp4",
         "five_names": out / "five.names",
         "ten_anchors": write_model(out / "ten_anchors.onnx", (1, 84, 10)),
-        "cut_index": truncate(samples.bikes, out / "cut_index.mp4", keep=0.5),
-        "truncated": truncate(clean, out / "truncated.mp4", keep=0.5),
-        "damaged": damage_packets(clean, out / "damaged.mp4", {10, 25}),
-        "multitrack": write_multitrack(out / "multi.mp4", car, bikes[:20],
-                                       ((176, 144), (320, 136))),
-        "size_change": write_size_change(out / "size.ts", car[:20], bikes[20:40],
-                                         ((176, 144), (320, 136))),
     }
     return {name: str(path) for name, path in made.items()}
 

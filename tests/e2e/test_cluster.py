@@ -15,7 +15,6 @@ import pytest
 from pipeline.app.supervisor import LocalExecutor, Supervisor, absolute_paths
 from pipeline.config import PipelineConfig, parse_config, partial_path
 from tests.e2e.conftest import pipeline_config, records
-from tests.support import read_frames, write_clip
 from tests.support.ci import skip_unless_ci
 
 FRAMES = 60  # per source
@@ -23,10 +22,9 @@ SOURCES = 4
 
 
 @pytest.fixture(scope="module")
-def clip(samples, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def clip(make_clip) -> Path:
     """A 60-frame street clip."""
-    out = tmp_path_factory.mktemp("cluster-e2e")
-    return write_clip(out / "street.mp4", read_frames(samples.bikes, FRAMES), (320, 136))
+    return make_clip("bikes", FRAMES, (320, 136))
 
 
 def cluster_config(samples, out: Path, clip: Path) -> PipelineConfig:

@@ -15,15 +15,12 @@ import yaml
 
 from pipeline.app.cli import main
 from tests.e2e.conftest import pipeline_config
-from tests.support import read_frames, write_clip
+from tests.support.clips import ClipFactory
 
 
 @pytest.fixture(scope="module")
-def clips(samples, tmp_path_factory) -> tuple[Path, Path]:
-    folder = tmp_path_factory.mktemp("clips")
-    frames = read_frames(samples.bikes, 48)
-    return (write_clip(folder / "a.mp4", frames, (640, 272)),
-            write_clip(folder / "b.mp4", frames[::-1], (640, 272)))
+def clips(make_clip: ClipFactory) -> tuple[Path, Path]:
+    return (make_clip("bikes", 48, (640, 272)), make_clip("bikes", 48, (640, 272), reverse=True))
 
 
 def records(samples, out: Path, clips: tuple[Path, Path], rates: tuple[dict, dict],

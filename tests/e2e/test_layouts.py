@@ -14,16 +14,16 @@ import pytest
 from pipeline.app.cli import main
 from stages.backends.base import detect_layout, metadata_names, read_model_info
 from tests.e2e.conftest import pipeline_config
-from tests.support import read_frames, write_clip
+from tests.support.clips import ClipFactory
 from tests.support.layouts import to_end2end, to_yolov5_layout
 
+CLIP_FRAMES = 40  # of the street: every frame's detections compared in each layout
 CONF, IOU = 0.25, 0.45  # the configuration's defaults, also inside the end-to-end graph
 
 
 @pytest.fixture(scope="module")
-def clip(samples, tmp_path_factory) -> Path:
-    return write_clip(tmp_path_factory.mktemp("clip") / "bikes60.mp4",
-                      read_frames(samples.bikes, 60), (640, 272))
+def clip(make_clip: ClipFactory) -> Path:
+    return make_clip("bikes", CLIP_FRAMES, (640, 272))
 
 
 def detections(samples, tmp_path: Path, clip: Path, model: Path, inference: dict | None = None,
@@ -44,7 +44,7 @@ def same(plain: list[list], other: list[list], score_tolerance: float = 1e-4) ->
     """The same detections per frame: classes, boxes within 0.05 px, scores within the
     tolerance (1e-4: the records' rounding; on the GPU, torch runs fp32 convolutions in TF32
     and picks its kernels per graph, so a wrapped graph's scores differ by up to 1e-3)."""
-    assert len(plain) == len(other) == 60
+    assert len(plain) == len(other) == CLIP_FRAMES
     for frame, (want, got) in enumerate(zip(plain, other)):
         assert len(want) == len(got), (frame, want, got)
         for a, b in zip(sorted(want, key=lambda d: -d["confidence"]),

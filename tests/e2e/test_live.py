@@ -8,19 +8,19 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import pytest
+
 from pipeline.app.build import build_graph
 from pipeline.config import parse_config
 from pipeline.graph import Graph
 from pipeline.records import BatchDetections
 from pipeline.stage import Stage
 from stages.sinks import segment_path
-from tests.e2e.conftest import (
-    check_killed_recording,
-    pipeline_config,
-    records,
-    wait_for,
-)
+from tests.e2e.conftest import check_killed_recording, pipeline_config, records
 from tests.support import read_frames
+from tests.support.harness import wait_for
+
+pytestmark = pytest.mark.slow  # real RTSP servers
 
 OUTAGE_S = 2.0
 
@@ -35,8 +35,8 @@ def test_camera_that_dies_and_comes_back_is_reconnected_while_another_keeps_goin
     ]
     run = run_pipeline(pipeline_config(samples, tmp_path, sources), tmp_path)
     partial = {name: tmp_path / f"{name}.partial.jsonl" for name in ("door", "yard")}
-    wait_for(lambda: all(len(records(p)) >= 10 for p in partial.values()), 90,
-             "frames from both cameras", run)
+    wait_for(lambda: all(len(records(p)) >= 10 for p in partial.values()),
+             "frames from both cameras", 90, run)
 
     killed_at = time.time()
     door.kill()
@@ -44,7 +44,7 @@ def test_camera_that_dies_and_comes_back_is_reconnected_while_another_keeps_goin
     door.start()
     back_at = time.time()
     wait_for(lambda: sum(r["capture_time"] > back_at for r in records(partial["door"])) >= 10,
-             30, "frames from the door camera after it came back", run)
+             "frames from the door camera after it came back", 30, run)
     run.signal()
     assert run.wait() == 0, run.stderr()[-3000:]
 
@@ -136,8 +136,8 @@ def test_a_killed_pipeline_leaves_a_live_camera_s_video_playable(
                              output={"video": "{source}.mp4"})
     run = run_pipeline(config, tmp_path)
     partial = tmp_path / "cam.partial.mp4"
-    wait_for(lambda: len(records(tmp_path / "cam.partial.jsonl")) >= 80, 90,
-             "80 frames of the camera", run)
+    wait_for(lambda: len(records(tmp_path / "cam.partial.jsonl")) >= 80,
+             "80 frames of the camera", 90, run)
     grown = partial.stat().st_size
     assert grown > 1000, grown  # fragments reach the file while the camera runs
     run.kill()  # SIGKILL: nothing is finalised
@@ -157,7 +157,7 @@ def test_a_live_camera_s_outputs_rotate_into_complete_segments(
         output={"video": "{source}.mp4", "segment_s": 10})
     run = run_pipeline(config, tmp_path)
     finished = lambda: sorted(tmp_path.glob("cam.*Z.mp4"))  # noqa: E731
-    wait_for(lambda: len(finished()) >= 2, 60, "two finished segments", run)
+    wait_for(lambda: len(finished()) >= 2, "two finished segments", 60, run)
     # The first two are complete while the camera runs: the MP4 plays to its end.
     for video in finished()[:2]:
         assert len(read_frames(video)) == len(records(video.with_suffix(".jsonl"))) > 0, \

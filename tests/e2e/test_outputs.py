@@ -13,12 +13,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from pipeline.app.build import build_graph
 from pipeline.config import parse_config
-from tests.e2e.conftest import pipeline_config, records, wait_for
+from tests.e2e.conftest import pipeline_config, records
 from tests.support import free_port, read_frames
+from tests.support.harness import wait_for
 from tests.support.live_view import running
 
 BIKES_FRAMES = 250
@@ -34,8 +36,8 @@ def bikes(samples, out: Path, **output) -> dict:
 def test_an_older_output_survives_a_killed_run(samples, tmp_path: Path, run_pipeline) -> None:
     (tmp_path / "bikes.jsonl").write_text(OLDER)
     run = run_pipeline(bikes(samples, tmp_path), tmp_path)
-    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, 90,
-             "the first records", run)
+    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, "the first records",
+             90, run)
     run.kill()  # SIGKILL: nothing is finalised
     assert (tmp_path / "bikes.jsonl").read_text() == OLDER
     assert len(records(tmp_path / "bikes.partial.jsonl")) >= 10  # its work, beside it
@@ -51,13 +53,14 @@ def test_an_older_output_survives_a_failed_source(samples, tmp_path: Path, run_p
     assert (tmp_path / "cam.jsonl").read_text() == OLDER
 
 
+@pytest.mark.slow  # the detector over a whole video on the CPU, twice
 def test_a_stopped_file_stays_partial_and_the_next_run_resumes_it(samples, tmp_path: Path,
                                                                   run_pipeline) -> None:
     config = bikes(samples, tmp_path, video="{source}.mp4")
     (tmp_path / "bikes.jsonl").write_text(OLDER)
     run = run_pipeline(config, tmp_path)
-    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, 90,
-             "the first records", run)
+    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, "the first records",
+             90, run)
     run.signal(signal.SIGINT)
     assert run.wait() == STOPPED, run.stderr()[-3000:]
     cut = records(tmp_path / "bikes.partial.jsonl")
@@ -169,6 +172,7 @@ def test_an_output_over_the_input_collides(samples, tmp_path: Path) -> None:
     assert video.read_bytes() == Path(samples.bikes).read_bytes()
 
 
+@pytest.mark.slow  # paced end to end
 def test_a_source_removed_before_its_first_frame_leaves_no_file(samples, tmp_path: Path) -> None:
     """A camera that never connected (a closed port, retrying) removed from a running graph:
     no ``door.jsonl`` of 0 bytes, nothing at all."""
@@ -179,13 +183,14 @@ def test_a_source_removed_before_its_first_frame_leaves_no_file(samples, tmp_pat
         runtime={"stop_when": "never"})
     graph = build_graph(parse_config(data))
     with running(graph):
-        wait_for(lambda: graph.ready.is_set(), 90, "the model")
+        wait_for(lambda: graph.ready.is_set(), "the model", 90)
         time.sleep(0.5)
         graph.remove_source("door")
-        wait_for(lambda: graph.source_done("door"), 30, "door's sink to end")
+        wait_for(lambda: graph.source_done("door"), "door's sink to end", 30)
         assert not list(tmp_path.glob("door*"))
 
 
+@pytest.mark.slow  # paced end to end
 def test_with_two_pipelines_a_stopped_file_stays_partial_and_the_next_run_resumes_it(
         samples, tmp_path: Path, run_pipeline) -> None:
     """``runtime.pipelines: 2``: the same exit 3, ``.partial`` names, and resume."""
@@ -193,8 +198,8 @@ def test_with_two_pipelines_a_stopped_file_stays_partial_and_the_next_run_resume
     config["sources"][0]["pace_fps"] = 50  # a few seconds long: the signal comes mid-file
     config["runtime"] = {**config.get("runtime", {}), "pipelines": 2}
     run = run_pipeline(config, tmp_path)
-    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, 120,
-             "the first records", run)
+    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, "the first records",
+             120, run)
     run.signal(signal.SIGINT)
     assert run.wait(120) == STOPPED, run.stderr()[-3000:]
     cut = records(tmp_path / "bikes.partial.jsonl")
@@ -208,6 +213,7 @@ def test_with_two_pipelines_a_stopped_file_stays_partial_and_the_next_run_resume
     assert not (tmp_path / "bikes.partial.jsonl").exists()
 
 
+@pytest.mark.slow  # paced end to end
 def test_a_source_added_while_running_and_cut_short_is_not_promised_a_resume(
         samples, tmp_path: Path, run_pipeline) -> None:
     """A rerun of the config resumes its own files only: a file added through the API and
@@ -227,11 +233,11 @@ def test_a_source_added_while_running_and_cut_short_is_not_promised_a_resume(
         except httpx.HTTPError:
             return False
 
-    wait_for(answers, 90, "the live view", run)
+    wait_for(answers, "the live view", 90, run)
     added = httpx.post(f"{url}/api/sources", timeout=60, json={
         "name": "car", "uri": str(samples.carphone), "pace_fps": 10})
     assert added.status_code == 201, added.text
-    wait_for(lambda: len(records(tmp_path / "car.partial.jsonl")) >= 3, 60, "car's records", run)
+    wait_for(lambda: len(records(tmp_path / "car.partial.jsonl")) >= 3, "car's records", 60, run)
     run.signal(signal.SIGINT)
     assert run.wait(60) == STOPPED, run.stderr()[-3000:]
     rerun = "stopped early: outputs kept as .partial; run the same command again to resume " \

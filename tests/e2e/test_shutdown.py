@@ -9,16 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import check_killed_recording, pipeline_config, records, wait_for
+from tests.e2e.conftest import check_killed_recording, pipeline_config, records
 from tests.support import read_frames
+from tests.support.harness import wait_for
 
 
 def start_bikes(samples, tmp_path: Path, run_pipeline, queue_size: int = 4):
     config = pipeline_config(samples, tmp_path, [{"name": "bikes", "uri": str(samples.bikes)}],
                              output={"video": "{source}.mp4"}, runtime={"queue_size": queue_size})
     run = run_pipeline(config, tmp_path)
-    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, 90,
-             "the first frames", run)
+    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, "the first frames",
+             90, run)
     return run
 
 
@@ -58,6 +59,7 @@ def test_second_signal_aborts_at_once_and_leaves_outputs_partial(samples, tmp_pa
     assert run.events("aborting") and "Traceback" not in run.stderr()
 
 
+@pytest.mark.slow  # the detector over a whole video on the CPU
 def test_a_killed_pipeline_leaves_a_file_source_s_video_playable(samples, tmp_path: Path,
                                                                   run_pipeline) -> None:
     """A file source's MP4 is fragmented too (a 2 s keyframe fragment, of video time):
@@ -66,8 +68,8 @@ def test_a_killed_pipeline_leaves_a_file_source_s_video_playable(samples, tmp_pa
     config = pipeline_config(samples, tmp_path, [{"name": "bikes", "uri": str(samples.bikes)}],
                              output={"video": "{source}.mp4"})
     run = run_pipeline(config, tmp_path)
-    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 120, 90,
-             "120 frames of the file", run)
+    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 120, "120 frames of the file",
+             90, run)
     run.kill()  # SIGKILL: nothing is finalised
     assert not (tmp_path / "bikes.mp4").exists()
     decoded = check_killed_recording(tmp_path / "bikes.partial.mp4",

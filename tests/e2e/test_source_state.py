@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 
 from pipeline.app.build import build_graph
 from pipeline.app.http import HttpServer
@@ -22,7 +23,8 @@ from pipeline.app.prometheus import PrometheusExporter
 from pipeline.app.view import local_board
 from pipeline.config import parse_config
 from pipeline.metrics import STALE_AFTER_S
-from tests.e2e.conftest import pipeline_config, records, wait_for
+from tests.e2e.conftest import pipeline_config, records
+from tests.support.harness import wait_for
 from tests.support.live_view import running
 
 OUTAGE_S = 10.0
@@ -70,8 +72,8 @@ def test_a_refused_camera_in_a_worker_is_reconnecting_with_why_within_5_s(
         runtime={"decode_workers": 1, "stop_when": "never", "http": {"port": 0}})
     with served(config) as (api, metrics):
         started = time.monotonic()
-        wait_for(lambda: api.get("/api/sources/door").json()["state"] == "reconnecting", 5,
-                 "door reconnecting")
+        wait_for(lambda: api.get("/api/sources/door").json()["state"] == "reconnecting",
+                 "door reconnecting", 5)
         door = api.get("/api/sources/door").json()
         assert "refused" in door["error"].lower(), door
         assert door["last_error"] == door["error"] and door["reconnects"] >= 1
@@ -82,7 +84,7 @@ def test_a_refused_camera_in_a_worker_is_reconnecting_with_why_within_5_s(
         assert first >= 1
         wait_for(lambda: reconnects_metric(metrics, "door") > first
                  and api.get("/api/sources/door").json()["reconnects"] > door["reconnects"],
-                 max(0.5, 5 - (time.monotonic() - started)), "a rising reconnection count")
+                 "a rising reconnection count", max(0.5, 5 - (time.monotonic() - started)))
         text = metrics.get("/metrics").text
         assert 'pipeline_source_state{source="door",state="reconnecting"} 1.0' in text
         assert re.search(r'pipeline_source_last_error_info\{error="[^"]*[Rr]efused[^"]*",'
@@ -93,6 +95,7 @@ def test_a_refused_camera_in_a_worker_is_reconnecting_with_why_within_5_s(
                    for r in health["reasons"]), health
 
 
+@pytest.mark.slow  # a real RTSP server
 def test_a_10_s_outage_shows_reconnecting_then_running_and_pts_keep_increasing(
         samples, tmp_path: Path, rtsp_server) -> None:
     camera = rtsp_server({"cam": "live:5"})
@@ -102,13 +105,13 @@ def test_a_10_s_outage_shows_reconnecting_then_running_and_pts_keep_increasing(
           "reconnect_max_s": 1.0}],
         runtime={"decode_workers": 1, "stop_when": "never", "http": {"port": 0}})
     with served(config) as (api, metrics):
-        wait_for(lambda: api.get("/api/sources/door").json()["frames"] >= 5, 60,
-                 "frames of the camera")
+        wait_for(lambda: api.get("/api/sources/door").json()["frames"] >= 5,
+                 "frames of the camera", 60)
         assert api.get("/api/health").json()["status"] == "ok"
         camera.kill()
         killed_at = time.monotonic()
         wait_for(lambda: api.get("/api/sources/door").json()["state"] == "reconnecting",
-                 STALE_AFTER_S + 1, "door reconnecting")
+                 "door reconnecting", STALE_AFTER_S + 1)
         print(f"\nreconnecting shown {time.monotonic() - killed_at:.1f} s into the outage")
         health = api.get("/api/health").json()
         assert health["status"] == "degraded" and health["sources"]["door"] == "reconnecting"
@@ -116,13 +119,13 @@ def test_a_10_s_outage_shows_reconnecting_then_running_and_pts_keep_increasing(
         assert reconnects_metric(metrics, "door") >= 1
         time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - killed_at)))
         camera.start()
-        wait_for(lambda: api.get("/api/sources/door").json()["state"] == "running", 30,
-                 "door running again")
+        wait_for(lambda: api.get("/api/sources/door").json()["state"] == "running",
+                 "door running again", 30)
         back = api.get("/api/sources/door").json()
         frames_back = back["frames"]
         assert back["error"] is None and back["last_error"] and back["reconnect"] is None
-        wait_for(lambda: api.get("/api/sources/door").json()["frames"] >= frames_back + 5, 30,
-                 "frames after the outage")
+        wait_for(lambda: api.get("/api/sources/door").json()["frames"] >= frames_back + 5,
+                 "frames after the outage", 30)
         assert api.get("/api/health").json()["status"] == "ok"
     written = records(tmp_path / "door.jsonl")
     pts = [r["pts"] for r in written]
@@ -134,16 +137,18 @@ def test_a_10_s_outage_shows_reconnecting_then_running_and_pts_keep_increasing(
     assert gap >= OUTAGE_S * 0.8, f"the outage is not in the pts (largest step {gap:.2f} s)"
 
 
-def test_an_ended_card_can_be_deleted_and_its_name_added_again(samples, tmp_path: Path) -> None:
-    config = pipeline_config(samples, tmp_path, [{"name": "clip", "uri": str(samples.carphone)}],
+def test_an_ended_card_can_be_deleted_and_its_name_added_again(samples, make_clip,
+                                                               tmp_path: Path) -> None:
+    clip = str(make_clip("carphone", 30, (176, 144)))
+    config = pipeline_config(samples, tmp_path, [{"name": "clip", "uri": clip}],
                              runtime={"decode_workers": 0, "stop_when": "never",
                                       "http": {"port": 0}})
     with served(config) as (api, _):
-        busy = api.post("/api/sources", json={"name": "clip", "uri": str(samples.carphone)})
+        busy = api.post("/api/sources", json={"name": "clip", "uri": clip})
         assert busy.status_code == 409, busy.text  # running: its name is in use
         assert "in use" in busy.json()["error"]
-        wait_for(lambda: api.get("/api/sources/clip").json()["state"] == "ended", 120,
-                 "the clip to end")
+        wait_for(lambda: api.get("/api/sources/clip").json()["state"] == "ended",
+                 "the clip to end", 120)
         first = records(tmp_path / "clip.jsonl")
         deleted = api.delete("/api/sources/clip")  # an ended card goes
         assert deleted.status_code == 200, deleted.text
@@ -152,22 +157,21 @@ def test_an_ended_card_can_be_deleted_and_its_name_added_again(samples, tmp_path
         assert api.get("/api/sources").json()["sources"] == []
         assert api.get("/api/sources/clip").status_code == 404
 
-        again = api.post("/api/sources", json={"name": "clip", "uri": str(samples.carphone)})
+        again = api.post("/api/sources", json={"name": "clip", "uri": clip})
         assert again.status_code == 201, again.text
         assert [s["name"] for s in api.get("/api/sources").json()["sources"]] == ["clip"]
-        wait_for(lambda: api.get("/api/sources/clip").json()["state"] == "ended", 120,
-                 "the clip added again to end")
+        wait_for(lambda: api.get("/api/sources/clip").json()["state"] == "ended",
+                 "the clip added again to end", 120)
         # Ended (not deleted): its name may be used a third time, with the next number.
-        third = api.post("/api/sources", json={"name": "clip", "uri": str(samples.carphone),
-                                               "start_frame": 100})
+        third = api.post("/api/sources", json={"name": "clip", "uri": clip, "start_frame": 20})
         assert third.status_code == 201, third.text
-        wait_for(lambda: api.get("/api/sources/clip").json()["state"] == "ended", 120,
-                 "the third clip to end")
+        wait_for(lambda: api.get("/api/sources/clip").json()["state"] == "ended",
+                 "the third clip to end", 120)
         gone = api.delete("/api/sources/clip").json()
         assert gone["outputs"] == [str(tmp_path / "clip.3.jsonl")]
     assert records(tmp_path / "clip.jsonl") == first  # the first outputs are untouched
-    assert [r["frame"] for r in first] == list(range(120))
-    assert [r["frame"] for r in records(tmp_path / "clip.2.jsonl")] == list(range(120))
-    assert [r["frame"] for r in records(tmp_path / "clip.3.jsonl")] == list(range(100, 120))
+    assert [r["frame"] for r in first] == list(range(30))
+    assert [r["frame"] for r in records(tmp_path / "clip.2.jsonl")] == list(range(30))
+    assert [r["frame"] for r in records(tmp_path / "clip.3.jsonl")] == list(range(20, 30))
     assert sorted(p.name for p in tmp_path.glob("clip*")) == [
         "clip.2.jsonl", "clip.3.jsonl", "clip.jsonl"]

@@ -15,15 +15,15 @@ from pipeline.app.build import build_graph
 from pipeline.app.workers import WorkerSource
 from pipeline.config import parse_config
 from pipeline.records import BatchDetections
-from tests.e2e.conftest import Run, pipeline_config, records, wait_for
-from tests.support import read_frames, write_clip
+from tests.e2e.conftest import Run, pipeline_config, records
+from tests.support.clips import ClipFactory
+from tests.support.harness import wait_for
 
 
 @pytest.fixture(scope="module")
-def clip(samples, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def clip(make_clip: ClipFactory) -> Path:
     """A 30-frame street clip."""
-    out = tmp_path_factory.mktemp("worker-e2e")
-    return write_clip(out / "street.mp4", read_frames(samples.bikes, 30), (320, 136))
+    return make_clip("bikes", 30, (320, 136))
 
 
 # -- processes and shared memory, read from /proc ---------------------------------------------
@@ -81,8 +81,8 @@ def start_two_files(samples, clip: Path, tmp_path: Path, run_pipeline,
     sources = [{"name": "bikes", "uri": str(samples.bikes)}, {"name": "street", "uri": str(clip)}]
     run = run_pipeline(pipeline_config(samples, tmp_path, sources,
                                        runtime={"decode_workers": 2}), tmp_path, new_session)
-    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, 90,
-             "the first frames", run)
+    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, "the first frames",
+             90, run)
     pid = run.process.pid
     workers = decode_workers(pid)
     segments = shm_segments(pid)
@@ -95,6 +95,7 @@ def start_two_files(samples, clip: Path, tmp_path: Path, run_pipeline,
 
 # -- tests ------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a real RTSP server
 def test_a_camera_decoded_in_a_worker_beside_a_file(samples, clip: Path, tmp_path: Path,
                                                     rtsp_server) -> None:
     """The file completes, the camera's frames arrive, and when the file is done the camera

@@ -15,24 +15,12 @@ from kernels.preprocess import (
     preprocess_reference,
     sampling_tables,
 )
+from tests.support.clips import ClipFactory
 
 BIKES = Path(__file__).resolve().parents[2] / "assets" / "video" / "bikes.mp4"
 # Letterbox targets exercised on every clip: downscale (landscape pad), portrait-like
 # (side pad), upscale, exact width.
 TARGETS = [(416, 416), (320, 480), (1280, 1280), (640, 384)]
-
-
-def draw_picture(width: int, height: int, t: int = 0) -> np.ndarray:
-    """A (height, width, 3) uint8 RGB test picture: gradients, saturated shapes and text."""
-    x = np.linspace(0, 255, width, dtype=np.float32)[None, :]
-    y = np.linspace(0, 255, height, dtype=np.float32)[:, None]
-    img = np.stack([x + 0 * y, y + 0 * x, (x + y) / 2], axis=-1).astype(np.uint8)
-    s = min(width, height)
-    cv2.circle(img, (width // 3 + 3 * t, height // 2), s // 4, (255, 20, 20), -1)
-    cv2.rectangle(img, (width // 2, s // 8), (width // 2 + s // 3, s // 2 + t), (0, 0, 255), -1)
-    cv2.line(img, (0, height - 1), (width - 1, 0), (255, 255, 0), max(1, s // 40))
-    cv2.putText(img, "streamdet", (s // 10, height - s // 8), 0, s / 200, (250, 250, 250), 2)
-    return img
 
 
 def decode_yuv(path: Path, every: int = 1) -> list[np.ndarray]:
@@ -43,17 +31,9 @@ def decode_yuv(path: Path, every: int = 1) -> list[np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def synthetic_clip(tmp_path_factory: pytest.TempPathFactory) -> list[np.ndarray]:
-    """Six decoded frames of an H.264 clip (640x360) of moving shapes, encoded with PyAV."""
-    path = tmp_path_factory.mktemp("clip") / "shapes.mp4"
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264", rate=25)
-        stream.width, stream.height, stream.pix_fmt = 640, 360, "yuv420p"
-        for t in range(6):
-            frame = av.VideoFrame.from_ndarray(draw_picture(640, 360, 4 * t), format="rgb24")
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode())
-    return decode_yuv(path)
+def synthetic_clip(make_clip: ClipFactory) -> list[np.ndarray]:
+    """Six decoded frames of an H.264 clip (640x360) of moving shapes."""
+    return decode_yuv(make_clip("shapes", 6, (640, 360)))
 
 
 @pytest.fixture(params=["synthetic", "bikes"])

@@ -13,8 +13,9 @@ from structlog.testing import capture_logs
 from pipeline.graph import Graph, PipelineError, SourceConflict
 from pipeline.records import BatchDetections, EndOfStream, Frame, FrameBatch
 from pipeline.slots import SlotRing
-from pipeline.stage import SourceStage, Stage
+from pipeline.stage import Stage
 from stages.batcher import BatcherStage
+from tests.support.harness import ListSink, ListSource, wait_for
 
 NAMES = ("a", "b", "cam", "clip", "file")
 
@@ -25,36 +26,32 @@ def make_frame(source: str, index: int, slot: int = -1, ring: SlotRing | None = 
                  width=4, height=2, image=image, slot=slot)
 
 
-class ListSource(SourceStage):
-    """Yields ``count`` tiny frames, optionally slowly, then its end marker. With a ring, each
-    frame takes a slot first (waiting for one, as the decoder does)."""
+class TinySource(ListSource):
+    """The harness's list source of ``count`` tiny frames (``fail_at``: it raises there
+    instead). With a ring, each frame takes a slot first (waiting for one, as the decoder
+    does)."""
 
     def __init__(self, name: str, count: int, delay_s: float = 0.0, live: bool = False,
                  fail_at: int | None = None, ring: SlotRing | None = None) -> None:
-        super().__init__(name)
-        self.count, self.delay_s, self.live, self.fail_at = count, delay_s, live, fail_at
-        self.ring = ring
-        self.closed = False
+        super().__init__(name, self._make(count, fail_at), delay_s, live)
+        self.count, self.ring = count, ring
+        self._stop = threading.Event()
 
-    def frames(self, stop_reading: threading.Event) -> Iterator[Frame | EndOfStream]:
-        produced = 0
-        for i in range(self.count):
-            if stop_reading.is_set():
-                break
-            if i == self.fail_at:
-                raise RuntimeError(f"source {self.name} broke")
-            time.sleep(self.delay_s)
+    def _make(self, count: int, fail_at: int | None) -> Iterator[Frame | object]:
+        for i in range(count):
+            if i == fail_at:
+                yield ListSource.ABORT
             slot = -1
             if self.ring is not None:
-                slot = self.ring.acquire(stop_reading)
+                slot = self.ring.acquire(self._stop)
                 if slot is None:
-                    break
+                    yield ListSource.EOF
+                    return
             yield make_frame(self.name, i, slot, self.ring)
-            produced += 1
-        yield EndOfStream(self.name, produced)
 
-    def close(self) -> None:
-        self.closed = True
+    def frames(self, stop_reading: threading.Event) -> Iterator[Frame | EndOfStream]:
+        self._stop = stop_reading  # what a wait for a slot gives up on
+        return super().frames(stop_reading)
 
 
 def batcher(batch_size: int = 1) -> BatcherStage:
@@ -107,44 +104,41 @@ def chain_of(*tags: Tag, batch_size: int = 1) -> list[Stage]:
     return [batcher(batch_size), *tags]
 
 
-class ListSink(Stage):
-    """Keeps what it receives: each part, and its frames' indices. With a ring, returns the
-    part's slots (the last reader of the images)."""
+class PartSink(ListSink):
+    """The harness's list sink, ``delay_s`` slow; with a ring it returns each part's slots
+    (the last reader of the images)."""
 
     def __init__(self, name: str, delay_s: float = 0.0, ring: SlotRing | None = None) -> None:
-        super().__init__(name)
-        self.parts: list[BatchDetections] = []
-        self.frames: list[int] = []
-        self.sources: set[str] = set()
-        self.ends: list[EndOfStream] = []
+        super().__init__(name, on_item=self._handled)
         self.delay_s, self.ring = delay_s, ring
-        self.closed = False
 
-    def process(self, item: BatchDetections) -> Iterable[BatchDetections]:
+    def _handled(self, part: BatchDetections) -> None:
         time.sleep(self.delay_s)
-        self.parts.append(item)
-        self.frames += item.frames.index.tolist()
-        self.sources |= {item.frames.source_name(i) for i in range(len(item))}
         if self.ring is not None:
-            self.ring.release(item.frames.slot)
-        return ()
+            self.ring.release(part.frames.slot)
 
-    def end_of_stream(self, eos: EndOfStream) -> Iterable[EndOfStream]:
-        self.ends.append(eos)
-        return ()
+    @property
+    def parts(self) -> list[BatchDetections]:
+        return [item for item in self.items if not isinstance(item, EndOfStream)]
 
-    def close(self) -> None:
-        self.closed = True
+    @property
+    def frames(self) -> list[int]:
+        """The frame indices received, in order."""
+        return [i for part in self.parts for i in part.frames.index.tolist()]
+
+    @property
+    def sources(self) -> set[str]:
+        return {part.frames.source_name(i) for part in self.parts for i in range(len(part))}
 
 
-def build(sources: list[ListSource], chain: list[Stage], queue_size: int = 2,
-          sink_delay_s: float = 0.0) -> tuple[Graph, dict[str, ListSink]]:
-    sinks = {s.name: ListSink(f"sink:{s.name}", sink_delay_s) for s in sources}
+def build(sources: list[TinySource], chain: list[Stage], queue_size: int = 2,
+          sink_delay_s: float = 0.0) -> tuple[Graph, dict[str, PartSink]]:
+    sinks = {s.name: PartSink(f"sink:{s.name}", sink_delay_s) for s in sources}
     return Graph(sources, chain, sinks, queue_size), sinks  # type: ignore[arg-type]
 
 
 def test_every_frame_reaches_its_own_sink_in_order() -> None:
-    sources = [ListSource("a", 30), ListSource("b", 17, delay_s=0.001)]
+    sources = [TinySource("a", 30), TinySource("b", 17, delay_s=0.001)]
     one, two = Tag("one"), Tag("two")
     graph, sinks = build(sources, chain_of(one, two, batch_size=4))
     graph.run()
@@ -165,7 +159,7 @@ def test_every_frame_reaches_its_own_sink_in_order() -> None:
 
 
 def test_live_source_drops_oldest_when_downstream_is_slow() -> None:
-    sources = [ListSource("cam", 60, live=True)]
+    sources = [TinySource("cam", 60, live=True)]
     graph, sinks = build(sources, chain_of(Tag("one")), queue_size=2, sink_delay_s=0.01)
     graph.run()
     received = sinks["cam"].frames
@@ -175,7 +169,7 @@ def test_live_source_drops_oldest_when_downstream_is_slow() -> None:
 
 
 def test_file_source_never_drops() -> None:
-    sources = [ListSource("file", 40)]
+    sources = [TinySource("file", 40)]
     graph, sinks = build(sources, chain_of(Tag("one")), queue_size=1, sink_delay_s=0.002)
     graph.run()
     assert sinks["file"].frames == list(range(40))
@@ -188,7 +182,7 @@ def test_exception_in_any_stage_stops_the_graph(hook: str, position: int) -> Non
     tags = [Tag("one"), Tag("two")]
     tags[position].fail_in = hook
     chain = chain_of(*tags, batch_size=2)
-    sources = [ListSource("a", 500, delay_s=0.0), ListSource("b", 500)]
+    sources = [TinySource("a", 500, delay_s=0.0), TinySource("b", 500)]
     graph, sinks = build(sources, chain)
     started = time.monotonic()
     with pytest.raises(PipelineError, match=f"{tags[position].name}: ValueError: .* in {hook}"):
@@ -201,9 +195,9 @@ def test_exception_in_any_stage_stops_the_graph(hook: str, position: int) -> Non
 @pytest.mark.parametrize("at_sink", [False, True], ids=["postprocess-releases", "sink-releases"])
 def test_dropped_live_frames_and_parts_give_their_slots_back(at_sink: bool) -> None:
     ring = SlotRing(6, 12)
-    cam = ListSource("cam", 200, live=True, ring=ring)
+    cam = TinySource("cam", 200, live=True, ring=ring)
     chain = chain_of(Tag("one", release=None if at_sink else ring), batch_size=2)
-    sinks = {"cam": ListSink("sink:cam", delay_s=0.005, ring=ring if at_sink else None)}
+    sinks = {"cam": PartSink("sink:cam", delay_s=0.005, ring=ring if at_sink else None)}
     graph = Graph([cam], chain, sinks, 2, ring=ring, release_at_sink=at_sink)  # type: ignore[list-item]
     graph.run()
     metrics = graph.source_metrics["cam"]
@@ -213,7 +207,7 @@ def test_dropped_live_frames_and_parts_give_their_slots_back(at_sink: bool) -> N
 
 
 def test_a_stage_waiting_for_room_downstream_reports_it_as_blocked_not_work() -> None:
-    graph, _ = build([ListSource("file", 30)], chain_of(Tag("one")), queue_size=1,
+    graph, _ = build([TinySource("file", 30)], chain_of(Tag("one")), queue_size=1,
                      sink_delay_s=0.01)
     graph.run()
     one = graph.stage_metrics["one"]
@@ -225,32 +219,32 @@ def test_a_stage_waiting_for_room_downstream_reports_it_as_blocked_not_work() ->
 
 def test_exception_when_opening_a_stage() -> None:
     tags = [Tag("one"), Tag("two", fail_in="open")]
-    graph, _ = build([ListSource("a", 3)], chain_of(*tags))
+    graph, _ = build([TinySource("a", 3)], chain_of(*tags))
     with pytest.raises(PipelineError, match="stage two failed to start"):
         graph.run()
     assert tags[0].closed
 
 
 def test_exception_in_a_source_stops_the_graph() -> None:
-    graph, _ = build([ListSource("a", 1000, fail_at=5), ListSource("b", 1000, delay_s=0.001)],
+    graph, _ = build([TinySource("a", 1000, fail_at=5), TinySource("b", 1000, delay_s=0.001)],
                      chain_of(Tag("one")))
-    with pytest.raises(PipelineError, match="a: RuntimeError: source a broke"):
+    with pytest.raises(PipelineError, match="a: SourceAborted: source a aborted at item 5"):
         graph.run()
 
 
 def test_exception_in_a_sink_stops_the_graph() -> None:
-    class FailingSink(ListSink):
+    class FailingSink(PartSink):
         def process(self, item: BatchDetections) -> Iterable[BatchDetections]:
             raise OSError("disk full")
 
-    sources = [ListSource("a", 200)]
+    sources = [TinySource("a", 200)]
     graph = Graph(sources, chain_of(Tag("one")), {"a": FailingSink("sink:a")}, 2)
     with pytest.raises(PipelineError, match="sink:a: OSError: disk full"):
         graph.run()
 
 
 def test_request_stop_drains_and_ends_every_stream() -> None:
-    sources = [ListSource("a", 10_000, delay_s=0.001), ListSource("b", 10_000, delay_s=0.001)]
+    sources = [TinySource("a", 10_000, delay_s=0.001), TinySource("b", 10_000, delay_s=0.001)]
     graph, sinks = build(sources, chain_of(Tag("one"), batch_size=3))
     threading.Timer(0.2, graph.request_stop).start()
     graph.run()
@@ -262,7 +256,7 @@ def test_request_stop_drains_and_ends_every_stream() -> None:
 
 
 def test_abort_stops_quickly_even_with_full_queues() -> None:
-    sources = [ListSource("a", 100_000)]
+    sources = [TinySource("a", 100_000)]
     graph, sinks = build(sources, chain_of(Tag("one")), queue_size=1, sink_delay_s=0.05)
     threading.Timer(0.2, graph.abort).start()
     started = time.monotonic()
@@ -272,8 +266,8 @@ def test_abort_stops_quickly_even_with_full_queues() -> None:
 
 
 def test_slow_sink_of_a_live_source_never_slows_a_file_source() -> None:
-    cam, clip = ListSource("cam", 10_000, delay_s=0.001, live=True), ListSource("clip", 100)
-    sinks = {"cam": ListSink("sink:cam", delay_s=0.02), "clip": ListSink("sink:clip")}
+    cam, clip = TinySource("cam", 10_000, delay_s=0.001, live=True), TinySource("clip", 100)
+    sinks = {"cam": PartSink("sink:cam", delay_s=0.02), "clip": PartSink("sink:clip")}
     graph = Graph([cam, clip], chain_of(Tag("one")), sinks, 2,  # type: ignore[arg-type]
                   stop_when="files_ended")
     started = time.monotonic()
@@ -286,7 +280,7 @@ def test_slow_sink_of_a_live_source_never_slows_a_file_source() -> None:
 
 def test_live_latency_is_bounded_by_queue_size_times_sink_time() -> None:
     queue_size, sink_s = 3, 0.02
-    cam = ListSource("cam", 300, delay_s=0.002, live=True)  # 500 fps into a 50 fps sink
+    cam = TinySource("cam", 300, delay_s=0.002, live=True)  # 500 fps into a 50 fps sink
     cam.reconnects = 2  # type: ignore[attr-defined]
     graph, sinks = build([cam], chain_of(Tag("one")), queue_size=queue_size,
                          sink_delay_s=sink_s)
@@ -300,7 +294,7 @@ def test_live_latency_is_bounded_by_queue_size_times_sink_time() -> None:
 
 
 def test_abort_does_not_wait_for_a_source_blocked_in_io() -> None:
-    class StuckSource(ListSource):
+    class StuckSource(TinySource):
         def frames(self, stop_reading: threading.Event) -> Iterator[Frame | EndOfStream]:
             yield make_frame(self.name, 0)
             time.sleep(5)  # a read that ignores every stop request until it times out
@@ -315,7 +309,7 @@ def test_abort_does_not_wait_for_a_source_blocked_in_io() -> None:
 
 def test_long_runs_report_source_stats_periodically(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("pipeline.graph.REPORT_INTERVAL_S", 0.1)
-    graph, _ = build([ListSource("cam", 40, delay_s=0.01, live=True)], chain_of(Tag("one")))
+    graph, _ = build([TinySource("cam", 40, delay_s=0.01, live=True)], chain_of(Tag("one")))
     with capture_logs() as logs:
         graph.run()
     stats = [e for e in logs if e["event"] == "source stats"]
@@ -332,13 +326,11 @@ def run_in_thread(graph: Graph) -> threading.Thread:
 def test_by_default_cameras_keep_running_after_the_files_ended() -> None:
     """stop_when all_ended: the file's outputs are final when it ends; the camera goes on
     until the run is stopped."""
-    cam, clip = ListSource("cam", 100_000, delay_s=0.002, live=True), ListSource("clip", 20)
-    sinks = {"cam": ListSink("sink:cam"), "clip": ListSink("sink:clip")}
+    cam, clip = TinySource("cam", 100_000, delay_s=0.002, live=True), TinySource("clip", 20)
+    sinks = {"cam": PartSink("sink:cam"), "clip": PartSink("sink:clip")}
     graph = Graph([cam, clip], chain_of(Tag("one")), sinks, 2)  # type: ignore[arg-type]
     thread = run_in_thread(graph)
-    deadline = time.monotonic() + 10
-    while not graph.source_done("clip") and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: graph.source_done("clip"), "the clip to end")
     assert graph.source_done("clip") and sinks["clip"].closed  # finalised as it ended
     assert sinks["clip"].frames == list(range(20))
     time.sleep(0.3)
@@ -349,28 +341,25 @@ def test_by_default_cameras_keep_running_after_the_files_ended() -> None:
 
 
 def test_stop_when_never_runs_on_with_no_source_left_and_takes_new_ones() -> None:
-    clip = ListSource("clip", 5)
-    sinks = {"clip": ListSink("sink:clip")}
+    clip = TinySource("clip", 5)
+    sinks = {"clip": PartSink("sink:clip")}
     graph = Graph([clip], chain_of(Tag("one")), sinks, 2,  # type: ignore[arg-type]
                   stop_when="never")
     thread = run_in_thread(graph)
-    deadline = time.monotonic() + 10
-    while not graph.source_done("clip") and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: graph.source_done("clip"), "the clip to end")
     time.sleep(0.3)
     assert thread.is_alive()  # every source ended, and the run goes on
-    late, late_sink = ListSource("late", 7, delay_s=0.1), ListSink("sink:late")
+    late, late_sink = TinySource("late", 7, delay_s=0.1), PartSink("sink:late")
     graph.chain[0].add_source("late")  # the batcher numbers it (pipeline.app.control does this)
     graph.add_source(late, late_sink)
     with pytest.raises(SourceConflict, match="'late' is in use"):  # running
-        graph.add_source(ListSource("late", 1), ListSink("sink:late2"))
+        graph.add_source(TinySource("late", 1), PartSink("sink:late2"))
     # An ended source's name may be used again once its outputs are final.
-    again, again_sink = ListSource("clip", 3), ListSink("sink:clip2")
+    again, again_sink = TinySource("clip", 3), PartSink("sink:clip2")
     graph.chain[0].add_source("clip")
     graph.add_source(again, again_sink)
-    while not (graph.source_done("late") and graph.source_done("clip")) \
-            and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: graph.source_done("late") and graph.source_done("clip"),
+             "the late source and the clip added again to end")
     assert late_sink.frames == list(range(7)) and late_sink.closed
     assert again_sink.frames == list(range(3)) and again_sink.closed
     assert sinks["clip"].frames == list(range(5))
@@ -379,20 +368,18 @@ def test_stop_when_never_runs_on_with_no_source_left_and_takes_new_ones() -> Non
     thread.join(10)
     assert not thread.is_alive()
     with pytest.raises(SourceConflict, match="ending"):
-        graph.add_source(ListSource("after", 1), ListSink("sink:after"))
+        graph.add_source(TinySource("after", 1), PartSink("sink:after"))
 
 
 def test_a_removed_source_ends_cleanly_while_another_runs() -> None:
-    cam, clip = ListSource("cam", 100_000, delay_s=0.002, live=True), ListSource(
+    cam, clip = TinySource("cam", 100_000, delay_s=0.002, live=True), TinySource(
         "clip", 100_000, delay_s=0.002)
-    sinks = {"cam": ListSink("sink:cam"), "clip": ListSink("sink:clip")}
+    sinks = {"cam": PartSink("sink:cam"), "clip": PartSink("sink:clip")}
     graph = Graph([cam, clip], chain_of(Tag("one")), sinks, 2)  # type: ignore[arg-type]
     thread = run_in_thread(graph)
     time.sleep(0.3)
     graph.remove_source("clip")
-    deadline = time.monotonic() + 10
-    while not graph.source_done("clip") and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: graph.source_done("clip"), "the clip to end")
     count = len(sinks["clip"].frames)
     assert 0 < count < 100_000 and sinks["clip"].frames == list(range(count))
     assert [e.frames for e in sinks["clip"].ends] == [count]

@@ -16,6 +16,7 @@ from stages.decode import DecodeStage
 from stages.sinks import SinkStage
 from tests.support import read_frames
 from tests.support.batches import batch_detections, grey_image, make_frame
+from tests.support.harness import run_stage
 
 RECORD = '{{"source":"cam","frame":{},"detections":[]}}\n'
 
@@ -76,12 +77,10 @@ def frames(indexes) -> list:
 
 
 def write(sink: SinkStage, items: list, end: bool) -> None:
-    sink.open()
-    for start in range(0, len(items), 4):
-        sink.process(batch_detections([(f, []) for f in items[start:start + 4]]))
-    if end:
-        sink.end_of_stream(EndOfStream("cam", len(items)))
-    sink.close()
+    """Run ``sink`` over ``items`` in parts of 4; without ``end``, a run killed before it."""
+    batches = [batch_detections([(f, []) for f in items[start:start + 4]])
+               for start in range(0, len(items), 4)]
+    run_stage(sink, [*batches, *([EndOfStream("cam", len(items))] if end else [])], finish=end)
 
 
 def test_a_resumed_sink_appends_to_the_records_and_writes_its_video_anew(tmp_path: Path):

@@ -21,41 +21,8 @@ from pipeline.slots import SlotRing, i420_bytes
 from pipeline.stage import Stage
 from stages.batcher import BatcherStage
 from stages.decode import DecodeStage, backoff_delay, open_options, redact_url
-from tests.support import (
-    RtspServer,
-    damage_packets,
-    free_port,
-    read_frames,
-    require_rtsp_server,
-    truncate,
-    write_clip,
-    write_multitrack,
-    write_size_change,
-)
-
-SMALL, WIDE = (176, 144), (320, 136)
-
-
-@pytest.fixture(scope="module")
-def clips(samples, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Small clips made from the samples, each with a known defect."""
-    out = tmp_path_factory.mktemp("clips")
-    car = read_frames(samples.carphone, 30)
-    bikes = read_frames(samples.bikes, 40)
-    clean = write_clip(out / "clean.mp4", bikes, WIDE)  # index first: a cut keeps the start
-    (out / "text.mp4").write_text("not a video\n")
-    (out / "empty.mp4").write_bytes(b"")
-    return {
-        "clean": clean,
-        "small": write_clip(out / "small.mp4", car, SMALL),
-        "truncated": truncate(clean, out / "truncated.mp4", keep=0.5),
-        "damaged": damage_packets(clean, out / "damaged.mp4", {10, 25}),
-        "multitrack": write_multitrack(out / "multi.mp4", car, bikes[:20], (SMALL, WIDE)),
-        "size_change": write_size_change(out / "size.ts", car[:20], bikes[:20], (SMALL, WIDE)),
-        "text": out / "text.mp4",
-        "empty": out / "empty.mp4",
-        "cut_index": truncate(samples.bikes, out / "cut_index.mp4", keep=0.5),  # index at end
-    }
+from tests.support import RtspServer, free_port, require_rtsp_server
+from tests.support.clips import SMALL, WIDE
 
 
 def read_all(source: SourceConfig, stop_after_s: float | None = None
@@ -74,8 +41,8 @@ def events(logs: list[dict], level: str) -> list[str]:
     return [entry["event"] for entry in logs if entry["log_level"] == level]
 
 
-def test_file_yields_every_frame_in_order_as_i420(clips: dict[str, Path]) -> None:
-    frames, end, logs = read_all(SourceConfig(name="clip", uri=str(clips["clean"])))
+def test_file_yields_every_frame_in_order_as_i420(defect_clips: dict[str, Path]) -> None:
+    frames, end, logs = read_all(SourceConfig(name="clip", uri=str(defect_clips["clean"])))
     assert [f.index for f in frames] == list(range(40)) and end == EndOfStream("clip", 40)
     assert all((f.width, f.height) == WIDE and f.image.shape == (204, 320) for f in frames)
     assert [f.pts for f in frames] == sorted(f.pts for f in frames)
@@ -83,9 +50,9 @@ def test_file_yields_every_frame_in_order_as_i420(clips: dict[str, Path]) -> Non
 
 
 def test_frames_carry_their_stream_s_rate_or_the_pace_they_are_delivered_at(
-        clips: dict[str, Path]) -> None:
-    frames, _, _ = read_all(SourceConfig(name="clip", uri=str(clips["clean"])))
-    paced, _, _ = read_all(SourceConfig(name="clip", uri=str(clips["clean"]), pace_fps=200))
+        defect_clips: dict[str, Path]) -> None:
+    frames, _, _ = read_all(SourceConfig(name="clip", uri=str(defect_clips["clean"])))
+    paced, _, _ = read_all(SourceConfig(name="clip", uri=str(defect_clips["clean"]), pace_fps=200))
     assert {f.rate for f in frames} == {Fraction(25)}  # the clip's
     assert {f.rate for f in paced} == {Fraction(200)}  # a recording of it plays at 200/s
 
@@ -97,8 +64,8 @@ def test_frames_carry_their_stream_s_rate_or_the_pace_they_are_delivered_at(
     ("size_change", [40], {SMALL, WIDE}, None),
 ])
 def test_damaged_and_unusual_files_yield_every_decodable_frame(
-        clips: dict[str, Path], clip: str, frames: range, sizes: set, warning: str | None) -> None:
-    got, end, logs = read_all(SourceConfig(name=clip, uri=str(clips[clip])))
+        defect_clips: dict[str, Path], clip: str, frames: range, sizes: set, warning: str | None) -> None:
+    got, end, logs = read_all(SourceConfig(name=clip, uri=str(defect_clips[clip])))
     assert len(got) in frames and end.frames == len(got) and end.error is None
     assert [f.index for f in got] == list(range(len(got)))
     assert {(f.width, f.height) for f in got} == sizes
@@ -108,8 +75,8 @@ def test_damaged_and_unusual_files_yield_every_decodable_frame(
 
 
 def test_with_a_ring_frames_are_views_of_its_slots_with_the_same_pixels(
-        clips: dict[str, Path]) -> None:
-    source = SourceConfig(name="clip", uri=str(clips["size_change"]))
+        defect_clips: dict[str, Path]) -> None:
+    source = SourceConfig(name="clip", uri=str(defect_clips["size_change"]))
     plain, _, _ = read_all(source)
     ring = SlotRing(3, i420_bytes(*WIDE) + 100)
     items = DecodeStage(source, ring).frames(threading.Event())
@@ -129,9 +96,9 @@ def test_with_a_ring_frames_are_views_of_its_slots_with_the_same_pixels(
 
 
 def test_a_frame_larger_than_the_slots_ends_the_source_with_its_size(
-        clips: dict[str, Path]) -> None:
+        defect_clips: dict[str, Path]) -> None:
     ring = SlotRing(2, i420_bytes(*SMALL))
-    source = SourceConfig(name="wide", uri=str(clips["clean"]))
+    source = SourceConfig(name="wide", uri=str(defect_clips["clean"]))
     with capture_logs() as logs:
         items = list(DecodeStage(source, ring).frames(threading.Event()))
     assert len(items) == 1 and items[0].frames == 0
@@ -144,10 +111,10 @@ def test_a_frame_larger_than_the_slots_ends_the_source_with_its_size(
 
 
 def test_a_too_large_frame_mid_stream_keeps_the_frames_before_it(
-        clips: dict[str, Path]) -> None:
+        defect_clips: dict[str, Path]) -> None:
     ring = SlotRing(2, i420_bytes(*SMALL))  # the first segment fits, the second does not
     frames = []
-    for item in DecodeStage(SourceConfig(name="s", uri=str(clips["size_change"])),
+    for item in DecodeStage(SourceConfig(name="s", uri=str(defect_clips["size_change"])),
                             ring).frames(threading.Event()):
         if isinstance(item, Frame):
             frames.append((item.index, item.width, item.height))
@@ -158,21 +125,21 @@ def test_a_too_large_frame_mid_stream_keeps_the_frames_before_it(
     assert end.frames == 20 and "a 320x136 frame does not fit" in end.error
 
 
-def test_a_stop_while_waiting_for_a_slot_ends_the_source_cleanly(clips: dict[str, Path]) -> None:
+def test_a_stop_while_waiting_for_a_slot_ends_the_source_cleanly(defect_clips: dict[str, Path]) -> None:
     ring = SlotRing(2, i420_bytes(*WIDE))
     stop = threading.Event()
     threading.Timer(0.3, stop.set).start()
-    items = list(DecodeStage(SourceConfig(name="clip", uri=str(clips["clean"])), ring)
+    items = list(DecodeStage(SourceConfig(name="clip", uri=str(defect_clips["clean"])), ring)
                  .frames(stop))  # nobody releases: the third frame waits for a slot
     assert [f.slot for f in items[:-1]] == [0, 1]
     assert items[-1] == EndOfStream("clip", 2)
 
 
-def test_a_live_source_drops_frames_rather_than_wait_for_a_slot(clips: dict[str, Path]) -> None:
+def test_a_live_source_drops_frames_rather_than_wait_for_a_slot(defect_clips: dict[str, Path]) -> None:
     """Nobody returns the 2 slots: a live source keeps decoding, drops (and counts) every
     frame it has no slot for, and its frame numbers keep counting the dropped ones."""
     ring = SlotRing(2, i420_bytes(*WIDE))
-    source = SourceConfig(name="cam", uri=str(clips["clean"]), live=True, reconnect=False)
+    source = SourceConfig(name="cam", uri=str(defect_clips["clean"]), live=True, reconnect=False)
     decoder = DecodeStage(source, ring)
     items = list(decoder.frames(threading.Event()))
     frames, end = items[:-1], items[-1]
@@ -213,11 +180,11 @@ class Collect(Stage):
         return ()
 
 
-def test_a_source_too_large_for_the_shared_ring_fails_alone(clips: dict[str, Path]) -> None:
+def test_a_source_too_large_for_the_shared_ring_fails_alone(defect_clips: dict[str, Path]) -> None:
     ring = SlotRing(4, i420_bytes(*SMALL))  # the small clip's frames fit, the wide ones do not
     stop = threading.Event()
-    sources = [DecodeStage(SourceConfig(name="wide", uri=str(clips["clean"])), ring, stop),
-               DecodeStage(SourceConfig(name="small", uri=str(clips["small"])), ring, stop)]
+    sources = [DecodeStage(SourceConfig(name="wide", uri=str(defect_clips["clean"])), ring, stop),
+               DecodeStage(SourceConfig(name="small", uri=str(defect_clips["small"])), ring, stop)]
     chain = [BatcherStage("batch", (64, 64), 3, 20.0, ("wide", "small")), NoDetections(ring)]
     sinks = {name: Collect(f"sink:{name}") for name in ("wide", "small")}
     graph = Graph(sources, chain, sinks, 2, stop=stop, ring=ring)  # type: ignore[arg-type]
@@ -232,8 +199,8 @@ def test_a_source_too_large_for_the_shared_ring_fails_alone(clips: dict[str, Pat
     assert ring.free_slots() == 4
 
 
-def test_size_change_happens_at_the_segment_boundary(clips: dict[str, Path]) -> None:
-    got, _, _ = read_all(SourceConfig(name="s", uri=str(clips["size_change"])))
+def test_size_change_happens_at_the_segment_boundary(defect_clips: dict[str, Path]) -> None:
+    got, _, _ = read_all(SourceConfig(name="s", uri=str(defect_clips["size_change"])))
     assert [(f.width, f.height) for f in got] == [SMALL] * 20 + [WIDE] * 20
 
 
@@ -243,9 +210,9 @@ def test_size_change_happens_at_the_segment_boundary(clips: dict[str, Path]) -> 
     ("cut_index", "Invalid data found when processing input"),  # MP4 index (moov) cut away
     ("missing", "No such file or directory"),
 ])
-def test_unreadable_file_ends_with_a_one_line_error(clips: dict[str, Path], tmp_path: Path,
+def test_unreadable_file_ends_with_a_one_line_error(defect_clips: dict[str, Path], tmp_path: Path,
                                                     clip: str, reason: str) -> None:
-    path = clips.get(clip, tmp_path / "gone.mp4")
+    path = defect_clips.get(clip, tmp_path / "gone.mp4")
     got, end, logs = read_all(SourceConfig(name="bad", uri=str(path)))
     assert not got and end.frames == 0
     assert end.error == f"cannot open {path}: {reason}"
@@ -336,6 +303,7 @@ def take(source: SourceConfig, until: Callable[[list[Frame], list[dict]], bool],
     raise AssertionError("the stream did not end with an EndOfStream")
 
 
+@pytest.mark.slow  # a real RTSP server
 @pytest.mark.parametrize("transport", ["tcp", "udp"])
 def test_live_rtsp_stream_over_either_transport(rtsp: RtspServer, transport: str) -> None:
     source = SourceConfig(name="cam", uri=rtsp.url("live"), rtsp_transport=transport)
@@ -346,6 +314,7 @@ def test_live_rtsp_stream_over_either_transport(rtsp: RtspServer, transport: str
     assert 0.6 < frames[-1].capture_time - frames[40].capture_time < 1.6
 
 
+@pytest.mark.slow  # a real RTSP server
 def test_stalled_camera_hits_the_read_timeout_and_reconnects(rtsp: RtspServer) -> None:
     source = SourceConfig(name="cam", uri=rtsp.url("stall"), read_timeout_s=1.0,
                           reconnect_initial_s=0.05, reconnect_max_s=0.1)

@@ -22,6 +22,7 @@ from stages.infer import (
 )
 from stages.preprocess import HostPreprocess
 from tests.support.batches import make_frame
+from tests.support.harness import run_stage
 
 
 def test_auto_without_gpu_picks_onnxruntime(samples) -> None:
@@ -51,8 +52,7 @@ def test_cpu_infer_stage_is_onnxruntime_on_the_host_preprocess(samples, count: i
     backend = create_backend(InferenceConfig(backend="onnxruntime", batch_size=4),
                              Path(samples.model), info)
     stage = InferStage("infer", backend, HostPreprocess(size, info.input_dtype, 4))
-    stage.open()  # nothing to allocate on the CPU path
-    (out,) = stage.process(batch)
+    (out,) = run_stage(stage, [batch])
     assert isinstance(out, ModelOutputs) and out.frames is batch and len(out) == count
 
     images = HostPreprocess(size, info.input_dtype, 4).run(batch)
@@ -62,7 +62,6 @@ def test_cpu_infer_stage_is_onnxruntime_on_the_host_preprocess(samples, count: i
                                for i in range(count)])
     assert out.outputs.shape == (count, 4 + info.num_classes, expected.shape[2])
     np.testing.assert_allclose(out.outputs, expected, rtol=1e-4, atol=1e-4)
-    stage.close()
 
 
 @pytest.mark.parametrize("installed, capability, backend, why", [

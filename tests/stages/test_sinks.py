@@ -28,6 +28,7 @@ from stages.sinks import (
 )
 from tests.support import read_frames
 from tests.support.batches import Box, batch_detections, grey_image, make_frame
+from tests.support.harness import run_stage
 
 CAPTURE = 1_700_000_000.1234567
 
@@ -96,12 +97,8 @@ def run_sink(tmp_path: Path, frames: list[Frame], end: EndOfStream | None,
 
     sink = SinkStage("sink:cam", tmp_path / "cam.mp4", tmp_path / "cam.jsonl", ["person"],
                      release_slots=release)
-    sink.open()
-    for part in parts(frames, part_size):
-        assert sink.process(part) == ()
-    if end is not None:
-        sink.end_of_stream(end)
-    sink.close()
+    assert run_stage(sink, [*parts(frames, part_size), *([end] if end else [])],
+                     finish=end is not None) == []  # a sink passes nothing on
     return sink, released
 
 
@@ -147,11 +144,7 @@ def test_a_live_source_stopped_is_complete_and_one_without_frames_leaves_nothing
         folder = tmp_path / str(count)
         folder.mkdir()
         sink = SinkStage("sink:cam", folder / "cam.mp4", folder / "cam.jsonl", None, live=True)
-        sink.open()
-        for part in parts(pictures[:count], 2):
-            sink.process(part)
-        sink.end_of_stream(EndOfStream("cam", count, stopped=True))
-        sink.close()
+        run_stage(sink, [*parts(pictures[:count], 2), EndOfStream("cam", count, stopped=True)])
         assert {p.name for p in folder.iterdir()} == left
 
 
@@ -364,24 +357,16 @@ def test_a_live_source_s_outputs_rotate_together_and_each_finished_segment_is_co
 @pytest.mark.parametrize(("live", "segment_s"), [(False, SEGMENT_S), (True, None)])
 def test_a_file_source_or_no_segment_s_writes_one_file_per_output(
         tmp_path: Path, pictures: list[Frame], live: bool, segment_s: float | None) -> None:
-    sink = segmented_sink(tmp_path, live=live, segment_s=segment_s)
-    sink.open()
-    for part in parts(pictures, 5):
-        sink.process(with_events(part))
-    sink.end_of_stream(EndOfStream("cam", 12))
-    sink.close()
+    run_stage(segmented_sink(tmp_path, live=live, segment_s=segment_s),
+              [*map(with_events, parts(pictures, 5)), EndOfStream("cam", 12)])
     assert names(tmp_path) == {"cam.mp4", "cam.jsonl", "cam.events.jsonl"}
     assert len(read_frames(tmp_path / "cam.mp4")) == 12
 
 
 def test_a_cut_short_segmented_run_leaves_only_its_last_segment_partial(
         tmp_path: Path, pictures: list[Frame]) -> None:
-    sink = segmented_sink(tmp_path)
-    sink.open()
-    for part in parts(pictures[:10], 3):
-        sink.process(part)
-    sink.end_of_stream(EndOfStream("cam", 10, error="lost"))
-    sink.close()
+    run_stage(segmented_sink(tmp_path),
+              [*parts(pictures[:10], 3), EndOfStream("cam", 10, error="lost")])
     assert {n for n in names(tmp_path) if n.endswith(".mp4")} == {
         f"cam.{STAMPS[0]}.mp4", f"cam.{STAMPS[1]}.mp4", f"cam.{STAMPS[2]}.partial.mp4"}
     assert len(read_frames(tmp_path / f"cam.{STAMPS[2]}.partial.mp4")) == 2
@@ -391,11 +376,7 @@ def test_a_segment_name_an_earlier_run_took_moves_on_a_second(
         tmp_path: Path, pictures: list[Frame]) -> None:
     taken = tmp_path / f"cam.{STAMPS[0]}.partial.jsonl"  # a killed run's, same second
     taken.write_text("older run\n")
-    sink = segmented_sink(tmp_path)
-    sink.open()
-    sink.process(parts(pictures[:2], 2)[0])
-    sink.end_of_stream(EndOfStream("cam", 2))
-    sink.close()
+    run_stage(segmented_sink(tmp_path), [*parts(pictures[:2], 2), EndOfStream("cam", 2)])
     assert taken.read_text() == "older run\n"
     assert {"cam.20231114T221321Z.jsonl", "cam.20231114T221321Z.mp4"} <= names(tmp_path)
 

@@ -23,7 +23,8 @@ from pipeline.app.http import HttpServer, check_settings, is_loopback
 from pipeline.app.view import local_board
 from pipeline.config import parse_config
 from pipeline.graph import Graph
-from tests.e2e.conftest import pipeline_config, wait_for
+from tests.e2e.conftest import pipeline_config
+from tests.support.harness import wait_for
 from tests.support.live_view import HttpSettings, running
 
 PASSWORD = "s3cr3t-pw"
@@ -55,7 +56,7 @@ def live(samples, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveView
         with pump, running(graph), httpx.Client(base_url=f"http://127.0.0.1:{port}",
                                                 timeout=10) as client:
             view = LiveView(graph, board, server, client)
-            wait_for(lambda: source(view, "street")["frames"] > 0, 30, "the first frame")
+            wait_for(lambda: source(view, "street")["frames"] > 0, "the first frame", 30)
             yield view
     finally:
         server.close()
@@ -68,7 +69,7 @@ def source(view: LiveView, name: str) -> dict:
 
 
 def test_sources_lists_every_source_with_its_counters(live: LiveView) -> None:
-    wait_for(lambda: source(live, "street")["fps"] > 0, 10, "a frame rate")
+    wait_for(lambda: source(live, "street")["fps"] > 0, "a frame rate", 10)
     listed = live.client.get("/api/sources").json()["sources"]
     assert [s["name"] for s in listed] == ["street", "door"]
     street, door = listed
@@ -83,7 +84,7 @@ def test_sources_lists_every_source_with_its_counters(live: LiveView) -> None:
 
 
 def test_health_is_degraded_with_the_reconnecting_camera_named(live: LiveView) -> None:
-    wait_for(lambda: source(live, "door")["state"] == "reconnecting", 10, "door reconnecting")
+    wait_for(lambda: source(live, "door")["state"] == "reconnecting", "door reconnecting", 10)
     health = live.client.get("/api/health").json()
     assert health["status"] == "degraded"
     assert health["sources"]["street"] == "running"
@@ -135,7 +136,7 @@ def test_mjpeg_stream_sends_new_pictures_at_most_preview_fps(live: LiveView) -> 
     assert elapsed >= 2 * 0.2 * 0.9, f"3 parts in {elapsed:.2f} s: faster than preview_fps 5"
     numbers = [int(p.split(b"X-Picture: ")[1].split(b"\r\n")[0]) for p in parts]
     assert numbers == sorted(set(numbers)), f"a picture sent twice: {numbers}"
-    wait_for(lambda: live.board.viewers("street") == 0, 5, "the stream's viewer to leave")
+    wait_for(lambda: live.board.viewers("street") == 0, "the stream's viewer to leave", 5)
 
 
 @pytest.mark.parametrize("path", [
@@ -154,7 +155,7 @@ def test_page_lists_every_source(live: LiveView) -> None:
 
 
 def test_no_response_contains_the_camera_password(live: LiveView) -> None:
-    wait_for(lambda: source(live, "door")["reconnects"] >= 1, 10, "a reconnection")
+    wait_for(lambda: source(live, "door")["reconnects"] >= 1, "a reconnection", 10)
     bodies = [live.client.get(path).text for path in (
         "/", "/api/health", "/api/sources", "/api/sources/door", "/api/sources/door/snapshot.jpg",
         "/api/sources/nope")]

@@ -26,20 +26,12 @@ from structlog.testing import capture_logs
 from pipeline.app.mqtt import FLUSH_S, GOODBYE_S, MqttPublisher
 from pipeline.config import ConfigError, MqttConfig
 from tests.support import MosquittoBroker, require_mosquitto
+from tests.support.harness import wait_for
 from tests.support.mosquitto import free_loopback_port, make_tls_files
 
 TIMEOUT_S = 15.0  # for any one condition; the tests take far less when they pass
 PUBLISHER_PASSWORD = "pub-Secret-7f3a"
 SUBSCRIBER_PASSWORD = "sub-Secret-1c9e"
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = TIMEOUT_S) -> None:
-    """Return once ``condition()`` is true; fail naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
 
 
 class Subscriber:
@@ -147,6 +139,7 @@ def publish_numbered(publisher: MqttPublisher, numbers: range, source: str = "ca
     return slowest
 
 
+@pytest.mark.slow  # a real MQTT broker
 def test_a_subscriber_gets_every_event_in_order_and_the_retained_counts_and_availability(
         broker: MosquittoBroker, subscribers: list[Subscriber],
         publishers: Callable[..., MqttPublisher]) -> None:
@@ -182,6 +175,7 @@ def test_a_subscriber_gets_every_event_in_order_and_the_retained_counts_and_avai
              "offline after close()")
 
 
+@pytest.mark.slow  # a real MQTT broker
 def test_events_published_while_the_broker_is_down_at_start_arrive_once_it_is_up(
         broker: MosquittoBroker, subscribers: list[Subscriber],
         publishers: Callable[..., MqttPublisher]) -> None:
@@ -201,6 +195,7 @@ def test_events_published_while_the_broker_is_down_at_start_arrive_once_it_is_up
     assert publisher.dropped == 0
 
 
+@pytest.mark.slow  # a real MQTT broker
 def test_a_broker_restart_mid_stream_loses_no_event(
         broker: MosquittoBroker, subscribers: list[Subscriber],
         publishers: Callable[..., MqttPublisher]) -> None:
@@ -230,6 +225,7 @@ def test_a_broker_restart_mid_stream_loses_no_event(
     assert publisher.dropped == 0
 
 
+@pytest.mark.slow  # a real MQTT broker
 def test_overflow_drops_the_oldest_and_counts_exactly_the_overflow(
         broker: MosquittoBroker, subscribers: list[Subscriber],
         publishers: Callable[..., MqttPublisher]) -> None:
@@ -278,6 +274,7 @@ threading.Event().wait()
 """
 
 
+@pytest.mark.slow  # a real MQTT broker
 def test_the_last_will_says_offline_when_the_publisher_process_is_killed(
         broker: MosquittoBroker, subscribers: list[Subscriber], repo_root: Path) -> None:
     subscribers.append(subscriber := Subscriber(broker))
@@ -299,6 +296,7 @@ def test_the_last_will_says_offline_when_the_publisher_process_is_killed(
     wait_for(lambda: late.last("streamdet/availability") == "offline", "retained offline")
 
 
+@pytest.mark.slow  # a real MQTT broker
 def test_a_login_works_and_the_password_is_never_logged(
         tmp_path: Path, subscribers: list[Subscriber],
         publishers: Callable[..., MqttPublisher]) -> None:
@@ -340,6 +338,7 @@ def test_a_wrong_host_name_is_logged_clearly_and_never_raises(
     assert len(failures) == 1 and failures[0]["log_level"] == "warning"
 
 
+@pytest.mark.slow  # a real MQTT broker
 def test_tls_with_the_brokers_ca_and_a_clear_line_for_an_untrusted_certificate(
         tmp_path: Path, subscribers: list[Subscriber],
         publishers: Callable[..., MqttPublisher]) -> None:

@@ -24,6 +24,7 @@ from pipeline.app.supervisor import (
 )
 from pipeline.config import ConfigError, SourceConfig, parse_config
 from pipeline.graph import SourceConflict
+from tests.support.harness import wait_for
 
 
 def Report(*args, **kwargs) -> HostReport:  # noqa: N802 - reads as the record it makes
@@ -112,13 +113,6 @@ class ScriptedExecutor:
             return [(host, args[0]) for host, method, args in self.calls if method == "remove"]
 
 
-def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 @pytest.fixture()
 def config(samples):
     return parse_config({"sources": [{"name": n, "uri": str(samples.bikes)}
@@ -141,7 +135,7 @@ def start(config, executor, **kwargs) -> tuple[Supervisor, threading.Thread, dic
 def test_sources_are_placed_by_load_one_by_one_and_the_run_ends_when_each_ended(config):
     executor = ScriptedExecutor(2)
     supervisor, thread, results = start(config, executor)
-    wait_until(lambda: len(executor.running) == 4, "four sources started")
+    wait_for(lambda: len(executor.running) == 4, "four sources started")
     assert sorted(executor.on(0)) == ["a", "d"] and sorted(executor.on(1)) == ["b", "c"]
     assert not any(r.resume for h in (0, 1) for r in executor.on(h).values())
     executor.finish("a")
@@ -159,11 +153,11 @@ def test_sources_are_placed_by_load_one_by_one_and_the_run_ends_when_each_ended(
 def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restarts(config):
     executor = ScriptedExecutor(2)
     supervisor, thread, results = start(config, executor, max_restarts=1)
-    wait_until(lambda: len(executor.running) == 4, "four sources started")
+    wait_for(lambda: len(executor.running) == 4, "four sources started")
     kept = dict(executor.on(0))
     died_at = time.monotonic()
     executor.die(1)
-    wait_until(lambda: sorted(executor.on(0)) == list("abcd"), "the moved sources on host 0")
+    wait_for(lambda: sorted(executor.on(0)) == list("abcd"), "the moved sources on host 0")
     assert time.monotonic() - died_at >= backoff_s(0) * 0.9  # not at once: a backoff
     moved = executor.on(0)
     assert moved["b"].resume and moved["c"].resume  # they resume after their records
@@ -171,7 +165,7 @@ def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restar
     assert supervisor.moves == {"b": 1, "c": 1}
     # Host 1 is back: the loads are evened again (4 + 1 | 3 + 2), moving sources one by one
     # (each cut where it ran and resumed on host 1); the others go on untouched.
-    wait_until(lambda: executor.on(1) and len(executor.on(0)) + len(executor.on(1)) == 4,
+    wait_for(lambda: executor.on(1) and len(executor.on(0)) + len(executor.on(1)) == 4,
                "sources rebalanced onto the restarted host 1")
     assert (1, "restart_host", ()) in executor.calls
     assert all(r.resume for r in executor.on(1).values())
@@ -179,8 +173,8 @@ def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restar
     assert cut and set(cut) == set(executor.on(1))  # only the moved ones were cut
     # It dies again: no restart left (max_restarts=1); the run goes on with host 0.
     executor.die(1)
-    wait_until(lambda: supervisor.hosts[1].gone, "host 1 given up")
-    wait_until(lambda: sorted(executor.on(0)) == list("abcd"), "every source on host 0")
+    wait_for(lambda: supervisor.hosts[1].gone, "host 1 given up")
+    wait_for(lambda: sorted(executor.on(0)) == list("abcd"), "every source on host 0")
     for name in "abcd":
         executor.finish(name)
     thread.join(5)
@@ -190,7 +184,7 @@ def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restar
 def test_every_host_dead_for_good_fails_the_remaining_sources(config):
     executor = ScriptedExecutor(1)
     supervisor, thread, results = start(config, executor, max_restarts=0)
-    wait_until(lambda: len(executor.running) == 4, "four sources")
+    wait_for(lambda: len(executor.running) == 4, "four sources")
     executor.die(0)
     thread.join(5)
     assert not thread.is_alive()
@@ -200,10 +194,10 @@ def test_every_host_dead_for_good_fails_the_remaining_sources(config):
 def test_removing_a_source_cuts_only_it_and_an_added_one_goes_to_the_least_loaded(config):
     executor = ScriptedExecutor(2)
     supervisor, thread, results = start(config, executor)
-    wait_until(lambda: len(executor.running) == 4, "four sources started")
+    wait_for(lambda: len(executor.running) == 4, "four sources started")
     before = {h: dict(executor.on(h)) for h in (0, 1)}  # a 4 + d 1 | b 3 + c 2
     supervisor.remove_source("c")
-    wait_until(lambda: "c" not in executor.running, "c stopped")
+    wait_for(lambda: "c" not in executor.running, "c stopped")
     assert executor.removed() == [(1, "c")]
     time.sleep(0.3)  # the loop had its turns: nothing else moved or restarted
     assert executor.removed() == [(1, "c")]
@@ -226,7 +220,7 @@ def test_removing_a_source_cuts_only_it_and_an_added_one_goes_to_the_least_loade
 def test_a_pipeline_that_cannot_start_fails_its_sources_once(config):
     executor = ScriptedExecutor(1)
     supervisor, thread, results = start(config, executor)
-    wait_until(lambda: len(executor.running) == 4, "four sources")
+    wait_for(lambda: len(executor.running) == 4, "four sources")
     with executor.lock:
         executor.running.clear()
         executor.reports[0].append(Report(failure="inference.device: 'cuda' cannot be used",

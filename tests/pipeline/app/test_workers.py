@@ -23,22 +23,20 @@ from pipeline.graph import Graph
 from pipeline.records import BatchDetections
 from pipeline.slots import SlotRing
 from tests.e2e.conftest import pipeline_config, records
-from tests.support import read_frames, write_clip
+from tests.support.clips import ClipFactory
 
 SIZES = {"a": (320, 136), "b": (288, 160), "c": (176, 144)}
 FRAMES = {"a": 24, "b": 18, "c": 12}
 
 
 @pytest.fixture(scope="module")
-def clips(samples, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def clips(make_clip: ClipFactory) -> dict[str, Path]:
     """Three short clips of real street scenes, each of its own size and length; one long
     clip (kill test); one clip larger than the ring's 1920x1080 slots."""
-    out = tmp_path_factory.mktemp("worker-clips")
-    bikes = read_frames(samples.bikes, 60)
-    made = {name: write_clip(out / f"{name}.mp4", bikes[i * 7: i * 7 + FRAMES[name]], size)
+    made = {name: make_clip("bikes", FRAMES[name], size, start=i * 7)
             for i, (name, size) in enumerate(SIZES.items())}
-    made["long"] = write_clip(out / "long.mp4", bikes[:36], (256, 112))
-    made["huge"] = write_clip(out / "huge.mp4", bikes[:3], (1984, 1120))  # > 1920x1080 bytes
+    made["long"] = make_clip("bikes", 36, (256, 112))
+    made["huge"] = make_clip("bikes", 3, (1984, 1120))  # > 1920x1080 bytes
     return made
 
 
@@ -147,6 +145,7 @@ def test_attach_in_a_child_process_sees_the_parents_writes_and_vice_versa() -> N
 # The pipeline with worker processes
 
 
+@pytest.mark.slow  # every clip twice through the CPU detector
 def test_files_through_worker_processes_match_the_threaded_decode(samples, clips, tmp_path) -> None:
     sources = [{"name": name, "uri": str(clips[name])} for name in SIZES]
     results = {}
