@@ -53,16 +53,19 @@ def pipeline_config(samples, out: Path, sources: list[dict[str, Any]], **section
 
 class Run:
     """``python run.py --config ...`` as a subprocess, its stderr (JSON log) in a file;
-    ``new_session``: in a process group of its own (to signal the whole group)."""
+    ``new_session``: in a process group of its own (to signal the whole group);
+    ``extra_args``: more command-line arguments (``--ray local``)."""
 
-    def __init__(self, repo_root: Path, config: dict, out: Path, new_session: bool = False) -> None:
+    def __init__(self, repo_root: Path, config: dict, out: Path, new_session: bool = False,
+                 extra_args: list[str] | None = None) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.config_path = out / "config.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.log_path = out / "stderr.log"
         self._log = self.log_path.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "run.py", "--config", str(self.config_path), "--no-progress"],
+            [sys.executable, "run.py", "--config", str(self.config_path), "--no-progress",
+             *(extra_args or [])],
             cwd=repo_root, stdout=subprocess.DEVNULL, stderr=self._log, text=True,
             start_new_session=new_session)
 
@@ -79,8 +82,9 @@ class Run:
         return self.log_path.read_text()
 
     def events(self, name: str) -> list[dict]:
-        """The JSON log events called ``name``."""
-        return [e for e in map(json.loads, filter(None, self.stderr().splitlines()))
+        """The JSON log events called ``name`` (lines that are not ours, Ray's, are skipped)."""
+        return [e for e in map(json.loads, (line for line in self.stderr().splitlines()
+                                            if line.startswith("{")))
                 if e.get("event") == name]
 
     def kill(self) -> None:
@@ -94,8 +98,9 @@ def run_pipeline(repo_root: Path) -> Iterator[Callable[[dict, Path], Run]]:
     """Start the pipeline on a config; any run still going at teardown is killed."""
     runs: list[Run] = []
 
-    def start(config: dict, out: Path, new_session: bool = False) -> Run:
-        runs.append(Run(repo_root, config, out, new_session))
+    def start(config: dict, out: Path, new_session: bool = False,
+              extra_args: list[str] | None = None) -> Run:
+        runs.append(Run(repo_root, config, out, new_session, extra_args))
         return runs[-1]
 
     yield start

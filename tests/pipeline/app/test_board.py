@@ -29,7 +29,8 @@ from pipeline.app.http import HttpServer
 from pipeline.app.view import HostView, LocalPump, ViewReport, local_board
 from pipeline.config import SourceConfig, build_section, parse_config
 from pipeline.graph import Graph, SourceConflict
-from tests.e2e.conftest import pipeline_config, wait_for
+from tests.e2e.conftest import pipeline_config
+from tests.support.harness import wait_for
 from tests.support.live_view import running
 
 
@@ -61,7 +62,7 @@ def test_two_hosts_on_one_board(samples, tmp_path: Path,
             stack.enter_context(pump)
             stack.enter_context(running(graph))
         wait_for(lambda: board.health()["sources"] == {"street": "running", "car": "running"},
-                 30, "both hosts ready and running")
+                 "both hosts ready and running", 30)
         assert board.names() == ["street", "car"]
         assert [board.source(n)["host"] for n in board.names()] == ["pipeline0", "pipeline1"]
         health = board.health()
@@ -74,7 +75,7 @@ def test_two_hosts_on_one_board(samples, tmp_path: Path,
         # A snapshot asked of the car: only its host is asked for pictures, of it only.
         board.request("car")
         assert (board.wanted("pipeline0"), board.wanted("pipeline1")) == ([], ["car"])
-        wait_for(lambda: board.picture_number("car") >= 2, 10, "two pictures of the car")
+        wait_for(lambda: board.picture_number("car") >= 2, "two pictures of the car", 10)
         number, data = board.picture("car")
         assert jpeg_shape(data) == (144, 176, 3)
         assert board.picture("street") is None
@@ -83,7 +84,7 @@ def test_two_hosts_on_one_board(samples, tmp_path: Path,
         # pipeline1 stops reporting, then is gone: the car is moved to pipeline0.
         pumps[1].close()
         wait_for(lambda: "host pipeline1 has not reported for 1 s" in board.health()["reasons"],
-                 5, "the silent host named")
+                 "the silent host named", 5)
         assert board.health()["status"] == "degraded"
         board.host_gone("pipeline1")
         car = board.source("car")
@@ -101,11 +102,11 @@ def test_two_hosts_on_one_board(samples, tmp_path: Path,
         assert board.names() == ["street", "car"]  # a move keeps its place
         assert (board.source("car")["state"], board.source("car")["host"]) == ("starting",
                                                                                 "pipeline0")
-        wait_for(lambda: board.source("car")["state"] == "running", 20, "the car running again")
+        wait_for(lambda: board.source("car")["state"] == "running", "the car running again", 20)
         assert board.source("car")["host"] == "pipeline0"
         board.request("car")  # (the first request's window may be over)
         assert board.wanted("pipeline0") == ["car"] and board.wanted("pipeline1") == []
-        wait_for(lambda: board.picture_number("car") > number, 10, "a picture from pipeline0")
+        wait_for(lambda: board.picture_number("car") > number, "a picture from pipeline0", 10)
         assert jpeg_shape(board.picture("car")[1]) == (144, 176, 3)
         assert board.health()["sources"] == {"street": "running", "car": "running"}
 
@@ -120,7 +121,7 @@ def local(samples, tmp_path: Path) -> Iterator[tuple[SourceBoard, Graph]]:
     board, view, pump = local_board(graph, graph.preview, config, host="gpu0")
     assert view.host == "gpu0" and board.editable
     with pump, running(graph):
-        wait_for(lambda: board.state("street") == "running", 30, "the street running")
+        wait_for(lambda: board.state("street") == "running", "the street running", 30)
         yield board, graph
 
 
@@ -133,7 +134,7 @@ def test_local_board_adds_and_removes_through_the_graph(local, samples, tmp_path
                                                                                 "running")
     with pytest.raises(SourceConflict, match="is in use"):
         board.add({"name": "car", "uri": str(samples.carphone)})
-    wait_for(lambda: board.source("car")["frames"] >= 10, 30, "10 frames of the car")
+    wait_for(lambda: board.source("car")["frames"] >= 10, "10 frames of the car", 30)
     answer = board.remove("car", 30)
     assert answer["name"] == "car" and answer["state"] == "removed"
     lines = (tmp_path / "car.partial.jsonl").read_text().splitlines()
@@ -153,7 +154,7 @@ def test_a_removal_that_takes_longer_is_removing_then_leaves(local, samples) -> 
     answer = board.remove("car", 0)  # no wait at all: answered before the outputs are final
     assert answer == {"name": "car", "state": "removing"}
     assert board.state("car") in ("removing", None)
-    wait_for(lambda: board.source("car") is None, 20, "the car to leave once final")
+    wait_for(lambda: board.source("car") is None, "the car to leave once final", 20)
     assert graph.source_done("car") and board.names() == ["street"]
 
 

@@ -24,7 +24,8 @@ from pipeline.app.view import HostView, SourceMonitor, ViewReport
 from pipeline.config import parse_config
 from pipeline.graph import Graph
 from pipeline.metrics import LinkStatus, SourceMetrics
-from tests.e2e.conftest import pipeline_config, wait_for
+from tests.e2e.conftest import pipeline_config
+from tests.support.harness import wait_for
 from tests.support.live_view import running
 
 JSON_KEYS = {"name", "uri", "live", "state", "frames", "fps", "dropped", "reconnects",
@@ -54,7 +55,7 @@ def hosted(samples, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
     try:
         with running(graph):
             wait_for(lambda: all(s["frames"] > 0 for s in view.report([]).sources.values()),
-                     30, "the first frames")
+                     "the first frames", 30)
             yield graph, view
     finally:
         view.close()
@@ -62,7 +63,7 @@ def hosted(samples, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
 
 def test_a_report_has_every_source_and_is_picklable(hosted) -> None:
     graph, view = hosted
-    wait_for(lambda: view.report([]).sources["street"]["fps"] > 0, 10, "a frame rate")
+    wait_for(lambda: view.report([]).sources["street"]["fps"] > 0, "a frame rate", 10)
     report = view.report([])
     assert (report.host, report.ready, list(report.sources)) == ("pipeline0", True,
                                                                   ["street", "car"])
@@ -86,7 +87,7 @@ def test_only_wanted_sources_get_a_jpeg_and_only_a_newer_one(hosted) -> None:
             pictures.append(report.pictures["street"])
         return len(pictures) >= 2
 
-    wait_for(street_picture, 10, "two pictures of the street")
+    wait_for(street_picture, "two pictures of the street", 10)
     (first, data), (second, _) = pictures
     assert second > first >= 1, "a picture reported twice"
     assert jpeg_shape(data) == (272, 640, 3)
@@ -102,7 +103,7 @@ def test_only_wanted_sources_get_a_jpeg_and_only_a_newer_one(hosted) -> None:
             car.append(picture[1])
         return bool(car)
 
-    wait_for(car_picture, 10, "a picture of the car")
+    wait_for(car_picture, "a picture of the car", 10)
     assert jpeg_shape(car[0]) == (144, 176, 3)
 
 
@@ -111,12 +112,12 @@ def test_a_source_added_removed_and_forgotten(hosted, samples) -> None:
     source = graph.control.add({"name": "clip", "uri": str(samples.carphone), "pace_fps": 30})
     view.add(source)
     assert list(view.report([]).sources) == ["street", "car", "clip"]
-    wait_for(lambda: view.report([]).sources["clip"]["frames"] > 0, 20, "frames of the clip")
+    wait_for(lambda: view.report([]).sources["clip"]["frames"] > 0, "frames of the clip", 20)
     graph.control.remove("clip")
     view.mark_removing("clip")
     assert view.report([]).sources["clip"]["state"] == "removing"
     # the sampling thread forgets it once its outputs are final
-    wait_for(lambda: "clip" not in view.report([]).sources, 20, "the clip to be forgotten")
+    wait_for(lambda: "clip" not in view.report([]).sources, "the clip to be forgotten", 20)
     assert graph.source_done("clip") and view.names() == ["street", "car"]
     view.forget("clip")  # again: nothing happens
     assert list(view.report(["clip"]).sources) == ["street", "car"]
