@@ -466,7 +466,9 @@ class Supervisor:
         run = self.sources[name]
         if reply.source is None:
             run.host = None
-            if reply.conflict and (self._stop.is_set() or self._abort.is_set() or run.removing):
+            if run.moving:  # cut before it started there: it starts where it was placed
+                run.moving = False
+            elif reply.conflict and (self._stop.is_set() or self._abort.is_set() or run.removing):
                 self.results.setdefault(name, None)
             else:
                 self.results[name] = reply.error
@@ -557,7 +559,7 @@ class Supervisor:
     def _place(self, max_moves: int) -> None:
         """Place every unfinished source on a live host; cut short the sources that move
         (each resumes on its new host once its old one reported its end)."""
-        live = self._placeable_hosts()
+        live = [h for h, state in self.hosts.items() if state.alive and not state.failed]
         with self._lock:
             names = [n for n in self._unfinished() if not self.sources[n].removing]
             loads = [self.loads[name] for name in names if name in self.loads]

@@ -69,7 +69,7 @@ def test_two_pipelines_one_live_view_add_and_remove_without_touching_the_others(
                 return {}
 
         wait_for(lambda: health().get("status") == "ok"
-                 and all(s == "running" for s in health()["sources"].values()),
+                 and health()["sources"] == dict.fromkeys(["street", "door", "yard"], "running"),
                  "every source running", 180, run)
         sources = {s["name"]: s for s in client.get("api/sources").json()["sources"]}
         assert list(sources) == ["street", "door", "yard"]
