@@ -377,10 +377,7 @@ class HostView:
         """
         with self._lock:
             ready = self.graph.ready.is_set()
-            self.graph.refresh_source_metrics()
-            counts = self.monitor.counts()
-            names = list(self.monitor.names)
-            sources = {name: self.monitor.source(name, counts, refresh=False) for name in names}
+            sources = self.monitor.sources()
             reasons = self.monitor.reasons({n: s["state"] for n, s in sources.items()}
                                            ) if ready else []
             pictures: dict[str, tuple[int, bytes]] = {}
