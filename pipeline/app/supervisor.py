@@ -660,6 +660,7 @@ class LocalExecutor:
         self.cores = max(1, usable_cores() // len(devices))
         self.processes: dict[int, Any] = {}
         self.conns: dict[int, Connection] = {}
+        self._send_lock = threading.Lock()
         self._context = multiprocessing.get_context("spawn")
 
     def start(self, host: int) -> None:
@@ -677,7 +678,8 @@ class LocalExecutor:
 
     def call(self, host: int, method: str, *args: Any) -> None:
         try:
-            self.conns[host].send((method, *args))
+            with self._send_lock:  # the loop and the live view's threads both call
+                self.conns[host].send((method, *args))
         except (BrokenPipeError, OSError):
             pass  # it died: the next poll says so
 
