@@ -10,6 +10,12 @@ Frames travel one by one only into the batcher; after it every item is a batch r
 the last stage's ``BatchDetections`` is split by source once per batch (one queue put per
 source present in the batch).
 
+The graph checks the wiring when it is built, from the stages' ports (``Stage.consumes`` and
+``Stage.produces``): the first stage must take the sources' ``Frame``, each stage what the
+one before it produces, the sinks what the last produces, and the last must produce
+``BatchDetections`` (the split needs it). A mis-wired chain is a ``ValueError`` naming both
+stages and their types.
+
 Each node runs on its own thread. The first exception in any node stops the graph: every
 thread is woken, joined with a timeout, and ``run()`` raises ``PipelineError`` from it.
 ``request_stop()`` (first Ctrl-C) makes the sources stop reading and end their streams, so
@@ -34,9 +40,10 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any
+from typing import Any, get_args
 
 import structlog
 
@@ -55,6 +62,51 @@ SOURCE_ABORT_WAIT_S = 1.0
 REPORT_INTERVAL_S = 60.0  # a "source stats" log line per source this often
 CONTROL_LANE = "control"  # the first queue's lane that stays open until the run ends
 STOP_WHEN = ("all_ended", "files_ended", "never")
+SOURCE_RECORD = Frame  # what every source produces (``SourceStage.frames``)
+SINK_RECORD = BatchDetections  # what the last stage produces: the graph splits it by source
+
+Port = type | types.UnionType | None
+
+
+def port_name(port: Port) -> str:
+    """A port's record type as written in a class line: ``FrameBatch``,
+    ``FrameBatch | BatchDetections``, ``nothing`` for None."""
+    if port is None:
+        return "nothing"
+    members = get_args(port) if isinstance(port, types.UnionType) else (port,)
+    return " | ".join(getattr(m, "__name__", repr(m)) for m in members)
+
+
+def accepts(consumes: Port, produces: Port) -> bool:
+    """Whether a stage that consumes ``consumes`` takes every record of type ``produces``
+    (each member of a union)."""
+    if consumes is None or produces is None:
+        return False
+    members = get_args(produces) if isinstance(produces, types.UnionType) else (produces,)
+    return all(isinstance(m, type) and issubclass(m, consumes) for m in members)
+
+
+def check_port(upstream: str, produces: Port, stage: Stage) -> None:
+    """Raise ValueError unless ``stage`` consumes what ``upstream`` (a phrase naming it)
+    produces."""
+    if not accepts(stage.consumes, produces):
+        raise ValueError(f"stage {stage.name!r} ({type(stage).__name__}) consumes "
+                         f"{port_name(stage.consumes)}, but {upstream} produces "
+                         f"{port_name(produces)}")
+
+
+def check_chain(chain: list[Stage]) -> None:
+    """Raise ValueError unless the chain is wired right: the first stage takes ``Frame``,
+    each stage what the one before it produces, and the last produces ``BatchDetections``."""
+    check_port("every source", SOURCE_RECORD, chain[0])
+    for upstream, stage in zip(chain, chain[1:]):
+        check_port(f"stage {upstream.name!r} ({type(upstream).__name__}) before it",
+                   upstream.produces, stage)
+    last = chain[-1]
+    if not accepts(SINK_RECORD, last.produces):
+        raise ValueError(f"the last stage {last.name!r} ({type(last).__name__}) produces "
+                         f"{port_name(last.produces)}, but the graph splits "
+                         f"{SINK_RECORD.__name__} by source for the sinks")
 
 
 class PipelineError(RuntimeError):
@@ -82,6 +134,10 @@ class Graph:
         release_at_sink: the sinks return their parts' slots (they are the last readers of
             the host images); dropped sink-lane parts then return theirs here.
         stop_when: ``all_ended``, ``files_ended`` or ``never`` (module docstring).
+
+    Raises:
+        ValueError: an empty chain, a mis-wired chain or sink (their ports do not fit: the
+            message names both stages and their types), or an unknown ``stop_when``.
     """
 
     def __init__(
@@ -100,6 +156,9 @@ class Graph:
             raise ValueError("the graph needs at least one stage between sources and sinks")
         if stop_when not in STOP_WHEN:
             raise ValueError(f"stop_when: expected one of {STOP_WHEN}, got {stop_when!r}")
+        check_chain(chain)
+        for sink in sinks.values():
+            self._check_sink(chain, sink)
         self.sources, self.chain, self.sinks = list(sources), chain, dict(sinks)
         self.stop_when = stop_when
         self.queue_size = queue_size
@@ -164,6 +223,12 @@ class Graph:
         (also after a failure), in reverse order of starting."""
         self._services.append((start, close, with_sources))
 
+    @staticmethod
+    def _check_sink(chain: list[Stage], sink: Stage) -> None:
+        """Raise ValueError unless ``sink`` consumes what the chain's last stage produces."""
+        last = chain[-1]
+        check_port(f"the last stage {last.name!r} ({type(last).__name__})", last.produces, sink)
+
     def _add_source_lane(self, source: SourceStage, lane: str | None = None) -> None:
         lane = lane or source.name
         if source.live:
@@ -213,7 +278,9 @@ class Graph:
         Raises:
             SourceConflict: its name is in use (a source running, or one whose outputs are
                 being finalised), or the run is ending.
+            ValueError: the sink does not consume what the chain's last stage produces.
         """
+        self._check_sink(self.chain, sink)
         with self._sources_lock:
             if not self._accepting:
                 raise SourceConflict("the run is ending: no source can be added")

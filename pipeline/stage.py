@@ -1,22 +1,50 @@
-"""Base classes of the graph's nodes: a source produces frames, a stage transforms items.
+"""Base classes of the graph's nodes: a source produces frames, a stage transforms records.
 
 A stage never knows which stage feeds it or which it feeds: the graph calls its hooks on its
 own thread and puts what they return on the next queue. Hooks return iterables (usually a
-list or a generator) of items; returning nothing drops the item.
+list or a generator) of records; returning nothing drops the item.
+
+A stage declares its ports in its class line, as the type parameters of ``Stage``:
+
+```
+class InferStage(Stage[FrameBatch, ModelOutputs]):    # consumes FrameBatch, produces ModelOutputs
+    def process(self, item: FrameBatch) -> Iterable[ModelOutputs]: ...
+
+class SinkStage(Stage[BatchDetections, None]):        # a sink: produces nothing
+```
+
+The graph reads them (``consumes``, ``produces``) to check the chain when it is built
+(``pipeline.graph.Graph``). ``EndOfStream`` markers are not part of a port: every stage
+passes them on (``end_of_stream``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
-from typing import Any
+import types
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any, ClassVar, Generic, TypeVar, get_args, get_origin
 
 from pipeline.metrics import LinkStatus
 from pipeline.records import EndOfStream, Frame
 
+In = TypeVar("In")
+Out = TypeVar("Out")
 
-class Stage:
-    """A step of the graph, run on its own thread.
+
+class Stage(Generic[In, Out]):
+    """A step of the graph, run on its own thread, that turns ``In`` records into ``Out``
+    records.
+
+    Class attributes (the stage's ports, set from the type parameters of ``Stage[In, Out]``
+    in the class line; a stage may also assign them itself):
+        consumes: the record type ``process`` takes (a class, or a union of classes such as
+            ``FrameBatch | BatchDetections``).
+        produces: the record type ``process``, ``on_idle`` and ``finish`` emit, or None for
+            a sink (it emits nothing).
+        A stage that declares nothing (``class S(Stage)``) consumes and produces ``object``,
+        as the base class's pass-through ``process`` does: it accepts anything, and what
+        follows it must accept anything too.
 
     Attributes:
         name: unique name, used in logs and metrics.
@@ -27,7 +55,22 @@ class Stage:
             work time.
     """
 
+    consumes: ClassVar[type | types.UnionType] = object
+    produces: ClassVar[type | types.UnionType | None] = object
     poll_interval_s: float | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # The ports of ``class S(Stage[In, Out])``, unless its body assigns them; a subclass
+        # of a stage inherits its ports.
+        for base in cls.__dict__.get("__orig_bases__", ()):
+            if get_origin(base) is not Stage:
+                continue
+            consumes, produces = get_args(base)
+            if "consumes" not in cls.__dict__ and not isinstance(consumes, TypeVar):
+                cls.consumes = consumes
+            if "produces" not in cls.__dict__ and not isinstance(produces, TypeVar):
+                cls.produces = None if produces is type(None) else produces
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -36,20 +79,21 @@ class Stage:
     def open(self) -> None:
         """Allocate buffers and warm up; called once before any frame flows."""
 
-    def process(self, item: Any) -> Iterable[Any]:
-        """Handle one item (a ``Frame`` before the batcher, a batch record after it) and
-        return what goes downstream; subclasses declare the record types they take."""
-        return (item,)
+    def process(self, item: In) -> Iterable[Out]:
+        """Handle one record (a ``Frame`` before the batcher, a batch record after it) and
+        return what goes downstream; by default the record passes unchanged."""
+        return (item,)  # type: ignore[return-value]  # the pass-through of Stage[T, T]
 
-    def end_of_stream(self, eos: EndOfStream) -> Iterable[Any]:
-        """A source ended; by default the marker travels on."""
+    def end_of_stream(self, eos: EndOfStream) -> Iterable[Out | EndOfStream]:
+        """A source ended; by default the marker travels on (a stage that holds records of
+        that source returns them first)."""
         return (eos,)
 
-    def on_idle(self) -> Iterable[Any]:
+    def on_idle(self) -> Iterable[Out]:
         """No input arrived for ``poll_interval_s`` seconds."""
         return ()
 
-    def finish(self) -> Iterable[Any]:
+    def finish(self) -> Iterable[Out]:
         """Every producer is done: return what is still pending."""
         return ()
 
@@ -90,7 +134,7 @@ class SourceStage:
         """Release the source; always called once its thread ends."""
 
 
-def frames_in(item: Any) -> int:
+def frames_in(item: Frame | EndOfStream | Sized) -> int:
     """How many frames an item carries (for metrics): 1 for a ``Frame``, the batch size for
     a batch record, 0 for a marker."""
     if isinstance(item, Frame):

@@ -419,7 +419,7 @@ class SourceAnalytics:
         return events
 
 
-class AnalyticsStage(Stage):
+class AnalyticsStage(Stage[BatchDetections, BatchDetections]):
     """``BatchDetections`` (with ``tracker_id``) in, the same batch with its ``events`` out.
 
     Args:

@@ -150,7 +150,7 @@ def draw_regions(image: np.ndarray, width: int, height: int, regions: list[Regio
         draw_label(planes, label, min(x, max(0, width - 8)), max(y, 12), colour, scale)
 
 
-class AnnotateStage(Stage):
+class AnnotateStage(Stage[BatchDetections, BatchDetections]):
     """Draws every frame's detections onto its own image (in place), and the zones and lines
     of the sources with analytics, and passes the batch on.
 

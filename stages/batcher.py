@@ -18,6 +18,7 @@ queued here, once per batch:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -25,7 +26,9 @@ from typing import Any
 import numpy as np
 
 from kernels.preprocess import Letterbox, letterbox_geometry
+from pipeline.gpu import BatchBuffers, GpuContext
 from pipeline.records import EndOfStream, Frame, FrameBatch
+from pipeline.slots import SlotRing
 from pipeline.stage import Stage
 
 CUDA_STREAM_LEGACY = 1  # cudaStreamLegacy: the stream FFmpeg's NULL stream is, in any thread
@@ -103,7 +106,7 @@ class DetectionSchedule:
         return True
 
 
-class BatcherStage(Stage):
+class BatcherStage(Stage[Frame, FrameBatch]):
     """Frames in, ``FrameBatch`` records out (see the module docstring).
 
     Args:
@@ -120,8 +123,9 @@ class BatcherStage(Stage):
     """
 
     def __init__(self, name: str, input_size: tuple[int, int], batch_size: int,
-                 batch_timeout_ms: float, source_names: tuple[str, ...], gpu: Any = None,
-                 ring: Any = None, stop: Any = None,
+                 batch_timeout_ms: float, source_names: tuple[str, ...],
+                 gpu: GpuContext | None = None, ring: SlotRing | None = None,
+                 stop: threading.Event | None = None,
                  schedule: DetectionSchedule | None = None) -> None:
         super().__init__(name)
         self._schedule = schedule or DetectionSchedule([1] * len(source_names),
@@ -136,7 +140,7 @@ class BatcherStage(Stage):
         self._pending: list[Frame] = []
         self._first_arrival = 0.0
         self._letterboxes: dict[tuple[int, int], Letterbox] = {}
-        self._legacy_done: Any = None
+        self._legacy_done: Any = None  # a cupy.cuda.Event (GPU path)
 
     def add_source(self, name: str, detect_every: int = 1, detect_fps: float | None = None
                    ) -> int:
@@ -183,7 +187,7 @@ class BatcherStage(Stage):
             return self._flush()
         return ()
 
-    def end_of_stream(self, eos: EndOfStream) -> Iterable[Any]:
+    def end_of_stream(self, eos: EndOfStream) -> Iterable[FrameBatch | EndOfStream]:
         # The source's frames must leave before its end marker.
         return [*self._flush(), eos]
 
@@ -217,14 +221,14 @@ class BatcherStage(Stage):
         return FrameBatch.from_frames(frames, self.source_ids, self.source_names, letterbox,
                                       buffers, detect)
 
-    def _take_buffers(self) -> Any:
+    def _take_buffers(self) -> BatchBuffers:
         started = time.perf_counter()
         buffers = self.gpu.batches.acquire(self.stop)
         self.blocked_s += time.perf_counter() - started
         return buffers
 
     def _queue_copies(self, frames: list[Frame], boxes: list[Letterbox], letterbox: np.ndarray,
-                      buffers: Any, detect: np.ndarray | None = None) -> None:
+                      buffers: BatchBuffers, detect: np.ndarray | None = None) -> None:
         """Queue the copies of the detected frames (all when ``detect`` is None) into device
         rows; the k-th detected frame's model input and results are row k (compact)."""
         import cupy

@@ -73,7 +73,7 @@ class SourceFilter:
         return keep
 
 
-class DetectionFilterStage(Stage):
+class DetectionFilterStage(Stage[BatchDetections, BatchDetections]):
     """``BatchDetections`` in, the same batch with the filtered-out detections removed.
 
     Args:

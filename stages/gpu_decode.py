@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import time
 from fractions import Fraction
 from typing import Any, Protocol
@@ -57,6 +58,7 @@ import structlog
 
 from pipeline.config import SourceConfig
 from pipeline.records import Frame
+from pipeline.slots import SlotRing
 from stages.decode import DecodeStage, FrameTooLarge, SourceError, even_size, open_options
 
 log = structlog.get_logger("gpu_decode")
@@ -212,7 +214,7 @@ class GpuDecodeStage(DecodeStage):
             None (no live view: nothing is ever downloaded).
     """
 
-    def __init__(self, source: SourceConfig, device_id: int = 0, ring: Any = None,
+    def __init__(self, source: SourceConfig, device_id: int = 0, ring: SlotRing | None = None,
                  preview: PictureTap | None = None) -> None:
         super().__init__(source, ring)
         self.device_id = device_id
@@ -236,7 +238,8 @@ class GpuDecodeStage(DecodeStage):
                        timeout=(source.open_timeout_s, source.read_timeout_s))
 
     def make_frame(self, picture: av.VideoFrame, index: int, rate: Fraction | None,
-                   stop_reading: Any = None, capture_time: float | None = None) -> Frame:
+                   stop_reading: threading.Event | None = None,
+                   capture_time: float | None = None) -> Frame:
         """The record of one decoded picture: views of its NVDEC surface (no host copy, no
         ring slot; the batcher packs it into the batch's device rows).
 

@@ -22,6 +22,7 @@ import numpy as np
 import structlog
 
 from pipeline.config import InferenceConfig
+from pipeline.gpu import GpuContext
 from pipeline.records import FrameBatch, ModelOutputs
 from pipeline.stage import Stage
 from stages.backends.base import InferenceBackend, ModelInfo
@@ -31,7 +32,7 @@ from stages.preprocess import DevicePreprocess, HostPreprocess
 log = structlog.get_logger("infer")
 
 
-class InferStage(Stage):
+class InferStage(Stage[FrameBatch, ModelOutputs]):
     """``FrameBatch`` in, ``ModelOutputs`` out (see the module docstring).
 
     ``open`` warms the backend up (compiles, captures its graphs: the seconds of a start),
@@ -47,7 +48,7 @@ class InferStage(Stage):
     """
 
     def __init__(self, name: str, backend: InferenceBackend,
-                 preprocess: HostPreprocess | DevicePreprocess, gpu: Any = None,
+                 preprocess: HostPreprocess | DevicePreprocess, gpu: GpuContext | None = None,
                  nms: DeviceNms | None = None) -> None:
         super().__init__(name)
         self.backend, self.preprocess, self.gpu, self.nms = backend, preprocess, gpu, nms
@@ -111,7 +112,8 @@ class InferStage(Stage):
 
 
 def create_backend(config: InferenceConfig, model_path: Path, info: ModelInfo,
-                   gpu: Any = None, calibration_video: str | None = None) -> InferenceBackend:
+                   gpu: GpuContext | None = None, calibration_video: str | None = None
+                   ) -> InferenceBackend:
     """The backend named in the config; ``auto`` picks the best one available.
 
     ``auto`` prefers tensorrt (TensorRT-RTX only on the GPUs its runtime supports), then

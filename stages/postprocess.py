@@ -22,6 +22,7 @@ import numpy as np
 
 from kernels.nms import end2end_reference, postprocess_reference, yolov5_to_anchor_columns
 from pipeline.config import NmsConfig
+from pipeline.gpu import BatchBuffers, GpuContext
 from pipeline.records import BatchDetections, FrameBatch, ModelOutputs
 from pipeline.stage import Stage
 
@@ -86,11 +87,11 @@ class DeviceNms:
         return self._streams[stream.ptr]
 
     @staticmethod
-    def _outputs(buffers: Any, n: int) -> tuple[Any, Any, Any, Any]:
+    def _outputs(buffers: BatchBuffers, n: int) -> tuple[Any, Any, Any, Any]:
         views = buffers.detections.device
         return views["boxes"][:n], views["scores"][:n], views["class_ids"][:n], views["counts"][:n]
 
-    def enqueue(self, outputs: Any, buffers: Any, stream: Any) -> None:
+    def enqueue(self, outputs: Any, buffers: BatchBuffers, stream: Any) -> None:
         """Queue the NMS of a batch, then the D2H of its detections and ``buffers.done``.
 
         Args:
@@ -106,7 +107,7 @@ class DeviceNms:
         buffers.detections.to_host(stream)
         buffers.done.record(stream)
 
-    def warmup(self, outputs: Any, buffers: Any, stream: Any) -> None:
+    def warmup(self, outputs: Any, buffers: BatchBuffers, stream: Any) -> None:
         """Size the kernels by ``outputs`` (the model's output binding at the largest batch)
         and compile them for the very arrays ``enqueue`` will pass (synchronises)."""
         self.cuda_nms = self._kernels(tuple(outputs.shape[1:]))
@@ -117,7 +118,7 @@ class DeviceNms:
         stream.synchronize()
 
 
-class PostprocessStage(Stage):
+class PostprocessStage(Stage[ModelOutputs, BatchDetections]):
     """``ModelOutputs`` in, ``BatchDetections`` (host arrays, frame pixels) out.
 
     Args:
@@ -130,7 +131,7 @@ class PostprocessStage(Stage):
             ``DeviceNms`` reads it).
     """
 
-    def __init__(self, name: str, nms: NmsConfig, gpu: Any = None,
+    def __init__(self, name: str, nms: NmsConfig, gpu: GpuContext | None = None,
                  release_slots: Callable[[np.ndarray], None] | None = None,
                  layout: str = "yolov8") -> None:
         super().__init__(name)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kernels.preprocess import Letterbox, letterbox_geometry, preprocess_reference
+from pipeline.gpu import BatchBuffers
 from pipeline.records import FrameBatch
 
 
@@ -67,7 +68,7 @@ class DevicePreprocess:
     def __init__(self, warm_geometries: list[tuple[Letterbox, str]]) -> None:
         self.warm_geometries = warm_geometries
 
-    def enqueue(self, buffers: Any, out: Any, stream: Any) -> None:
+    def enqueue(self, buffers: BatchBuffers, out: Any, stream: Any) -> None:
         """Queue one kernel launch per frame geometry of the batch in ``buffers``.
 
         Args:
@@ -83,7 +84,7 @@ class DevicePreprocess:
             launch_preprocess(buffers.frames, pairs[start:end], letterbox, out, stream,
                               pixel_format=pixel_format)
 
-    def warmup(self, buffers: Any, out: Any, stream: Any) -> None:
+    def warmup(self, buffers: BatchBuffers, out: Any, stream: Any) -> None:
         """Compile the kernel for the very arrays the pipeline passes and upload every warm
         geometry's tables, so no batch pays for either (writes ``out[0]``; synchronises)."""
         from kernels.preprocess_cuda import launch_preprocess

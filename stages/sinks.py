@@ -326,7 +326,7 @@ class EventsWriter(JsonlWriter):
         self.events += len(item.events)
 
 
-class SinkStage(Stage):
+class SinkStage(Stage[BatchDetections, None]):
     """Writes one source's frames to its outputs, one batch part at a time.
 
     Args:
@@ -411,7 +411,7 @@ class SinkStage(Stage):
         """The configured outputs (final paths, not segments)."""
         return [p for p in (self.jsonl_path, self.events_path, self.video_path) if p is not None]
 
-    def process(self, item: BatchDetections) -> Iterable[BatchDetections]:
+    def process(self, item: BatchDetections) -> Iterable[None]:
         """Write a batch part (this source's frames only, in frame order) to every output,
         then release its slots."""
         try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from fractions import Fraction
 
 import numpy as np
 
@@ -139,7 +139,7 @@ class SourceTracker:
                 np.array([r[2] for r in rows], np.int64))
 
 
-class TrackerStage(Stage):
+class TrackerStage(Stage[BatchDetections, BatchDetections]):
     """``BatchDetections`` in, the same frames with every detection's ``tracker_id`` out
     (and, on the frames the detector skipped, the tracks' predicted boxes as detections).
 
@@ -162,7 +162,7 @@ class TrackerStage(Stage):
         """Track one more source (added while the pipeline runs; any thread)."""
         self.settings = {**self.settings, source: settings}
 
-    def _tracker(self, source: str, rate: Any) -> SourceTracker:
+    def _tracker(self, source: str, rate: Fraction | None) -> SourceTracker:
         tracker = self._trackers.get(source)
         if tracker is None:
             tracker = SourceTracker(self.settings[source], float(rate) if rate else DEFAULT_RATE)

@@ -10,11 +10,19 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
+from pipeline.config import NmsConfig, parse_config
 from pipeline.graph import Graph, PipelineError, SourceConflict
-from pipeline.records import BatchDetections, EndOfStream, Frame, FrameBatch
+from pipeline.records import BatchDetections, EndOfStream, Frame, FrameBatch, ModelOutputs
 from pipeline.slots import SlotRing
 from pipeline.stage import Stage
+from stages.analytics import AnalyticsStage
+from stages.annotate import AnnotateStage
 from stages.batcher import BatcherStage
+from stages.filters import DetectionFilterStage
+from stages.infer import InferStage
+from stages.postprocess import PostprocessStage
+from stages.sinks import SinkStage
+from stages.tracking import TrackerStage
 from tests.support.harness import ListSink, ListSource, wait_for
 
 NAMES = ("a", "b", "cam", "clip", "file")
@@ -58,7 +66,7 @@ def batcher(batch_size: int = 1) -> BatcherStage:
     return BatcherStage("batch", (8, 8), batch_size, 5.0, NAMES)
 
 
-class Tag(Stage):
+class Tag(Stage[FrameBatch | BatchDetections, BatchDetections]):
     """Notes the frames of each batch it handles; can raise in any hook. The first stage after
     the batcher (``detect=True``) turns each ``FrameBatch`` into ``BatchDetections`` with one
     box per frame whose x1 is the frame's index, and can return the batch's slots."""
@@ -391,3 +399,81 @@ def test_a_removed_source_ends_cleanly_while_another_runs() -> None:
     graph.request_stop()
     thread.join(10)
     assert not thread.is_alive()
+
+
+class FrameSink(Stage[Frame, None]):
+    """A sink of single frames: wired after a chain, it takes the wrong record."""
+
+
+# (chain, sink, the one-line message)
+MISWIRED = [
+    pytest.param(lambda: [Tag("one")], lambda: ListSink("sink:a"),
+                 "stage 'one' (Tag) consumes FrameBatch | BatchDetections, but every source "
+                 "produces Frame", id="no batcher"),
+    pytest.param(lambda: [batcher(), PostprocessStage("postprocess", NmsConfig())],
+                 lambda: ListSink("sink:a"),
+                 "stage 'postprocess' (PostprocessStage) consumes ModelOutputs, but stage "
+                 "'batch' (BatcherStage) before it produces FrameBatch", id="no infer"),
+    pytest.param(lambda: [batcher(), DetectionFilterStage("filter", {})],
+                 lambda: ListSink("sink:a"),
+                 "stage 'filter' (DetectionFilterStage) consumes BatchDetections, but stage "
+                 "'batch' (BatcherStage) before it produces FrameBatch", id="no detector"),
+    pytest.param(lambda: chain_of(Tag("one"), ListSink("early"), Tag("two")),
+                 lambda: ListSink("sink:a"),
+                 "stage 'two' (Tag) consumes FrameBatch | BatchDetections, but stage 'early' "
+                 "(ListSink) before it produces nothing", id="a sink inside"),
+    pytest.param(lambda: [batcher()], lambda: ListSink("sink:a"),
+                 "the last stage 'batch' (BatcherStage) produces FrameBatch, but the graph "
+                 "splits BatchDetections by source for the sinks", id="ends with batches"),
+    pytest.param(lambda: chain_of(Tag("one")), lambda: FrameSink("sink:a"),
+                 "stage 'sink:a' (FrameSink) consumes Frame, but the last stage 'one' (Tag) "
+                 "produces BatchDetections", id="a sink of frames"),
+]
+
+
+@pytest.mark.parametrize(("chain", "sink", "message"), MISWIRED)
+def test_a_miswired_graph_is_refused_naming_both_stages_and_types(chain, sink, message) -> None:
+    with pytest.raises(ValueError) as refused:
+        Graph([ListSource("a", [])], chain(), {"a": sink()}, 2)
+    assert str(refused.value) == message
+
+
+def test_a_sink_added_later_is_checked_too() -> None:
+    graph = Graph([], chain_of(Tag("one")), {}, 2)
+    with pytest.raises(ValueError, match=r"^stage 'sink:a' \(FrameSink\) consumes Frame, but "):
+        graph.add_source(ListSource("a", []), FrameSink("sink:a"))
+    assert graph.sources == []
+
+
+@pytest.mark.parametrize(("stage", "consumes", "produces"), [
+    (BatcherStage, Frame, FrameBatch),
+    (InferStage, FrameBatch, ModelOutputs),
+    (PostprocessStage, ModelOutputs, BatchDetections),
+    (DetectionFilterStage, BatchDetections, BatchDetections),
+    (TrackerStage, BatchDetections, BatchDetections),
+    (AnalyticsStage, BatchDetections, BatchDetections),
+    (AnnotateStage, BatchDetections, BatchDetections),
+    (SinkStage, BatchDetections, None),
+])
+def test_every_stage_declares_its_ports(stage, consumes, produces) -> None:
+    assert (stage.consumes, stage.produces) == (consumes, produces)
+
+
+def test_the_chain_the_app_builds_passes_the_check(samples, tmp_path) -> None:
+    """Every optional stage (filter, tracker, analytics, annotate) and a source's sink, as
+    ``build_graph`` wires them: built, not run."""
+    from pipeline.app.build import build_graph
+    from tests.e2e.conftest import pipeline_config
+
+    config = parse_config(pipeline_config(
+        samples, tmp_path,
+        [{"name": "bikes", "uri": str(samples.bikes), "classes": ["person"],
+          "tracker": "bytetrack",
+          "analytics": [{"type": "line", "name": "middle", "start": [320, 0],
+                         "end": [320, 272]}]}],
+        output={"video": "{source}.mp4"}, runtime={"decode_workers": 0}))
+    graph = build_graph(config)
+    assert [type(stage) for stage in graph.chain] == [
+        BatcherStage, InferStage, PostprocessStage, DetectionFilterStage, TrackerStage,
+        AnalyticsStage, AnnotateStage]
+    assert [type(sink) for sink in graph.sinks.values()] == [SinkStage]

@@ -148,7 +148,7 @@ def test_a_live_source_drops_frames_rather_than_wait_for_a_slot(defect_clips: di
     assert decoder.dropped == 38
 
 
-class NoDetections(Stage):
+class NoDetections(Stage[FrameBatch, BatchDetections]):
     """Stands in for infer + postprocess: every frame of a batch with no detections, its
     slots returned to the ring (as the postprocess stage does when no video is written)."""
 
@@ -162,7 +162,7 @@ class NoDetections(Stage):
         return (BatchDetections.from_lists(item, [empty] * len(item)),)
 
 
-class Collect(Stage):
+class Collect(Stage[BatchDetections, None]):
     """A sink keeping its frames' (index, width, height) and its end marker."""
 
     def __init__(self, name: str) -> None:

@@ -74,7 +74,7 @@ class ListSource(SourceStage):
         self.closed = True
 
 
-class ListSink(Stage):
+class ListSink(Stage[object, None]):
     """Keeps every item it receives (in ``items``; end markers also in ``ends``) and
     passes nothing on.
 
