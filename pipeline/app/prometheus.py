@@ -1,13 +1,24 @@
-"""A Prometheus exporter for a running graph (``runtime.metrics_port``).
+"""A pipeline graph's Prometheus metrics, and the HTTP serving of ``runtime.metrics_port``.
 
-Serves ``http://ADDR:PORT/metrics`` from a daemon thread (prometheus-client's WSGI app).
+How a run serves them (every run, one pipeline or many, goes through the supervisor)::
+
+    pipeline host (pipeline.app.host)                    supervisor (pipeline.app.supervisor)
+    GraphCollector(graph, LatencyHistogram)
+      snapshot(..., {"pipeline": "pipeline0"})  ──HostReport.metrics──>  ClusterExporter
+      (pipeline.app.cluster_metrics, every 1 s)                          http://ADDR:PORT/metrics
+
+Each host reads its graph with :class:`GraphCollector` and sends the families as plain
+records; the supervisor's ``ClusterExporter`` (``pipeline.app.cluster_metrics``) serves the
+latest of every host on one port, each sample labelled with its ``pipeline``. Counters and
+gauges are read from the graph when a snapshot is taken, so the hot path pays nothing for
+them; only the latency histogram is fed, once per batch slice of one source, by the host's
+``on_batch_done`` (:meth:`LatencyHistogram.observe`: numpy bucketing, one lock operation per
+call).
+
 ``ADDR`` is ``runtime.metrics_host``, 127.0.0.1 unless configured; a bind that is not
-loopback needs ``runtime.metrics_token`` (the HTTP API's rule), and then every request must
-carry ``Authorization: Bearer TOKEN`` (Prometheus: ``authorization: {credentials: TOKEN}``
-in the scrape config), else it is answered 401. Counters
-and gauges are read from the graph when Prometheus scrapes, so the hot path pays nothing for
-them; only the latency histogram is fed, once per batch slice of one source, by
-:meth:`PrometheusExporter.observe_batch` (numpy bucketing, one lock operation per call).
+loopback needs ``runtime.metrics_token`` (the HTTP API's rule, :func:`check_bind`), and then
+every request must carry ``Authorization: Bearer TOKEN`` (Prometheus: ``authorization:
+{credentials: TOKEN}`` in the scrape config), else it is answered 401 (:func:`serve`).
 
 =========================================  =======  =========================================
 metric                                     type     labels, meaning
@@ -58,7 +69,7 @@ from typing import Any
 from wsgiref.simple_server import make_server
 
 import numpy as np
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
@@ -250,64 +261,6 @@ def analytics_families(counts: dict[str, dict[str, Any]]) -> list[Metric]:
             for cls, value in kinds["inside"].items():
                 inside.add_metric([source, zone, cls], value)
     return [crossings, zone_events, inside]
-
-
-class PrometheusExporter:
-    """Serves a graph's metrics over HTTP for Prometheus.
-
-    Usage::
-
-        exporter = PrometheusExporter(config.runtime.metrics_port)
-        graph = build_graph(config, ...)   # calls exporter.observe_batch per batch slice
-        exporter.start(graph)
-        try:
-            graph.run()
-        finally:
-            exporter.stop()
-
-    Args:
-        port: TCP port; 0 picks a free one (``start`` returns it).
-        addr: address to bind (``runtime.metrics_host``); this machine only by default.
-        token: the bearer token every request must carry, or None; required when ``addr``
-            is not loopback (``runtime.metrics_token``).
-
-    Raises:
-        ValueError: ``addr`` is not loopback and no token is given, or the token is empty.
-    """
-
-    def __init__(self, port: int, addr: str = "127.0.0.1", token: str | None = None) -> None:
-        check_bind(addr, token)
-        self.port, self.addr, self.token = port, addr, token
-        self.registry = CollectorRegistry()
-        self.latency = LatencyHistogram()
-        self._server: Any = None
-
-    def observe_batch(self, source: str, latencies_s: np.ndarray) -> None:
-        """Record frames of one source that reached its sink: once per batch slice.
-
-        Thread-safe; may be called before ``start``.
-
-        Args:
-            source: the source's name.
-            latencies_s: ``(n,)`` float (any float dtype), each frame's capture-to-sink
-                latency in seconds; ``n`` may be 0.
-        """
-        self.latency.observe(source, latencies_s)
-
-    def start(self, graph: Any) -> int:
-        """Start serving ``graph``'s metrics; returns the port bound.
-
-        Raises:
-            OSError: the port is taken or cannot be bound (the message names it).
-        """
-        self.registry.register(GraphCollector(graph, self.latency))
-        self._server = serve(self.registry, self.port, self.addr, self.token)
-        return int(self._server.server_port)
-
-    def stop(self) -> None:
-        """Stop serving (idempotent)."""
-        server, self._server = self._server, None
-        stop_serving(server)
 
 
 def check_bind(addr: str, token: str | None) -> None:

@@ -6,21 +6,22 @@ predictions."""
 from __future__ import annotations
 
 import sys
+import time
 import types
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
 from pipeline.app.build import build_graph
-from pipeline.app.prometheus import PrometheusExporter
+from pipeline.app.prometheus import LatencyHistogram
 from pipeline.config import parse_config
 from stages.analytics import AnalyticsStage
 from tests.e2e.conftest import pipeline_config, records
-from tests.pipeline.app.test_prometheus import scrape
-from tests.support import free_port
+from tests.support.metrics import HostMetrics, value
 
 WIDTH, HEIGHT = 640, 272  # bikes.mp4
 ANALYTICS = [
@@ -94,29 +95,27 @@ class FakePublisher:
 
 @pytest.fixture(scope="module")
 def analytics_run(samples, tmp_path_factory) -> dict[str, Any]:
-    """bikes.mp4 with tracking, a line and two zones, built and run in this process as the
-    command line does it (``runtime.metrics_port`` served by ``PrometheusExporter``), the
-    metrics scraped once the run ended; ``output.mqtt`` goes to a ``FakePublisher``."""
+    """bikes.mp4 with tracking, a line and two zones, built and run in this process, its
+    metrics served as a run serves them (``tests.support.metrics.HostMetrics``: the host's
+    snapshot, with the latency fed per batch as the host feeds it, on a ``ClusterExporter``)
+    and scraped once the run ended; ``output.mqtt`` goes to a ``FakePublisher``."""
     out = tmp_path_factory.mktemp("analytics")
     config = parse_config(pipeline_config(
         samples, out, [{"name": "bikes", "uri": str(samples.bikes), "tracker": "bytetrack",
                         "analytics": ANALYTICS}],
-        inference={"batch_size": 4}, runtime={"metrics_port": free_port()},
-        output={"mqtt": {"host": "broker.invalid"}}))
-    exporter = PrometheusExporter(config.runtime.metrics_port, "127.0.0.1")
+        inference={"batch_size": 4}, output={"mqtt": {"host": "broker.invalid"}}))
+    latency = LatencyHistogram()
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "pipeline.app.mqtt",
                       types.SimpleNamespace(MqttPublisher=FakePublisher))
         FakePublisher.made.clear()
-        graph = build_graph(config)
+        graph = build_graph(config, on_batch_done=lambda source, part: latency.observe(
+            source, time.time() - np.asarray(part.frames.capture_time)))
     (publisher,) = FakePublisher.made
-    port = exporter.start(graph)
-    try:
+    with HostMetrics(graph, latency) as served:
         with capture_logs() as logs:
             graph.run()
-        metrics = scrape(port)
-    finally:
-        exporter.stop()
+        metrics = served.scrape()
     (stage,) = [s for s in graph.chain if isinstance(s, AnalyticsStage)]
     logged = [entry["counts"] for entry in logs if entry["event"] == "analytics counts"]
     return {"records": records(out / "bikes.jsonl"),
@@ -168,21 +167,22 @@ def test_events_agree_with_the_final_counts_and_the_metrics(analytics_run: dict[
     assert kinds["enter"] and kinds["exit"] and kinds["cross_in"] + kinds["cross_out"], kinds
     assert nonzero(fold(events)) == nonzero(counts)
     assert analytics_run["logged"] == [counts]  # logged when the source ended
-    metrics = analytics_run["metrics"]
+    metrics = analytics_run["metrics"]  # host pipeline0's samples (``value``)
     for name, region in counts["lines"].items():
         for direction in ("in", "out"):
             for cls, n in region[direction].items():
-                key = ("pipeline_line_crossings_total", tuple(sorted(
-                    {"source": "bikes", "line": name, "class": cls, "direction": direction}.items())))
-                assert metrics[key] == n
+                assert value(metrics, "pipeline_line_crossings_total", source="bikes", line=name,
+                             direction=direction, **{"class": cls}) == n
     for name, region in counts["zones"].items():
         for cls in region["inside"]:
             labels = {"source": "bikes", "zone": name, "class": cls}
-            assert metrics["pipeline_zone_objects", tuple(sorted(labels.items()))] == \
-                region["inside"][cls]
+            assert value(metrics, "pipeline_zone_objects", **labels) == region["inside"][cls]
             for kind, key in (("enter", "entered"), ("exit", "exited")):
-                sample = ("pipeline_zone_events_total", tuple(sorted({**labels, "kind": kind}.items())))
-                assert metrics[sample] == region[key][cls]
+                assert value(metrics, "pipeline_zone_events_total", kind=kind, **labels) == \
+                    region[key][cls]
+    # Every frame reached the sink, each with its capture-to-sink latency.
+    assert value(metrics, "pipeline_source_frames_total", source="bikes") == 250
+    assert value(metrics, "pipeline_frame_latency_seconds_count", source="bikes") == 250
 
 
 def test_events_match_the_frames_they_happened_on(analytics_run: dict[str, Any]) -> None:
@@ -260,7 +260,6 @@ def test_events_reach_a_real_broker_across_its_restart(samples, tmp_path: Path) 
     order (a QoS 1 resend may repeat one: counted once), and the final counts, retained."""
     import json
     import threading
-    import time
 
     from tests.pipeline.app.test_mqtt import Subscriber
     from tests.support.mosquitto import MosquittoBroker, require_mosquitto

@@ -19,13 +19,13 @@ import pytest
 
 from pipeline.app.build import build_graph
 from pipeline.app.http import HttpServer
-from pipeline.app.prometheus import PrometheusExporter
 from pipeline.app.view import local_board
 from pipeline.config import parse_config
 from pipeline.metrics import STALE_AFTER_S
 from tests.e2e.conftest import pipeline_config, records
 from tests.support.harness import wait_for
 from tests.support.live_view import running
+from tests.support.metrics import HostMetrics
 
 OUTAGE_S = 10.0
 
@@ -38,28 +38,25 @@ def closed_port() -> int:
 
 
 @contextmanager
-def served(config: dict) -> Iterator[tuple[httpx.Client, httpx.Client]]:
-    """The pipeline of ``config`` running, with its live view and metrics on free ports:
-    (API client, metrics client)."""
+def served(config: dict) -> Iterator[tuple[httpx.Client, HostMetrics]]:
+    """The pipeline of ``config`` running, with its live view on a free port and its
+    metrics served as a run serves them (host ``pipeline0``): (API client, metrics)."""
     parsed = parse_config(config)
     graph = build_graph(parsed)
     board, _, pump = local_board(graph, graph.preview, parsed)
     server = HttpServer(parsed.runtime.http, board, parsed)
-    exporter = PrometheusExporter(0)
     try:
-        api_port, metrics_port = server.start(), exporter.start(graph)
-        with pump, running(graph), \
-                httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=10) as api, \
-                httpx.Client(base_url=f"http://127.0.0.1:{metrics_port}", timeout=10) as metrics:
+        api_port = server.start()
+        with HostMetrics(graph) as metrics, pump, running(graph), \
+                httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=10) as api:
             yield api, metrics
     finally:
-        exporter.stop()
         server.close()
 
 
-def reconnects_metric(metrics: httpx.Client, name: str) -> float:
-    text = metrics.get("/metrics").text
-    found = re.search(rf'^pipeline_source_reconnects_total{{source="{name}"}} (\S+)$', text, re.M)
+def reconnects_metric(metrics: HostMetrics, name: str) -> float:
+    found = re.search(rf'^pipeline_source_reconnects_total{{pipeline="pipeline0",source="{name}"}}'
+                      rf' (\S+)$', metrics.text(), re.M)
     return float(found.group(1)) if found else -1.0
 
 
@@ -85,10 +82,11 @@ def test_a_refused_camera_in_a_worker_is_reconnecting_with_why_within_5_s(
         wait_for(lambda: reconnects_metric(metrics, "door") > first
                  and api.get("/api/sources/door").json()["reconnects"] > door["reconnects"],
                  "a rising reconnection count", max(0.5, 5 - (time.monotonic() - started)))
-        text = metrics.get("/metrics").text
-        assert 'pipeline_source_state{source="door",state="reconnecting"} 1.0' in text
+        text = metrics.text()
+        assert 'pipeline_source_state{pipeline="pipeline0",source="door",state="reconnecting"} ' \
+               '1.0' in text
         assert re.search(r'pipeline_source_last_error_info\{error="[^"]*[Rr]efused[^"]*",'
-                         r'source="door"\} 1\.0', text), text
+                         r'pipeline="pipeline0",source="door"\} 1\.0', text), text
         health = api.get("/api/health").json()
         assert health["status"] == "degraded"
         assert any(r.startswith("source door is reconnecting (attempt ") and "efused" in r

@@ -1,4 +1,7 @@
-"""The Prometheus exporter on a stand-in graph, scraped over HTTP on loopback."""
+"""A graph's Prometheus metrics as a run serves them: ``GraphCollector`` on a stand-in graph,
+snapshot as a pipeline host sends it (``pipeline="pipeline0"``) and served by the
+supervisor's ``ClusterExporter``, scraped over HTTP on loopback; the bind and token rules of
+``runtime.metrics_host`` / ``runtime.metrics_token``."""
 
 from __future__ import annotations
 
@@ -6,18 +9,18 @@ import socket
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.app.prometheus import LATENCY_BUCKETS_S, PrometheusExporter
+from pipeline.app.cluster_metrics import ClusterExporter, snapshot
+from pipeline.app.prometheus import LATENCY_BUCKETS_S, GraphCollector, LatencyHistogram
 from pipeline.config import ConfigError, RuntimeConfig, build_section
 from pipeline.metrics import SourceMetrics, StageMetrics
 from tests.pipeline.app.test_http import non_loopback_address
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+from tests.support.metrics import HostMetrics, Samples, parse, value
 
 
 class FakeGraph:
@@ -34,21 +37,6 @@ class FakeGraph:
 
     def queue_depths(self) -> dict[str, int]:
         return dict(self.depths)
-
-
-def parse(text: str) -> Samples:
-    """Every sample as {(sample name, sorted labels): value}."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def scrape(port: int) -> Samples:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        return parse(response.read().decode())
-
-
-def value(samples: Samples, name: str, **labels: str) -> float | None:
-    return samples.get((name, tuple(sorted(labels.items()))))
 
 
 def latency_samples(samples: Samples, source: str) -> dict[str, float]:
@@ -77,16 +65,14 @@ def reference_histogram(batches: list[np.ndarray]) -> dict[str, float]:
 
 
 @pytest.fixture
-def served() -> tuple[PrometheusExporter, FakeGraph, int]:
+def served() -> Iterator[tuple[HostMetrics, FakeGraph]]:
     graph = FakeGraph(["preprocess", "infer", "sink:cam"], ["cam", "file"])
-    exporter = PrometheusExporter(0, "127.0.0.1")
-    port = exporter.start(graph)
-    yield exporter, graph, port
-    exporter.stop()
+    with HostMetrics(graph) as metrics:
+        yield metrics, graph
 
 
-def test_stage_source_and_queue_metrics(served: tuple[PrometheusExporter, FakeGraph, int]) -> None:
-    exporter, graph, port = served
+def test_stage_source_and_queue_metrics(served: tuple[HostMetrics, FakeGraph]) -> None:
+    metrics, graph = served
     graph.stage_metrics["infer"].record(8, 0.04, 0.01)
     graph.stage_metrics["infer"].record(8, 0.06, 0.0)
     graph.stage_metrics["sink:cam"].record(3, 0.002, 0.5)
@@ -94,7 +80,7 @@ def test_stage_source_and_queue_metrics(served: tuple[PrometheusExporter, FakeGr
     cam.frames_done(np.full(5, 0.02))
     cam.dropped, cam.reconnects = 7, 2
     graph.depths["infer"] = 3
-    samples = scrape(port)
+    samples = metrics.scrape()
     assert graph.refreshes == 1
     expected = {
         ("pipeline_stage_frames_total", "stage", "infer"): 16,
@@ -121,10 +107,10 @@ def test_stage_source_and_queue_metrics(served: tuple[PrometheusExporter, FakeGr
     # Sources the histogram has not seen yet appear with zeros.
     keys = {*(str(b) for b in LATENCY_BUCKETS_S), "+Inf", "sum", "count"}
     assert latency_samples(samples, "file") == dict.fromkeys(keys, 0.0)
-    assert latency_samples(samples, "cam") == dict.fromkeys(keys, 0.0)  # fed by observe_batch only
-    exporter.stop()
+    assert latency_samples(samples, "cam") == dict.fromkeys(keys, 0.0)  # fed by on_batch_done only
+    metrics.exporter.stop()
     with pytest.raises(urllib.error.URLError):
-        scrape(port)  # stopped: nothing listens any more
+        metrics.text()  # stopped: nothing listens any more (the fixture stops it again)
 
 
 @pytest.mark.parametrize("batches", [
@@ -137,11 +123,11 @@ def test_stage_source_and_queue_metrics(served: tuple[PrometheusExporter, FakeGr
     pytest.param([np.array([0.004, 0.02, 0.6], dtype=np.float32)], id="float32"),
 ])
 def test_latency_histogram_matches_prometheus_clients(
-        served: tuple[PrometheusExporter, FakeGraph, int], batches: list[np.ndarray]) -> None:
-    exporter, _, port = served
+        served: tuple[HostMetrics, FakeGraph], batches: list[np.ndarray]) -> None:
+    metrics, _ = served
     for batch in batches:
-        exporter.observe_batch("cam", batch)
-    got = latency_samples(scrape(port), "cam")
+        metrics.latency.observe("cam", batch)
+    got = latency_samples(metrics.scrape(), "cam")
     want = reference_histogram(batches)
     assert set(got) == set(want)
     assert set(want) == {*(str(b) for b in LATENCY_BUCKETS_S), "+Inf", "sum", "count"}
@@ -153,13 +139,13 @@ def test_latency_histogram_matches_prometheus_clients(
 
 
 def test_latency_histogram_per_source_and_from_threads(
-        served: tuple[PrometheusExporter, FakeGraph, int]) -> None:
-    exporter, _, port = served
+        served: tuple[HostMetrics, FakeGraph]) -> None:
+    metrics, _ = served
     batch = np.array([0.003, 0.015, 0.15, 3.0])
 
     def feed(source: str) -> None:
         for _ in range(250):
-            exporter.observe_batch(source, batch)
+            metrics.latency.observe(source, batch)
 
     threads = [threading.Thread(target=feed, args=(source,))
                for source in ("cam", "cam", "file", "other")]
@@ -167,7 +153,7 @@ def test_latency_histogram_per_source_and_from_threads(
         thread.start()
     for thread in threads:
         thread.join()
-    samples = scrape(port)
+    samples = metrics.scrape()
     for source, times in (("cam", 2), ("file", 1), ("other", 1)):
         histogram = latency_samples(samples, source)
         n = 250 * times
@@ -177,15 +163,12 @@ def test_latency_histogram_per_source_and_from_threads(
             (n, 2 * n, 3 * n, 4 * n)
 
 
-def test_observe_before_start_is_kept() -> None:
-    exporter = PrometheusExporter(0, "127.0.0.1")
-    exporter.observe_batch("cam", np.array([0.01, 0.02]))
-    port = exporter.start(FakeGraph(["s"], ["cam"]))
-    try:
-        assert latency_samples(scrape(port), "cam")["count"] == 2
-    finally:
-        exporter.stop()
-    exporter.stop()  # idempotent
+def test_latency_observed_before_serving_is_kept() -> None:
+    latency = LatencyHistogram()  # a host makes it before its graph, fed from the first batch
+    latency.observe("cam", np.array([0.01, 0.02]))
+    with HostMetrics(FakeGraph(["s"], ["cam"]), latency) as metrics:
+        assert latency_samples(metrics.scrape(), "cam")["count"] == 2
+    metrics.exporter.stop()  # idempotent
 
 
 def test_a_taken_port_is_a_clear_error() -> None:
@@ -193,10 +176,10 @@ def test_a_taken_port_is_a_clear_error() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        exporter = PrometheusExporter(port, "127.0.0.1")
+        exporter = ClusterExporter(port, "127.0.0.1")
         with pytest.raises(OSError, match=f"runtime.metrics_port: cannot serve metrics on "
                                           f"127.0.0.1:{port}"):
-            exporter.start(FakeGraph(["gate"], ["a"]))
+            exporter.start()
 
 
 def test_analytics_counts_are_exported_by_source_region_class_and_direction() -> None:
@@ -219,38 +202,40 @@ def test_analytics_counts_are_exported_by_source_region_class_and_direction() ->
     stage = AnalyticsStage("analytics", {"cam": [region(GATE), region(DOCK)]}, NAMES,
                            {"cam": FORGET_S})
     graph.chain = [stage]
-    exporter = PrometheusExporter(0, "127.0.0.1")
-    port = exporter.start(graph)
-    try:
-        before = scrape(port)
+    with HostMetrics(graph) as metrics:
+        before = metrics.scrape()
         assert value(before, "pipeline_zone_objects", source="cam", zone="dock", **{"class": "person"}) == 0
         assert not [name for name, _ in before if name == "pipeline_line_crossings_total"]
         run(stage, frame_rows(TRACKS, 13))  # frames 0-12: track 10 is inside the dock again
-        samples = scrape(port)
-        crossings = {(labels["line"], labels["class"], labels["direction"]): v
+        samples = metrics.scrape()
+        crossings = {(labels["pipeline"], labels["source"], labels["line"], labels["class"],
+                      labels["direction"]): v
                      for (name, raw), v in samples.items() if name == "pipeline_line_crossings_total"
                      for labels in [dict(raw)]}
-        assert crossings == {("gate", "bicycle", "in"): 1, ("gate", "person", "in"): 1,
-                             ("gate", "car", "out"): 1, ("gate", "bicycle", "out"): 0,
-                             ("gate", "person", "out"): 0, ("gate", "car", "in"): 0}
+        assert crossings == {("pipeline0", "cam", *key): n for key, n in {
+            ("gate", "bicycle", "in"): 1, ("gate", "person", "in"): 1, ("gate", "car", "out"): 1,
+            ("gate", "bicycle", "out"): 0, ("gate", "person", "out"): 0, ("gate", "car", "in"): 0,
+        }.items()}
         person = {"source": "cam", "zone": "dock", "class": "person"}
         assert value(samples, "pipeline_zone_events_total", kind="enter", **person) == 3
         assert value(samples, "pipeline_zone_events_total", kind="exit", **person) == 1
         assert value(samples, "pipeline_zone_objects", **person) == 2  # tracks 10 and 11
         run(stage, frame_rows(TRACKS, FRAMES)[13:])
-        samples = scrape(port)
+        samples = metrics.scrape()
         assert value(samples, "pipeline_zone_objects", **person) == 0
         assert value(samples, "pipeline_zone_events_total", kind="exit", **person) == 3
-    finally:
-        exporter.stop()
 
 
 def test_metrics_bind_this_machine_only_unless_configured() -> None:
-    exporter = PrometheusExporter(0)  # what runtime.metrics_port alone gives
-    port = exporter.start(FakeGraph(["infer"], ["cam"]))
+    exporter = ClusterExporter(0)  # what runtime.metrics_port alone gives
+    exporter.update("pipeline0", snapshot(GraphCollector(FakeGraph(["infer"], ["cam"])),
+                                          {"pipeline": "pipeline0"}))
+    port = exporter.start()
     try:
         assert exporter._server.server_address[0] == "127.0.0.1"
-        assert value(scrape(port), "pipeline_source_frames_total", source="cam") == 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            samples = parse(response.read().decode())
+        assert value(samples, "pipeline_source_frames_total", source="cam") == 0
     finally:
         exporter.stop()
     assert RuntimeConfig().metrics_host == "127.0.0.1"
@@ -267,7 +252,7 @@ def test_metrics_bind_this_machine_only_unless_configured() -> None:
 def test_a_non_loopback_bind_without_a_token_is_refused(host: str, token: str | None,
                                                         error: str) -> None:
     with pytest.raises(ValueError) as raised:
-        PrometheusExporter(0, host, token)
+        ClusterExporter(0, host, token)
     assert str(raised.value) == error
     with pytest.raises(ConfigError) as refused:
         build_section(RuntimeConfig, {"metrics_port": 9100, "metrics_host": host,
@@ -280,8 +265,10 @@ def test_a_non_loopback_bind_serves_only_with_the_token(host: str) -> None:
     host = non_loopback_address() if host == "interface" else host
     target = "127.0.0.1" if host == "0.0.0.0" else host
     build_section(RuntimeConfig, {"metrics_host": host, "metrics_token": "tok-77"}, "runtime")
-    exporter = PrometheusExporter(0, host, "tok-77")
-    port = exporter.start(FakeGraph(["infer"], ["cam"]))
+    exporter = ClusterExporter(0, host, "tok-77")
+    exporter.update("pipeline0", snapshot(GraphCollector(FakeGraph(["infer"], ["cam"])),
+                                          {"pipeline": "pipeline0"}))
+    port = exporter.start()
     url = f"http://{target}:{port}/metrics"
     try:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "tok-77"}):
@@ -292,6 +279,7 @@ def test_a_non_loopback_bind_serves_only_with_the_token(host: str) -> None:
         request = urllib.request.Request(url, headers={"Authorization": "Bearer tok-77"})
         with urllib.request.urlopen(request, timeout=5) as response:
             assert response.status == 200
-            assert 'pipeline_source_frames_total{source="cam"} 0.0' in response.read().decode()
+            assert 'pipeline_source_frames_total{pipeline="pipeline0",source="cam"} 0.0' in \
+                response.read().decode()
     finally:
         exporter.stop()
