@@ -22,6 +22,8 @@ from tests.e2e.conftest import pipeline_config
 from tests.support import headless_page, require_chromium
 from tests.support.live_view import running
 
+pytestmark = pytest.mark.slow  # a real browser
+
 
 @pytest.fixture()
 def chromium() -> str:
