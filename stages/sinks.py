@@ -509,14 +509,23 @@ class SinkStage(Stage[BatchDetections, None]):
         """A resumed file source just completed: the video parts earlier runs cut short get
         their final names too, ``NAME.from-FIRST.mp4`` (FIRST: the first frame of the records,
         for the first part), so every part of the finished file has a final name and no
-        ``.partial`` file is left."""
+        ``.partial`` file is left; parts an older finished run left are deleted (the records
+        they belonged to were just replaced), so the parts hold every frame once."""
         base = self._video_base
+        parts = {self.video_path}  # this run's own part, final already
         first_part = partial_path(base)
         if first_part.exists():
+            parts.add(resumed_video_path(base, self._first_recorded_frame()))
             os.replace(first_part, resumed_video_path(base, self._first_recorded_frame()))
         for part in base.parent.glob(f"{base.stem}.from-*.partial{base.suffix}"):
-            final = part.name[:-len(f".partial{base.suffix}")] + base.suffix
-            os.replace(part, part.with_name(final))
+            final = part.with_name(part.name[:-len(f".partial{base.suffix}")] + base.suffix)
+            os.replace(part, final)
+            parts.add(final)
+        # Parts of an older finished run of this file (its records were just replaced by
+        # these): left, they would hold some frames a second time.
+        for old in base.parent.glob(f"{base.stem}.from-*{base.suffix}"):
+            if old not in parts and not old.name.endswith(f".partial{base.suffix}"):
+                old.unlink(missing_ok=True)
 
     def _first_recorded_frame(self) -> int:
         """The ``frame`` of the first record of the (final) JSONL file, or 0 without one."""

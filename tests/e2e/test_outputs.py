@@ -77,6 +77,8 @@ def test_a_stopped_file_stays_partial_and_the_next_run_resumes_it(samples, tmp_p
         == [where]
     assert "Traceback" not in run.stderr()
 
+    # a part of an older finished run that was resumed elsewhere: superseded by this one's
+    (tmp_path / "bikes.from-200.mp4").write_bytes(b"an older run's part")
     again = run_pipeline(config, tmp_path / "again")  # same config, same outputs
     assert again.wait(120) == 0, again.stderr()[-3000:]
     lines = records(tmp_path / "bikes.jsonl")
