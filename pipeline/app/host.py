@@ -197,13 +197,12 @@ class PipelineHost:
         (a file stopped before its end keeps its ``.partial`` names); its end is reported."""
         from pipeline.graph import SourceConflict
 
-        with self._lock:
+        with self._lock:  # one not started yet ends here, having done nothing
             waiting = [r for r in self._waiting if _name_of(r.source) == name]
             self._waiting = [r for r in self._waiting if _name_of(r.source) != name]
+            self._replies += [Reply(r.id, error=f"source {name!r} was removed", conflict=True)
+                              for r in waiting]
             graph = self.graph
-        for request in waiting:  # never started: it ends here, having done nothing
-            self._replies.append(Reply(request.id, error=f"source {name!r} was removed",
-                                       conflict=True))
         if graph is None:
             return
         if self.view is not None:
@@ -223,8 +222,8 @@ class PipelineHost:
         self._stopping.set()
         with self._lock:
             graph, waiting, self._waiting = self.graph, self._waiting, []
-        for request in waiting:
-            self._replies.append(Reply(request.id, error="the run is ending", conflict=True))
+            self._replies += [Reply(r.id, error="the run is ending", conflict=True)
+                              for r in waiting]
         if graph is not None:
             graph.request_stop()
 
@@ -338,8 +337,7 @@ class PipelineHost:
         with self._lock:
             self._failure = (reason, usage)
             waiting, self._waiting = self._waiting, []
-        for request in waiting:
-            self._replies.append(Reply(request.id, error=f"pipeline failed: {reason}"))
+            self._replies += [Reply(r.id, error=f"pipeline failed: {reason}") for r in waiting]
         self._finished.set()
 
     def _add(self, request: SourceRequest) -> None:
