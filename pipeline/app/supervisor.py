@@ -819,13 +819,3 @@ def absolute_paths(config: PipelineConfig, base: str | None = None) -> PipelineC
         if not is_stream_url(source.uri):
             source.uri = absolute(source.uri)
     return config
-
-
-def cut_short_files(config: PipelineConfig) -> list[str]:
-    """The file sources whose outputs a run left under their ``.partial`` names (a source
-    stopped before its end keeps them; one that finished renamed them)."""
-    from pipeline.config import is_stream_url, partial_path
-
-    return [source.name for source in config.sources
-            if not source.is_live and not is_stream_url(source.uri)
-            and any(partial_path(path).exists() for path in config.output_paths(source))]
