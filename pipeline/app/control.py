@@ -221,6 +221,14 @@ class SourceControl:
             config = self.config if number is None else self._numbered(number)
             return config.output_paths(self.sources[index])
 
+    def outputs_left(self, name: str) -> list[str]:
+        """The files the source now named ``name`` left: each output under its ``.partial``
+        name (a file cut short) or its final one; none for a source that delivered no
+        frame."""
+        return [str(partial_path(path) if partial_path(path).exists() else path)
+                for path in self.output_paths(name)
+                if path.exists() or partial_path(path).exists()]
+
     def output_number(self, name: str) -> int | None:
         """The number of the outputs the source now named ``name`` writes (None: its own)."""
         with self._lock:

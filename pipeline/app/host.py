@@ -36,14 +36,14 @@ from typing import Any
 import numpy as np
 import structlog
 
-from pipeline.config import ConfigError, PipelineConfig, SourceConfig, partial_path
+from pipeline.config import ConfigError, PipelineConfig, SourceConfig
 from pipeline.records import BatchDetections
 
 log = structlog.get_logger("host")
 
 POLL_S = 0.05  # host_main: how often it looks at its pipe and reports news
-METRICS_EVERY_S = 1.0  # host_main: a metrics snapshot this often, when asked for
-VIEW_EVERY_S = 0.1  # host_main: a live-view report this often, when asked for
+METRICS_EVERY_S = 1.0  # a metrics snapshot this often (``due_report``), when asked for
+VIEW_EVERY_S = 0.1  # a live-view report this often (``due_report``), with runtime.http
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,7 @@ class PipelineHost:
         self._aborting = threading.Event()
         self._wanted: list[str] = []
         self._started_at = time.monotonic()
+        self._next_metrics = self._next_view = 0.0
 
     # -- commands --------------------------------------------------------------------------
     def start(self) -> None:
@@ -234,11 +235,29 @@ class PipelineHost:
         if self.graph is not None:
             self.graph.abort()
 
+    def join(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the graph's run to return (after ``stop``)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
     @property
     def finished(self) -> bool:
         """The graph's run has returned (or it never started) and every end was reported."""
         with self._lock:
             return self._finished.is_set() and not self._running and not self._ended
+
+    def due_report(self) -> HostReport:
+        """``poll`` with the metrics snapshot when one is due (every ``METRICS_EVERY_S``, a
+        host made with ``metrics``) and the live-view report when one is due (every
+        ``VIEW_EVERY_S``, with ``runtime.http``): what every executor sends its supervisor."""
+        now = time.monotonic()
+        metrics = self._metrics and now >= self._next_metrics
+        view = self.view is not None and now >= self._next_view
+        if metrics:
+            self._next_metrics = now + METRICS_EVERY_S
+        if view:
+            self._next_view = now + VIEW_EVERY_S
+        return self.poll(metrics=metrics, view=view)
 
     def poll(self, metrics: bool = False, view: bool = False) -> HostReport:
         """News since the last call (``HostReport``)."""
@@ -371,9 +390,7 @@ class PipelineHost:
         metrics = graph.source_metrics[name]
         sink = graph.sinks[name]
         stopped = getattr(sink, "stopped_at", None)
-        outputs = tuple(str(partial_path(p) if partial_path(p).exists() else p)
-                        for p in graph.control.output_paths(name)
-                        if p.exists() or partial_path(p).exists())
+        outputs = tuple(graph.control.outputs_left(name))
         summary = metrics.summary(time.monotonic() - max(added_at, self._started_at))
         return SourceEnded(name, metrics.error, bool(getattr(sink, "complete", False)),
                            None if stopped is None else stopped_text(*stopped),
@@ -397,9 +414,7 @@ def host_main(name: str, device: int | None, config: PipelineConfig, conn: Conne
               metrics: bool, cpus: list[int] | None = None,
               expected_sources: int | None = None, cores: int | None = None) -> None:
     """A host in a spawned process: build and run its graph, serve the supervisor's calls
-    from ``conn`` and send it a ``HostReport`` whenever there is news (a metrics snapshot
-    every ``METRICS_EVERY_S`` when ``metrics``, a live-view report every ``VIEW_EVERY_S``
-    with ``runtime.http``).
+    from ``conn`` and send it a ``HostReport`` whenever there is news (``due_report``).
 
     Calls are tuples ``(method, *args)`` of ``PipelineHost``: ``("add", SourceRequest)``,
     ``("remove", name)``, ``("want", names)``, ``("stop",)``, ``("abort_all",)``, and
@@ -431,9 +446,7 @@ def host_main(name: str, device: int | None, config: PipelineConfig, conn: Conne
     host = PipelineHost(config, name, expected_sources, metrics=metrics,
                         cores=None if cpus else cores)
     host.start()
-    view = config.runtime.http is not None
-    exiting = ready = False
-    next_metrics = next_view = 0.0
+    ready = exiting = False
     try:
         while not (exiting and host.finished):
             if conn.poll(POLL_S):
@@ -442,16 +455,10 @@ def host_main(name: str, device: int | None, config: PipelineConfig, conn: Conne
                     exiting = True
                 else:
                     getattr(host, method)(*args)
-            now = time.monotonic()
-            want_metrics = metrics and now >= next_metrics
-            want_view = view and now >= next_view
-            report = host.poll(metrics=want_metrics, view=want_view)
-            if want_metrics:
-                next_metrics = now + METRICS_EVERY_S
-            if want_view:
-                next_view = now + VIEW_EVERY_S
+            report = host.due_report()
             if (report.replies or report.ended or report.frames or report.failure
-                    or report.finished or report.ready != ready or want_metrics or want_view):
+                    or report.finished or report.ready != ready or report.metrics is not None
+                    or report.view is not None):
                 conn.send(("report", report))
             ready = report.ready
     except (EOFError, BrokenPipeError, ConnectionResetError):

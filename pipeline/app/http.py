@@ -94,7 +94,6 @@ import asyncio
 import hashlib
 import hmac
 import html
-import ipaddress
 import json
 import socket
 import threading
@@ -115,7 +114,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pipeline.app.board import SourceBoard, SourceConflict
-from pipeline.config import ConfigError, PipelineConfig, SourceConfig
+from pipeline.config import ConfigError, PipelineConfig, SourceConfig, is_loopback
 
 log = structlog.get_logger("http")
 
@@ -136,16 +135,6 @@ class HttpSettings(Protocol):
     port: int
     token: str | None
     preview_fps: float
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) is reachable from this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to anything
 
 
 def check_settings(settings: HttpSettings, key: str = "runtime.http") -> None:
@@ -203,7 +192,7 @@ class _TokenGate:
 class HttpServer:
     """Serves the live view of every source on the board (module docstring).
 
-    Usage (one graph in this process: ``pipeline.app.view.local_board``)::
+    Usage (as the tests join one graph to a board: ``tests.support.live_view.local_board``)::
 
         board, view, pump = local_board(graph, graph.preview, config)
         server = HttpServer(config.runtime.http, board, config)

@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import time
 from typing import Any
 
 import structlog
 
 from pipeline.app.host import (
-    METRICS_EVERY_S,
-    VIEW_EVERY_S,
     HostReport,
     PipelineHost,
     SourceRequest,
@@ -55,8 +52,7 @@ def ray_missing() -> str | None:
 
 class RayPipelineHost:
     """The actor: a ``PipelineHost`` (its graph built at once, also when Ray restarts it)
-    with its configuration's logging set up; metrics and live-view reports at most every
-    ``METRICS_EVERY_S`` / ``VIEW_EVERY_S``."""
+    with its configuration's logging set up."""
 
     def __init__(self, config: PipelineConfig, name: str, metrics: bool,
                  expected_sources: int | None = None) -> None:
@@ -67,8 +63,6 @@ class RayPipelineHost:
             config.inference.gpu_id = 0  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
         self.host = PipelineHost(config, name, expected_sources, metrics=metrics)
         self.host.start()
-        self.metrics, self.view = metrics, config.runtime.http is not None
-        self._next_metrics = self._next_view = 0.0
 
     def add(self, request: SourceRequest) -> None:
         self.host.add(request)
@@ -86,14 +80,7 @@ class RayPipelineHost:
         self.host.abort_all()
 
     def poll(self) -> HostReport:
-        now = time.monotonic()
-        metrics = self.metrics and now >= self._next_metrics
-        view = self.view and now >= self._next_view
-        if metrics:
-            self._next_metrics = now + METRICS_EVERY_S
-        if view:
-            self._next_view = now + VIEW_EVERY_S
-        return self.host.poll(metrics=metrics, view=view)
+        return self.host.due_report()
 
     def pid(self) -> int:
         import os

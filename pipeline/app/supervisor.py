@@ -61,8 +61,7 @@ RESTART_INITIAL_S, RESTART_MAX_S = 0.5, 10.0  # backoff of restarts and of moved
 JOIN_TIMEOUT_S = 10.0
 MAX_RESTART_ATTEMPTS = 8  # a host not back after this many attempts in a row is given up
 REPLY_TIMEOUT_S = 120.0  # add_source waits this long for its host's answer
-METRICS_EVERY_S = 1.0
-VIEW_EVERY_S = 0.1
+VIEW_EVERY_S = 0.1  # how often the hosts are told which sources a viewer watches
 
 
 class Executor(Protocol):
@@ -197,7 +196,7 @@ class Supervisor:
         self._abort = threading.Event()
         self._changed = threading.Event()
         self._lock = threading.RLock()  # add_source / remove_source vs the loop
-        self._next_metrics = self._next_view = 0.0
+        self._next_view = 0.0  # when the hosts are told next which sources are watched
 
     @property
     def frames(self) -> dict[str, int]:
@@ -222,9 +221,10 @@ class Supervisor:
 
     def add_source(self, data: Any, load: SourceLoad | None = None) -> SourceConfig:
         """Add a source while the run goes on: ``data`` is a ``sources[]`` entry (a mapping,
-        validated as the file's entries are) or a ``SourceConfig``. It is placed on the least
-        loaded host, which validates it against its pipeline and starts it; returns it as
-        started (its host's answer).
+        validated here as the file's entries are, against every source of the run) or a
+        ``SourceConfig``. It is placed on the least loaded host, which checks it against its
+        pipeline (the stages it needs, its frame size) and starts it; returns it as started
+        (its host's answer).
 
         Raises:
             ConfigError: the entry is not valid (one line naming ``sources[N]``).
@@ -263,7 +263,8 @@ class Supervisor:
                 + [load],
                 live, 0)
             host = self.placement[source.name]
-            request = SourceRequest(self._next_id, data, key, renumber=earlier is not None)
+            # validated here, against every source of the run: the host takes it as it is
+            request = SourceRequest(self._next_id, source, key, renumber=earlier is not None)
             self._next_id += 1
             pending = _Pending(request, host)
             self._pending[request.id] = pending
@@ -387,10 +388,7 @@ class Supervisor:
 
     def _poll_hosts(self) -> None:
         now = time.monotonic()
-        want_metrics = self.exporter is not None and now >= self._next_metrics
         want_view = self.board is not None and now >= self._next_view
-        if want_metrics:
-            self._next_metrics = now + METRICS_EVERY_S
         if want_view:
             self._next_view = now + VIEW_EVERY_S
         done = 0
@@ -609,7 +607,6 @@ class InProcessExecutor:
         self.host: PipelineHost | None = None
         self._metrics = metrics
         self._on_batch_done = on_batch_done
-        self._next_metrics = self._next_view = 0.0
 
     def start(self, host: int) -> None:
         self.host = PipelineHost(self.config, self.names[host], on_batch_done=self._on_batch_done,
@@ -620,22 +617,15 @@ class InProcessExecutor:
         getattr(self.host, method)(*args)
 
     def poll(self, host: int) -> tuple[list[HostReport], str | None]:
-        now = time.monotonic()
-        metrics = self._metrics and now >= self._next_metrics
-        view = self.config.runtime.http is not None and now >= self._next_view
-        if metrics:
-            self._next_metrics = now + METRICS_EVERY_S
-        if view:
-            self._next_view = now + VIEW_EVERY_S
-        return [self.host.poll(metrics=metrics, view=view)], None
+        return [self.host.due_report()], None
 
     def restart(self, host: int) -> bool | None:
         return None  # it is this process
 
     def close(self) -> None:
-        if self.host is not None and self.host._thread is not None:
+        if self.host is not None:
             self.host.stop()
-            self.host._thread.join(JOIN_TIMEOUT_S)
+            self.host.join(JOIN_TIMEOUT_S)
 
 
 class LocalExecutor:

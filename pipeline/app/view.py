@@ -32,8 +32,9 @@ a burst, and with files only a full queue is back-pressure, by design). Until th
 opened its stages (``graph.ready``: the model warming up) a report says ``ready: False`` and
 gives no reasons.
 
-``local_board`` wires a ``HostView`` to a ``SourceBoard`` in one process (a pump thread), for
-a run of one graph in this process and for tests.
+A pipeline host (``pipeline.app.host``) sends its view's reports to the supervisor, which
+feeds the board (``pipeline.app.board``); tests join the two in one process with
+``tests.support.live_view.local_board``.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ from typing import Any
 
 import structlog
 
-from pipeline.app.board import SourceBoard, ViewReport
+from pipeline.app.board import ViewReport
 from pipeline.app.preview import PreviewHub
-from pipeline.config import PipelineConfig, SourceConfig, partial_path, redact_url
+from pipeline.config import PipelineConfig, SourceConfig, redact_url
 from pipeline.metrics import STALE_AFTER_S, source_state
 from stages.analytics import AnalyticsStage
 
@@ -58,7 +59,6 @@ log = structlog.get_logger("view")
 SAMPLE_S = 0.5  # the sampling thread's period
 FPS_WINDOW_S = 5.0
 FULL_FOR_S = 2.0  # a queue full in every sample this long is a health reason
-PUMP_S = 0.1  # local_board: a report this often
 CLOSE_TIMEOUT_S = 5.0
 
 
@@ -397,113 +397,3 @@ class HostView:
                     pictures[name] = picture
                     self._sent[name] = picture[0]
         return ViewReport(self.host, ready, sources, pictures, reasons)
-
-
-class LocalPump:
-    """Feeds a ``SourceBoard`` from a ``HostView`` in the same process: a thread calls
-    ``board.update(view.report(board.wanted(host)))`` every ``PUMP_S``. ``start`` starts the
-    view too, ``close`` closes both. Its ``lock`` makes a report and its update one step
-    against a source shown or forgotten on both sides (``local_board``'s add and remove), so
-    the board never takes a report older than such a change."""
-
-    def __init__(self, board: SourceBoard, view: HostView, period_s: float = PUMP_S) -> None:
-        self.board, self.view, self.period_s = board, view, period_s
-        self.lock = threading.Lock()
-        self._closing = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def pump(self) -> None:
-        """One report, taken and merged now."""
-        with self.lock:
-            self.board.update(self.view.report(self.board.wanted(self.view.host)))
-
-    def start(self) -> None:
-        """Start the view's sampling, report once, then start the pump thread."""
-        self.view.start()
-        self.pump()
-        self._closing.clear()
-        self._thread = threading.Thread(target=self._loop, name=f"view:{self.view.host}:pump",
-                                        daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        """Stop the pump thread, then the view's sampling; idempotent."""
-        self._closing.set()
-        if self._thread is not None:
-            self._thread.join(CLOSE_TIMEOUT_S)
-            self._thread = None
-        self.view.close()
-
-    def __enter__(self) -> LocalPump:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _loop(self) -> None:
-        while not self._closing.wait(self.period_s):
-            try:
-                self.pump()
-            except Exception as error:  # noqa: BLE001 - the view must not stop the run
-                log.error("reporting the view failed", host=self.view.host,
-                          error=f"{type(error).__name__}: {error}")
-
-
-def local_board(graph: Any, hub: PreviewHub | None, config: PipelineConfig,
-                host: str = "pipeline0", stale_after_s: float = STALE_AFTER_S,
-                preview_fps: float | None = None) -> tuple[SourceBoard, HostView, LocalPump]:
-    """A ``SourceBoard`` fed by one graph of this process: its ``HostView`` and the
-    ``LocalPump`` that joins them (start the pump with the run, close it after).
-
-    The board's ``add`` is ``graph.control.add`` (then shown on both sides at once), its
-    ``remove`` is ``graph.control.remove`` and a wait until the outputs are final (then
-    forgotten on both sides: ``{"name", "state": "removed", "frames", "outputs"}``, each
-    output under its ``.partial`` name when cut short, or its final one; none for a source
-    that delivered no frame), or ``{"name", "state": "removing"}`` after ``wait_s`` (the
-    view forgets it once they are). A graph without ``control`` can neither (None: 501).
-
-    Args:
-        graph: the ``pipeline.graph.Graph`` (``control``: a ``SourceControl`` or None).
-        hub: the ``PreviewHub`` its sinks report to, or None.
-        config: its configuration.
-        host: the name the board shows it under.
-        stale_after_s: a live source with no frame this long is ``stalled``.
-        preview_fps: pictures per second and source (default: the hub's, else 5).
-    """
-    view = HostView(host, graph, hub, config, stale_after_s)
-    control = getattr(graph, "control", None)
-    pump: LocalPump
-
-    def add(data: Any) -> SourceConfig:
-        source: SourceConfig = control.add(data)
-        with pump.lock:
-            view.add(source)
-            board.added(source, host)
-            board.update(view.report(board.wanted(host)))  # its first state, not a placeholder
-        return source
-
-    def remove(name: str, wait_s: float) -> dict[str, Any]:
-        control.remove(name)  # SourceConflict: no source of that name
-        view.mark_removing(name)
-        deadline = time.monotonic() + wait_s
-        while not graph.source_done(name) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not graph.source_done(name):
-            return {"name": name, "state": "removing"}
-        frames = graph.source_metrics[name].frames_out
-        outputs = [str(partial_path(path) if partial_path(path).exists() else path)
-                   for path in control.output_paths(name)
-                   if path.exists() or partial_path(path).exists()]
-        with pump.lock:
-            view.forget(name)
-            board.forget(name)
-        return {"name": name, "state": "removed", "frames": frames, "outputs": outputs}
-
-    fps = preview_fps if preview_fps is not None else (hub.preview_fps if hub is not None
-                                                       else 5.0)
-    board = SourceBoard(add if control is not None else None,
-                        remove if control is not None else None, fps,
-                        order=[source.name for source in config.sources])
-    pump = LocalPump(board, view)
-    return board, view, pump

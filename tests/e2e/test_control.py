@@ -14,12 +14,11 @@ import pytest
 
 from pipeline.app.build import build_graph
 from pipeline.app.http import HttpServer
-from pipeline.app.view import local_board
 from pipeline.config import ConfigError, parse_config
 from tests.e2e.conftest import pipeline_config
 from tests.support import free_port
 from tests.support.harness import wait_for
-from tests.support.live_view import running
+from tests.support.live_view import local_board, running
 
 pytestmark = pytest.mark.slow  # real RTSP servers, paced files
 

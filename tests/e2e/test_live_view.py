@@ -16,11 +16,10 @@ import pytest
 
 from pipeline.app.build import build_graph
 from pipeline.app.http import HttpServer
-from pipeline.app.view import local_board
 from pipeline.config import parse_config
 from tests.e2e.conftest import pipeline_config
 from tests.support import headless_page, require_chromium
-from tests.support.live_view import running
+from tests.support.live_view import local_board, running
 
 pytestmark = pytest.mark.slow  # a real browser
 

@@ -19,12 +19,11 @@ import pytest
 
 from pipeline.app.build import build_graph
 from pipeline.app.http import HttpServer
-from pipeline.app.view import local_board
 from pipeline.config import parse_config
 from pipeline.metrics import STALE_AFTER_S
 from tests.e2e.conftest import pipeline_config, records
 from tests.support.harness import wait_for
-from tests.support.live_view import running
+from tests.support.live_view import local_board, running
 from tests.support.metrics import HostMetrics
 
 OUTAGE_S = 10.0

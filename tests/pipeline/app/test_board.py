@@ -23,15 +23,15 @@ import numpy as np
 import pytest
 
 import pipeline.app.board as board_module
-from pipeline.app.board import SourceBoard, starting_json
+from pipeline.app.board import SourceBoard, ViewReport, starting_json
 from pipeline.app.build import build_graph
 from pipeline.app.http import HttpServer
-from pipeline.app.view import HostView, LocalPump, ViewReport, local_board
+from pipeline.app.view import HostView
 from pipeline.config import SourceConfig, build_section, parse_config
 from pipeline.graph import Graph, SourceConflict
 from tests.e2e.conftest import pipeline_config
 from tests.support.harness import wait_for
-from tests.support.live_view import running
+from tests.support.live_view import LocalPump, local_board, running
 
 
 def jpeg_shape(data: bytes) -> tuple[int, ...]:

@@ -19,13 +19,12 @@ import pytest
 
 from pipeline.app.board import SourceBoard
 from pipeline.app.build import build_graph
-from pipeline.app.http import HttpServer, check_settings, is_loopback
-from pipeline.app.view import local_board
-from pipeline.config import parse_config
+from pipeline.app.http import HttpServer, check_settings
+from pipeline.config import is_loopback, parse_config
 from pipeline.graph import Graph
 from tests.e2e.conftest import pipeline_config
 from tests.support.harness import wait_for
-from tests.support.live_view import HttpSettings, running
+from tests.support.live_view import HttpSettings, local_board, running
 
 PASSWORD = "s3cr3t-pw"
 DOOR_URI = f"rtsp://admin:{PASSWORD}@127.0.0.1:1/stream1"  # refused: reconnects all along
