@@ -238,7 +238,7 @@ class SourceConfig:
         metadata=_doc("Resume at this frame: a file decodes and skips the frames before it "
                       "(their numbers are kept, nothing before it is written), a stream numbers "
                       "its frames from it. The cluster supervisor sets it when it moves a source "
-                      "(runtime.gpus, runtime.pipelines, --ray): the frame after the source's "
+                      "(runtime.gpus, runtime.workers, --ray): the frame after the source's "
                       "last written record.", min=0),
     )
 
@@ -620,30 +620,31 @@ class RuntimeConfig:
                       "through the HTTP API)."))
     gpus: list[int] | Literal["all"] | None = field(
         default=None,
-        metadata=_doc("Run one pipeline process per GPU listed ([0, 1]; all: every GPU of this "
-                      "machine), or runtime.pipelines processes spread over them, each with "
-                      "its own decode workers and a share of the sources by load (width x "
-                      "height x frame rate); a process that dies has its sources moved to the "
-                      "others (files resume after their last written record) and is restarted "
-                      "with backoff. null: no GPU list (one pipeline in this process on "
-                      "inference.gpu_id, or runtime.pipelines processes)."),
+        metadata=_doc("Use the GPUs listed ([0, 1]; all: every GPU of this machine): one "
+                      "engine process per GPU (the model) and runtime.workers source workers "
+                      "for each, the sources shared out by load (width x height x frame "
+                      "rate); a worker that dies has its sources moved to the others (files "
+                      "resume after their last written record) and is restarted with "
+                      "backoff, an engine that dies is restarted and its workers go on. "
+                      "null: inference.gpu_id (or the CPU path)."),
     )
-    pipelines: int | None = field(
+    workers: int | None = field(
         default=None,
-        metadata=_doc("This many pipeline processes share the sources: with gpus, spread over "
-                      "those GPUs in turn (at least one each; 6 over [0, 1]: 3 per GPU, which "
-                      "feeds a GPU better than one process with many NVDEC cameras); without, "
-                      "all on inference.device (the CPU path, or inference.gpu_id), the cores "
-                      "shared out among them. With --ray: the number of actors (default: the "
+        metadata=_doc("Source worker processes per GPU (on the CPU path: in all). Each owns "
+                      "a share of the sources end to end but the model: decoding (NVDEC or "
+                      "CPU), tracking, analytics, outputs; one engine process per GPU holds "
+                      "the model and batches every worker's frames together. 1: the whole "
+                      "pipeline in one process (the Python API's per-frame results need "
+                      "this). null: one per source, at most half the cores (logged). With "
+                      "--ray: the number of actors (each a whole pipeline; default: the "
                       "length of a gpus list, else the Ray cluster's GPUs on the GPU path, "
-                      "else its nodes), sharing a GPU when there are more than GPUs. null: one "
-                      "pipeline (or one per GPU of gpus).", min=1),
+                      "else its nodes).", min=1),
     )
     max_restarts: int = field(
         default=3,
-        metadata=_doc("gpus, pipelines, --ray: times a pipeline process or Ray actor that died "
-                      "is restarted (after a backoff); its sources move to the others at "
-                      "once.", min=0),
+        metadata=_doc("Times a source worker, engine or Ray actor that died is restarted "
+                      "(after a backoff); a worker's sources move to the others at once.",
+                      min=0),
     )
     staging_slots: int = field(
         default=0,
@@ -781,12 +782,22 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: expected {_describe(tp)}, got {value!r}")
 
 
+# Keys of earlier versions, with what replaced them (the message a config using one gets).
+RENAMED_KEYS = {
+    "runtime.pipelines": "replaced by runtime.workers: one engine per GPU holds the model "
+                         "and source worker processes feed it (null: as many as the cores "
+                         "and sources call for)",
+}
+
+
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:
             where = f"{prefix}.{key}" if prefix else str(key)
+            if where in RENAMED_KEYS:
+                raise ConfigError(f"{where}: {RENAMED_KEYS[where]}")
             allowed = ", ".join(fields)
             raise ConfigError(f"{where}: unknown key; allowed keys here: {allowed}")
     kwargs = {}
@@ -854,9 +865,6 @@ def _check_semantics(config: PipelineConfig, base_dir: Path) -> None:
         if not runtime.gpus or len(set(runtime.gpus)) != len(runtime.gpus) or min(runtime.gpus) < 0:
             raise ConfigError(f"runtime.gpus: expected distinct GPU numbers >= 0 (or all, or "
                               f"null), got {runtime.gpus!r}")
-        if runtime.pipelines is not None and runtime.pipelines < len(runtime.gpus):
-            raise ConfigError(f"runtime.pipelines: at least one per GPU of runtime.gpus "
-                              f"({len(runtime.gpus)}), got {runtime.pipelines}")
 
 
 def partial_path(path: Path) -> Path:

@@ -233,7 +233,7 @@ class Graph:
         lane = lane or source.name
         if source.live:
             self._inboxes[0].add_lane(lane, self.queue_size, "drop_oldest",
-                                      on_drop=self._drop_frame)
+                                      on_drop=self.drop_frame)
         else:
             self._inboxes[0].add_lane(lane, self.queue_size, "block")
 
@@ -368,8 +368,9 @@ class Graph:
         for queue in [*self._inboxes, *self._sink_inboxes.values()]:
             queue.wake()
 
-    def _drop_frame(self, frame: Frame) -> None:
-        """A live lane in front of the batcher dropped ``frame``: count it, free its slot."""
+    def drop_frame(self, frame: Frame) -> None:
+        """A live frame was dropped before the batcher (its lane, or a source worker's
+        remote inference stage): count it, free its slot."""
         with self._dropped_lock:
             self._dropped[frame.source] += 1
         if self.ring is not None and frame.slot >= 0:

@@ -137,6 +137,22 @@ class SlotRing:
         ring.waited_s = 0.0
         return ring
 
+    def pin(self) -> None:
+        """Page-lock an attached view (the engine: its H2D copies read the workers' slots)."""
+        import cupy
+
+        if not self._registered:
+            cupy.cuda.runtime.hostRegister(self.memory.ctypes.data, self.memory.nbytes, 0)
+            self._registered = self.pinned = True
+
+    def unpin(self) -> None:
+        """Undo ``pin`` (idempotent)."""
+        if self._registered:
+            import cupy
+
+            cupy.cuda.runtime.hostUnregister(self.memory.ctypes.data)
+            self._registered = self.pinned = False
+
     def close_view(self) -> None:
         """Detach from the shared block without unlinking it (a worker's ``attach``)."""
         if self._shm is not None:

@@ -142,10 +142,11 @@ class BatcherStage(Stage[Frame, FrameBatch]):
         self._letterboxes: dict[tuple[int, int], Letterbox] = {}
         self._legacy_done: Any = None  # a cupy.cuda.Event (GPU path)
 
-    def add_source(self, name: str, detect_every: int = 1, detect_fps: float | None = None
-                   ) -> int:
+    def add_source(self, name: str, detect_every: int = 1, detect_fps: float | None = None,
+                   live: bool = False) -> int:
         """Take frames of one more source (added while the pipeline runs, before its first
-        frame; any thread). Returns its source id."""
+        frame; any thread). Returns its source id. (``live``: unused here; the interface
+        ``stages.remote_infer.RemoteInferStage`` shares.)"""
         self._schedule.add(detect_every, detect_fps)
         if self._schedule.skips_frames:
             self.schedule = self._schedule

@@ -64,7 +64,7 @@ def test_stages_and_kernels_never_import_the_app_layer(path: Path) -> None:
 def test_the_core_is_what_the_design_names() -> None:
     """The runtime core's modules (a new one is a decision: add it here, or to the app)."""
     names = {p.stem for p in CORE} - {"__init__"}
-    assert names == {"config", "gpu", "graph", "logging", "metrics", "queues", "records",
+    assert names == {"config", "engine_link", "gpu", "graph", "logging", "metrics", "queues", "records",
                      "resume", "slots", "stage"}
 
 

@@ -16,6 +16,7 @@ import structlog
 from pipeline.app.preview import PreviewHub
 from pipeline.app.workers import DecodeWorkerPool, default_worker_count
 from pipeline.config import ConfigError, PipelineConfig, SourceConfig, is_stream_url
+from pipeline.engine_link import EngineLink
 from pipeline.gpu import GpuContext, gpu_unavailable_reason
 from pipeline.graph import Graph
 from pipeline.records import BatchDetections
@@ -31,6 +32,7 @@ from stages.gpu_decode import GpuDecodeStage, gpu_decode_unavailable_reason
 from stages.infer import InferStage, create_backend
 from stages.postprocess import DeviceNms, PostprocessStage
 from stages.preprocess import DevicePreprocess, HostPreprocess
+from stages.remote_infer import RemoteInferStage
 from stages.sinks import SinkStage
 from stages.tracking import TrackerSettings, TrackerStage
 
@@ -207,7 +209,7 @@ def build_graph(config: PipelineConfig,
                 on_batch_done: Callable[[str, BatchDetections], None] | None = None,
                 profile_gpu: bool = False, start_sources: bool = True,
                 expected_sources: int | None = None, stop_when: str | None = None,
-                cores: int | None = None) -> Graph:
+                cores: int | None = None, engine: tuple[EngineLink, int] | None = None) -> Graph:
     """Create every stage the configuration asks for, connect them, and add the configured
     sources (``start_sources``) through ``graph.control``, the path every source takes.
 
@@ -225,6 +227,10 @@ def build_graph(config: PipelineConfig,
         stop_when: overrides ``runtime.stop_when`` (a host's graph: ``never``).
         cores: the cores its decode workers and FFmpeg threads are sized for (default: the
             cores this process may use; a supervisor gives each of its hosts a share).
+        engine: (the engine's link, this worker's number): build a source worker, whose
+            frames are detected by its GPU's engine process (``stages.remote_infer`` stands
+            for the batch, infer and postprocess stages; the model is not loaded here) and
+            decoded in threads of this process into its share of the engine's rings.
     """
     from pipeline.app.control import SourceControl  # it builds sources with this module
 
@@ -233,47 +239,29 @@ def build_graph(config: PipelineConfig,
     info, class_names = model.info, model.class_names
     frame_sizes = probe_file_sources(config)
     filtered, tracked, with_regions = check_sources(config, model, frame_sizes)
-    gpu = create_gpu_context(config, profile_gpu)
-    backend = create_backend(config.inference, Path(config.model.path), info, gpu,
-                             first_file_source(config))
-
     stop = threading.Event()
-    inference = config.inference
-    sizes = sorted({s for i, src in enumerate(config.sources)
-                    if not src.is_live and (s := frame_sizes.get(i)) is not None})
-    largest = max([DEFAULT_FRAME_SIZE, *sizes], key=lambda wh: wh[0] * wh[1])
-    slot_bytes = i420_bytes(*largest)
-    kinds = [decoder_kind(config, source, f"sources[{i}]", gpu)
-             for i, source in enumerate(config.sources)]
-    expected = len(config.sources) if expected_sources is None else expected_sources
-    on_cpu = math.ceil(kinds.count("cpu") * expected / max(1, len(config.sources)))
-    workers = config.runtime.decode_workers
-    workers = min(on_cpu, default_worker_count(on_cpu, cores) if workers is None else workers)
-    ring = SlotRing(frame_slots(config, expected), slot_bytes, pinned=gpu is not None,
-                    shared=workers > 0)
-    log.info("frame slots allocated", slots=ring.slots, pinned=ring.pinned,
-             shared=ring.shm_name is not None, mb=round(ring.slots * slot_bytes / 2**20, 1))
-    threads = decoder_threads(on_cpu, cores)
-    pool = DecodeWorkerPool(config, ring, workers, threads) if workers else None
     video = config.output.video is not None
     http = config.runtime.http
     preview = PreviewHub(http.preview_fps, class_names) if http is not None else None
     keep_images = video or preview is not None  # the sinks read the images: they release
-    release = None if keep_images else ring.release
     size = (info.input_height, info.input_width)
-    batcher = BatcherStage("batch", size, inference.batch_size, inference.batch_timeout_ms,
-                           (), gpu, ring, stop, DetectionSchedule([], []))
-    if gpu is None:
-        infer = InferStage("infer", backend, HostPreprocess(size, info.input_dtype,
-                                                           inference.batch_size))
+    pool = None
+    if engine is not None:
+        link, worker = engine
+        gpu = GpuContext(link.device) if link.device_share else None  # NVDEC, no model
+        ring = SlotRing.attach(link.host_ring, link.host_slots, link.slot_bytes,
+                               list(link.host_shares[worker]))
+        kinds = [decoder_kind(config, source, f"sources[{i}]", gpu)
+                 for i, source in enumerate(config.sources)]
+        threads = decoder_threads(kinds.count("cpu") * (expected_sources or 1)
+                                  // max(1, len(config.sources)) or 1, cores)
+        remote = RemoteInferStage("infer", link, worker, ring, size, keep_images, stop,
+                                  on_drop=lambda frame: None)
+        chain: list[Stage] = [remote]
     else:
-        gpu.allocate(BATCH_SETS, inference.batch_size, slot_bytes, config.nms.max_detections)
-        formats = ["i420", *(["nv12"] if "gpu" in kinds else [])]
-        geometries = [(batcher.letterbox(w, h), fmt) for w, h in sizes for fmt in formats]
-        infer = InferStage("infer", backend, DevicePreprocess(geometries), gpu,
-                           DeviceNms(config.nms, inference.batch_size, info.layout))
-    postprocess = PostprocessStage("postprocess", config.nms, gpu, release, info.layout)
-    chain: list[Stage] = [batcher, infer, postprocess]
+        gpu = create_gpu_context(config, profile_gpu)
+        ring, pool, threads, chain, kinds = model_stages(
+            config, info, frame_sizes, gpu, stop, keep_images, expected_sources, cores)
     if filtered:
         chain.append(DetectionFilterStage("filter", {}))
     if tracked:
@@ -286,12 +274,14 @@ def build_graph(config: PipelineConfig,
     graph = Graph([], chain, {}, config.runtime.queue_size, on_batch_done, stop=stop,
                   ring=ring, release_at_sink=keep_images,
                   stop_when=stop_when or config.runtime.stop_when)
-    graph.add_service(lambda: None, ring.close)
+    if engine is not None:
+        remote.on_drop = graph.drop_frame
+        graph.add_service(lambda: None, ring.close_view)
+    else:
+        graph.add_service(lambda: None, ring.close)
     if publisher is not None:
         graph.add_service(publisher.start, publisher.close)
     if pool is not None:
-        log.info("decoding in worker processes", workers=len(pool.workers), sources=on_cpu,
-                 setting="auto" if config.runtime.decode_workers is None else "runtime.decode_workers")
         graph.add_service(pool.start, pool.close, with_sources=True)
     graph.gpu = gpu
     graph.preview = preview
@@ -313,6 +303,56 @@ def build_graph(config: PipelineConfig,
         for source in config.sources:
             graph.control.add(source)
     return graph
+
+
+def model_stages(config: PipelineConfig, info: ModelInfo,
+                 frame_sizes: dict[int, tuple[int, int]], gpu: GpuContext | None,
+                 stop: threading.Event, keep_images: bool, expected_sources: int | None,
+                 cores: int | None) -> tuple[SlotRing, DecodeWorkerPool | None, int, list[Stage], list[str]]:
+    """The model's part of a whole pipeline (the model in this process): the frame ring,
+    the decode worker pool, and the batch, infer and postprocess stages.
+
+    Returns:
+        (ring, decode worker pool or None, FFmpeg threads per source, [batcher, infer,
+        postprocess], each configured source's decoder kind).
+    """
+    inference = config.inference
+    backend = create_backend(inference, Path(config.model.path), info, gpu,
+                             first_file_source(config))
+    sizes = sorted({s for i, src in enumerate(config.sources)
+                    if not src.is_live and (s := frame_sizes.get(i)) is not None})
+    largest = max([DEFAULT_FRAME_SIZE, *sizes], key=lambda wh: wh[0] * wh[1])
+    slot_bytes = i420_bytes(*largest)
+    kinds = [decoder_kind(config, source, f"sources[{i}]", gpu)
+             for i, source in enumerate(config.sources)]
+    expected = len(config.sources) if expected_sources is None else expected_sources
+    on_cpu = math.ceil(kinds.count("cpu") * expected / max(1, len(config.sources)))
+    workers = config.runtime.decode_workers
+    workers = min(on_cpu, default_worker_count(on_cpu, cores) if workers is None else workers)
+    ring = SlotRing(frame_slots(config, expected), slot_bytes, pinned=gpu is not None,
+                    shared=workers > 0)
+    log.info("frame slots allocated", slots=ring.slots, pinned=ring.pinned,
+             shared=ring.shm_name is not None, mb=round(ring.slots * slot_bytes / 2**20, 1))
+    threads = decoder_threads(on_cpu, cores)
+    pool = DecodeWorkerPool(config, ring, workers, threads) if workers else None
+    if pool is not None:
+        log.info("decoding in worker processes", workers=len(pool.workers), sources=on_cpu,
+                 setting="auto" if config.runtime.decode_workers is None else "runtime.decode_workers")
+    size = (info.input_height, info.input_width)
+    batcher = BatcherStage("batch", size, inference.batch_size, inference.batch_timeout_ms,
+                           (), gpu, ring, stop, DetectionSchedule([], []))
+    if gpu is None:
+        infer = InferStage("infer", backend, HostPreprocess(size, info.input_dtype,
+                                                           inference.batch_size))
+    else:
+        gpu.allocate(BATCH_SETS, inference.batch_size, slot_bytes, config.nms.max_detections)
+        formats = ["i420", *(["nv12"] if "gpu" in kinds else [])]
+        geometries = [(batcher.letterbox(w, h), fmt) for w, h in sizes for fmt in formats]
+        infer = InferStage("infer", backend, DevicePreprocess(geometries), gpu,
+                           DeviceNms(config.nms, inference.batch_size, info.layout))
+    release = None if keep_images else ring.release
+    postprocess = PostprocessStage("postprocess", config.nms, gpu, release, info.layout)
+    return ring, pool, threads, [batcher, infer, postprocess], kinds
 
 
 def build_sink(config: PipelineConfig, source: SourceConfig, class_names: list[str] | None,

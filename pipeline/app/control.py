@@ -56,6 +56,7 @@ from pipeline.stage import SourceStage, Stage
 from stages.analytics import AnalyticsStage, Region
 from stages.annotate import AnnotateStage
 from stages.batcher import BatcherStage
+from stages.remote_infer import RemoteInferStage
 from stages.filters import DetectionFilterStage, SourceFilter
 from stages.tracking import TrackerSettings, TrackerStage
 
@@ -104,7 +105,8 @@ class SourceControl:
         self.retired: set[int] = set()  # ids (positions in sources) removed or replaced
         self._lock = threading.Lock()  # one change at a time
         stages = {type(stage): stage for stage in graph.chain}
-        self._batcher: BatcherStage = stages[BatcherStage]  # type: ignore[assignment]
+        # the stage frames enter: the batcher, or a source worker's remote inference
+        self._batcher: BatcherStage | RemoteInferStage = graph.chain[0]  # type: ignore[assignment]
         self._filter = stages.get(DetectionFilterStage)
         self._tracker = stages.get(TrackerStage)
         self._analytics = stages.get(AnalyticsStage)
@@ -172,7 +174,7 @@ class SourceControl:
             if resume and source.start_frame > 0:  # appends to the records (see SinkStage)
                 sink.resume_from = source.start_frame
             assigned = self._batcher.add_source(source.name, source.detect_every,
-                                                source.detect_fps)
+                                                source.detect_fps, source.is_live)
             if assigned != index:  # the batcher numbers sources as this list does
                 raise RuntimeError(f"source id {assigned} != {index}: out of step")
             self.sources.append(source)

@@ -150,12 +150,16 @@ class PipelineHost:
             default: the cores this process may use).
         on_batch_done: called from a sink thread per batch part (the Python API, in-process).
         metrics: read the graph's Prometheus metrics for ``poll(metrics=True)``.
+        engine: (``EngineLink``, worker number): a source worker whose frames its GPU's
+            engine process detects (``build_graph``); None: the whole pipeline here.
     """
 
     def __init__(self, config: PipelineConfig, name: str, expected_sources: int | None = None,
                  on_batch_done: Callable[[str, BatchDetections], None] | None = None,
-                 metrics: bool = False, cores: int | None = None) -> None:
+                 metrics: bool = False, cores: int | None = None,
+                 engine: tuple[Any, int] | None = None) -> None:
         self.config = config
+        self.engine = engine
         self.name = name
         self.expected_sources = expected_sources
         self.cores = cores
@@ -313,7 +317,7 @@ class PipelineHost:
         try:
             graph = build_graph(self.config, on_batch_done=batch_done, start_sources=False,
                                 expected_sources=self.expected_sources, stop_when="never",
-                                cores=self.cores)
+                                cores=self.cores, engine=self.engine)
         except (ConfigError, BackendUnavailable) as error:
             self._fail(str(error), usage=True)
             return
@@ -412,7 +416,8 @@ def _name_of(source: SourceConfig | dict) -> str | None:
 
 def host_main(name: str, device: int | None, config: PipelineConfig, conn: Connection,
               metrics: bool, cpus: list[int] | None = None,
-              expected_sources: int | None = None, cores: int | None = None) -> None:
+              expected_sources: int | None = None, cores: int | None = None,
+              engine: tuple[Any, int] | None = None) -> None:
     """A host in a spawned process: build and run its graph, serve the supervisor's calls
     from ``conn`` and send it a ``HostReport`` whenever there is news (``due_report``).
 
@@ -429,6 +434,7 @@ def host_main(name: str, device: int | None, config: PipelineConfig, conn: Conne
         expected_sources: its share of the sources (sizes its ring and decode workers).
         cores: its share of the supervisor's cores (sizes its decode workers) when ``cpus``
             does not pin it to them.
+        engine: (``EngineLink``, worker number): a source worker of that engine.
     """
     from pipeline.app.workers import name_this_process
     from pipeline.logging import configure_logging
@@ -444,7 +450,7 @@ def host_main(name: str, device: int | None, config: PipelineConfig, conn: Conne
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(config.runtime.log_format, config.runtime.log_level)
     host = PipelineHost(config, name, expected_sources, metrics=metrics,
-                        cores=None if cpus else cores)
+                        cores=None if cpus else cores, engine=engine)
     host.start()
     ready = exiting = False
     try:

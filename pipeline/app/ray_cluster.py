@@ -5,14 +5,14 @@ that died.
 
 Each actor is a ``pipeline.app.host.PipelineHost`` asking Ray for one GPU (``num_gpus=1``: Ray
 sets ``CUDA_VISIBLE_DEVICES``, the pipeline uses device 0) when inference may use the GPU
-and the cluster has GPUs, or for a share of one when ``runtime.pipelines`` asks for more
+and the cluster has GPUs, or for a share of one when ``runtime.workers`` asks for more
 actors than there are GPUs (``actor_gpus``: several pipelines feed a GPU better than one),
 else for one CPU (``num_gpus=0``: the CPU path, as CI runs it).
 Actors are spread over the nodes (``scheduling_strategy="SPREAD"``) and restarted by Ray
 (``max_restarts``: ``runtime.max_restarts``); a call in flight when one dies fails, which is
 how the supervisor learns of it. Each actor builds its graph when it starts (and again when
 Ray restarts it) and keeps it; the supervisor adds and removes sources. Their number:
-``runtime.pipelines``, else the length of a ``runtime.gpus`` list, else the cluster's GPUs,
+``runtime.workers``, else the length of a ``runtime.gpus`` list, else the cluster's GPUs,
 else its nodes.
 
 Every node must see the same paths (model, files, ``output.dir``: shared storage) and have
@@ -106,8 +106,8 @@ def connect(address: str) -> None:
 def actor_count(config: PipelineConfig, resources: dict[str, float], nodes: int) -> int:
     """How many actors (module docstring)."""
     runtime = config.runtime
-    if runtime.pipelines:
-        return runtime.pipelines
+    if runtime.workers:
+        return runtime.workers
     if isinstance(runtime.gpus, list):
         return len(runtime.gpus)
     gpus = int(resources.get("GPU", 0))
@@ -115,7 +115,7 @@ def actor_count(config: PipelineConfig, resources: dict[str, float], nodes: int)
         return gpus
     if runtime.gpus == "all":
         raise ConfigError("runtime.gpus: 'all' found no GPU in the Ray cluster (set "
-                          "runtime.pipelines to run actors without one)")
+                          "runtime.workers to run actors without one)")
     return max(1, nodes)
 
 

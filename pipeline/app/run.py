@@ -64,17 +64,18 @@ def prepare(config: PipelineConfig, restart: bool = False) -> tuple[str, ...]:
 
 def make_executor(config: PipelineConfig, ray_address: str | None = None, metrics: bool = False,
                   on_batch_done: Callable[..., None] | None = None) -> Any:
-    """The hosts: one pipeline in this process (``runtime.gpus`` and ``runtime.pipelines``
-    unset or naming one), spawned processes (several), or Ray actors (``ray_address``).
+    """The hosts: the whole pipeline in this process (one source worker), source worker
+    processes with one engine per GPU (several), or Ray actors (``ray_address``).
 
     Raises:
-        ConfigError: ``runtime.gpus``/``runtime.pipelines`` cannot be had, or per-batch
-            results asked for (``on_batch_done``) with more than one pipeline.
+        ConfigError: ``runtime.gpus`` cannot be had, or per-batch results asked for
+            (``on_batch_done``) with more than one worker.
     """
     from pipeline.app.supervisor import (
         InProcessExecutor,
         LocalExecutor,
         absolute_paths,
+        gpu_count,
         resolve_devices,
     )
 
@@ -92,9 +93,12 @@ def make_executor(config: PipelineConfig, ray_address: str | None = None, metric
             config.inference.gpu_id = devices[0]
         return InProcessExecutor(config, metrics, on_batch_done)
     if on_batch_done is not None:
-        raise ConfigError("runtime.pipelines: the Python API's per-frame results need one "
-                          "pipeline (in this process); run() and the outputs work with any")
-    return LocalExecutor(absolute_paths(config), devices, metrics)
+        raise ConfigError("runtime.workers: the Python API's per-frame results need the "
+                          "whole pipeline in this process (runtime.workers: 1); run() and "
+                          "the outputs work with any")
+    on_gpu = config.inference.device != "cpu" and (
+        any(d is not None for d in devices) or gpu_count() > 0)
+    return LocalExecutor(absolute_paths(config), devices, metrics, on_gpu)
 
 
 def run(config: PipelineConfig, ray_address: str | None = None, restart: bool = False) -> int:
@@ -142,7 +146,7 @@ def run(config: PipelineConfig, ray_address: str | None = None, restart: bool = 
                 exporter.stop()
             print(f"error: failed to start: {error}", file=sys.stderr)
             return EXIT_FAILED
-        log.info("sources placed by load", pipelines=executor.names, sources=len(config.sources))
+        log.info("sources placed by load", workers=executor.names, sources=len(config.sources))
         interrupts, previous = install_signal_handlers(supervisor)
         started = time.monotonic()
         try:

@@ -629,42 +629,60 @@ class InProcessExecutor:
 
 
 class LocalExecutor:
-    """Hosts as spawned processes on this machine (``pipeline.app.host.host_main``), one per GPU
-    of ``devices`` (None: without a GPU, on ``inference.device`` as configured).
+    """Source workers as spawned processes on this machine (``pipeline.app.host.host_main``),
+    each fed by its GPU's engine process (``pipeline.app.engine``): one engine per device of
+    ``devices`` (None: ``inference.gpu_id``, or the CPU path, as configured).
+
+    An engine that dies is restarted (``runtime.max_restarts`` times); its workers keep
+    their sources meanwhile (cameras drop, files wait) and reconnect. An engine that cannot
+    start (the backend cannot run here, say) fails its workers: the run ends with its reason.
 
     Args:
-        config: the configuration every host gets (all sources).
-        devices: per host, its GPU, or None.
-        metrics: the hosts send metrics snapshots.
+        config: the configuration every worker gets (all sources).
+        devices: per worker, its GPU, or None.
+        metrics: the workers send metrics snapshots.
+        on_gpu: the GPU path is in use (NVDEC-decoded sources take device-ring slots).
     """
 
     def __init__(self, config: PipelineConfig, devices: list[int | None],
-                 metrics: bool = False) -> None:
+                 metrics: bool = False, on_gpu: bool = False) -> None:
+        from pipeline.app.engine import EngineProcess
+
         self.config = config
         self.devices = devices
         self.metrics = metrics
         self.names = host_names(devices)
-        # The CPU path pins each host to its share of the cores; a GPU host sizes its decode
-        # workers for its share without being pinned (its threads feed the GPU).
-        self.cpus = share_cores(len(devices)) if all(d is None for d in devices) else None
         self.cores = max(1, usable_cores() // len(devices))
         self.processes: dict[int, Any] = {}
         self.conns: dict[int, Connection] = {}
         self._send_lock = threading.Lock()
         self._context = multiprocessing.get_context("spawn")
+        self.engines = {device: EngineProcess(config, device, devices.count(device), on_gpu,
+                                              self._context)
+                        for device in dict.fromkeys(devices)}
+        self._engine_restart_at: dict[int | None, float] = {}
+        self._told_failed: set[int] = set()
+
+    def worker_number(self, host: int) -> int:
+        """``host``'s number among its engine's workers (its ring shares)."""
+        return self.devices[:host].count(self.devices[host])
 
     def start(self, host: int) -> None:
+        device = self.devices[host]
+        engine = self.engines[device]
+        if engine.process is None:
+            engine.start()
         ours, theirs = self._context.Pipe()
         process = self._context.Process(
             target=host_main, name=f"streamdet-{self.names[host]}", daemon=False,
-            args=(self.names[host], self.devices[host], self.config, theirs, self.metrics,
-                  self.cpus[host] if self.cpus else None,
-                  -(-len(self.config.sources) // len(self.devices)), self.cores))
+            args=(self.names[host], device, self.config, theirs, self.metrics, None,
+                  -(-len(self.config.sources) // len(self.devices)), self.cores,
+                  (engine.link, self.worker_number(host))))
         process.start()
         theirs.close()
         self.processes[host], self.conns[host] = process, ours
-        log.info("pipeline host started", host=self.names[host], pid=process.pid,
-                 device=self.devices[host])
+        log.info("source worker started", worker=self.names[host], pid=process.pid,
+                 device=device)
 
     def call(self, host: int, method: str, *args: Any) -> None:
         try:
@@ -674,6 +692,8 @@ class LocalExecutor:
             pass  # it died: the next poll says so
 
     def poll(self, host: int) -> tuple[list[HostReport], str | None]:
+        engine = self.engines[self.devices[host]]
+        self._watch_engine(engine)
         conn, process = self.conns[host], self.processes[host]
         alive = process.is_alive()  # before reading: what it sent before dying is read
         reports = []
@@ -683,6 +703,11 @@ class LocalExecutor:
                 reports.append(report)
         except (EOFError, OSError):
             pass
+        if engine.failure is not None and host not in self._told_failed:
+            self._told_failed.add(host)
+            self.call(host, "abort_all")
+            reason, usage = engine.failure
+            reports.append(HostReport(failure=reason, usage=usage))
         if alive:
             return reports, None
         process.join()
@@ -691,13 +716,36 @@ class LocalExecutor:
             f"exited with status {code}"
         return reports, f"process {process.pid} {how}"
 
+    def _watch_engine(self, engine: Any) -> None:
+        """Restart ``engine`` when it died (after a backoff), up to runtime.max_restarts."""
+        if engine.failure is not None or engine.process is None:
+            return
+        restart_at = self._engine_restart_at.get(engine.device)
+        if restart_at is None:
+            died = engine.poll()
+            if died is None or engine.failure is not None:
+                return
+            if engine.restarts >= self.config.runtime.max_restarts:
+                engine.failure = (f"the engine died {engine.restarts + 1} times; last: {died}",
+                                  False)
+                log.error("engine gone for good", reason=died)
+                return
+            delay = backoff_s(engine.restarts)
+            self._engine_restart_at[engine.device] = time.monotonic() + delay
+            log.error("engine died: its workers hold their sources until it is back",
+                      reason=died, restart_in_s=round(delay, 2))
+        elif time.monotonic() >= restart_at:
+            del self._engine_restart_at[engine.device]
+            engine.restarts += 1
+            engine.start()
+
     def restart(self, host: int) -> bool:
         self.conns[host].close()
         self.start(host)
         return True
 
     def kill(self, host: int) -> int:
-        """SIGKILL a host process (tests: a crash). Returns its pid."""
+        """SIGKILL a source worker process (tests: a crash). Returns its pid."""
         pid = self.processes[host].pid
         os.kill(pid, signal.SIGKILL)
         return pid
@@ -710,10 +758,12 @@ class LocalExecutor:
         for host, process in self.processes.items():
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
-                log.warning("pipeline host did not stop: killing it", host=self.names[host])
+                log.warning("source worker did not stop: killing it", worker=self.names[host])
                 process.kill()
                 process.join(1.0)
             self.conns[host].close()
+        for engine in self.engines.values():
+            engine.close()
 
 
 def usable_cores() -> int:
@@ -723,55 +773,43 @@ def usable_cores() -> int:
     return cores()
 
 
-def share_cores(hosts: int) -> list[list[int]] | None:
-    """The cores this process may use, cut into ``hosts`` contiguous shares as even as they
-    go (CPU-path pipelines: see ``host_main``), or None with fewer cores than hosts or where
-    affinity is not supported."""
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < hosts or hosts < 2:
-        return None
-    return [cores[len(cores) * k // hosts:len(cores) * (k + 1) // hosts] for k in range(hosts)]
-
-
 def host_names(devices: list[int | None]) -> list[str]:
-    """A name per host: ``gpu1`` (``gpu1.0``, ``gpu1.1``, ... where GPU 1 has several),
-    ``pipeline0`` without a GPU of its own."""
-    names = []
-    for i, device in enumerate(devices):
-        if device is None:
-            names.append(f"pipeline{i}")
-        elif devices.count(device) == 1:
-            names.append(f"gpu{device}")
-        else:
-            names.append(f"gpu{device}.{devices[:i].count(device)}")
-    return names
+    """A name per source worker: ``worker0`` without a GPU of its own, ``gpu1.worker2`` (the
+    third worker of GPU 1) with one."""
+    return [f"worker{i}" if device is None else f"gpu{device}.worker{devices[:i].count(device)}"
+            for i, device in enumerate(devices)]
+
+
+def default_workers(sources: int, gpus: int = 1, cores: int | None = None) -> int:
+    """Source workers per GPU when ``runtime.workers`` is null: one per source, at most half
+    the cores (the engine's threads and FFmpeg's need the rest), at least one."""
+    cores = cores or usable_cores()
+    return max(1, min(-(-sources // gpus), cores // (2 * gpus)))
 
 
 def resolve_devices(config: PipelineConfig) -> list[int | None]:
-    """One entry per pipeline of a local cluster: the GPUs of ``runtime.gpus`` (``all``: every
-    GPU this machine has), each repeated in turn up to ``runtime.pipelines`` when that is set
-    too, or ``runtime.pipelines`` times None (no GPU of its own).
+    """One entry per source worker: its GPU, each GPU of ``runtime.gpus`` (``all``: every GPU
+    this machine has) ``runtime.workers`` times, or ``runtime.workers`` times None (no GPU
+    list: ``inference.gpu_id``, or the CPU path). One entry in all: the whole pipeline runs
+    in this process.
 
     Raises:
-        ConfigError: ``all`` and no GPU can be found, or fewer pipelines than GPUs.
+        ConfigError: ``all`` and no GPU can be found.
     """
     from pipeline.config import ConfigError
 
     runtime = config.runtime
     if runtime.gpus is None:
-        return [None] * (runtime.pipelines or 1)
+        count = runtime.workers or default_workers(len(config.sources))
+        if runtime.workers is None:
+            log.info("source workers", workers=count, setting="auto")
+        return [None] * count
     gpus: list[int] = list(runtime.gpus) if runtime.gpus != "all" else list(range(gpu_count()))
     if not gpus:
-        raise ConfigError("runtime.gpus: 'all' found no GPU on this machine (set "
-                          "runtime.pipelines without runtime.gpus to run several pipelines "
-                          "without one)")
-    count = runtime.pipelines or len(gpus)
-    if count < len(gpus):
-        raise ConfigError(f"runtime.pipelines: at least one per GPU of runtime.gpus "
-                          f"({len(gpus)}), got {count}")
-    return [gpus[i % len(gpus)] for i in range(count)]
+        raise ConfigError("runtime.gpus: 'all' found no GPU on this machine (leave "
+                          "runtime.gpus out to run on the CPU)")
+    per_gpu = runtime.workers or default_workers(len(config.sources), len(gpus))
+    return [gpu for gpu in gpus for _ in range(per_gpu)]
 
 
 def gpu_count() -> int:

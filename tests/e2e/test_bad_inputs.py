@@ -339,10 +339,10 @@ def test_environment_variables_and_set_overrides(samples, media, tmp_path, monke
 
 def test_an_unreadable_file_stops_several_pipelines_before_any_starts(samples, media, tmp_path,
                                                                       capfd):
-    """``runtime.pipelines: 2``: the same exit 2 and one line, before a host is spawned."""
+    """``runtime.workers: 2``: the same exit 2 and one line, before a host is spawned."""
     config = pipeline_config(samples, tmp_path / "out", [
         {"name": "good", "uri": media["clean"]}, {"name": "cam", "uri": media["empty"]}],
-        runtime={"pipelines": 2})
+        runtime={"workers": 2})
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     assert main(["--config", str(path), "--no-progress"]) == USAGE

@@ -31,7 +31,7 @@ def cluster_config(samples, out: Path, clip: Path) -> PipelineConfig:
     # The detector runs on every third frame (the CPU is slow); every frame gets a record.
     sources = [{"name": f"cam{i}", "uri": str(clip), "detect_every": 3} for i in range(SOURCES)]
     data = pipeline_config(samples, out, sources,
-                           runtime={"decode_workers": 0, "pipelines": 2, "max_restarts": 2})
+                           runtime={"decode_workers": 0, "workers": 2, "max_restarts": 2})
     return absolute_paths(parse_config(data))
 
 

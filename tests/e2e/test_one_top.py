@@ -1,4 +1,4 @@
-"""One way to run at any scale: ``runtime.pipelines: 2`` with the live view, through ``run.py``
+"""One way to run at any scale: ``runtime.workers: 2`` with the live view, through ``run.py``
 as users run it (local processes, and Ray actors with ``--ray local``).
 
 The page (a real headless Chromium) shows every source of both pipeline hosts with a
@@ -56,7 +56,7 @@ def test_two_pipelines_one_live_view_add_and_remove_without_touching_the_others(
         [{"name": "street", "uri": str(samples.bikes), "pace_fps": 10, "detect_every": 2},
          {"name": "door", "uri": cameras.url("door")},
          {"name": "yard", "uri": cameras.url("yard")}],
-        runtime={"pipelines": 2, "stop_when": "never", "decode_workers": 0,
+        runtime={"workers": 2, "stop_when": "never", "decode_workers": 0,
                  "http": {"port": http_port, "preview_fps": 4}, "metrics_port": metrics_port})
     config["output"]["video"] = None
     run = run_pipeline(config, tmp_path, extra_args=["--ray", "local"] if mode == "ray" else [])
@@ -74,7 +74,7 @@ def test_two_pipelines_one_live_view_add_and_remove_without_touching_the_others(
         sources = {s["name"]: s for s in client.get("api/sources").json()["sources"]}
         assert list(sources) == ["street", "door", "yard"]
         hosts = {s["host"] for s in sources.values()}
-        names = ({"pipeline0", "pipeline1"} if mode == "processes" else {"actor0", "actor1"})
+        names = ({"worker0", "worker1"} if mode == "processes" else {"actor0", "actor1"})
         assert hosts == names, sources  # both hosts run some
         assert set(health()["hosts"]) == names
 

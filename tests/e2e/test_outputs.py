@@ -195,10 +195,10 @@ def test_a_source_removed_before_its_first_frame_leaves_no_file(samples, tmp_pat
 @pytest.mark.slow  # paced end to end
 def test_with_two_pipelines_a_stopped_file_stays_partial_and_the_next_run_resumes_it(
         samples, tmp_path: Path, run_pipeline) -> None:
-    """``runtime.pipelines: 2``: the same exit 3, ``.partial`` names, and resume."""
+    """``runtime.workers: 2``: the same exit 3, ``.partial`` names, and resume."""
     config = bikes(samples, tmp_path)
     config["sources"][0]["pace_fps"] = 50  # a few seconds long: the signal comes mid-file
-    config["runtime"] = {**config.get("runtime", {}), "pipelines": 2}
+    config["runtime"] = {**config.get("runtime", {}), "workers": 2}
     run = run_pipeline(config, tmp_path)
     wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, "the first records",
              120, run)

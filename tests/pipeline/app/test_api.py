@@ -106,11 +106,11 @@ def test_an_unreadable_file_is_a_config_error_before_any_result(samples, tmp_pat
 
 
 def test_per_frame_results_ask_for_the_one_pipeline_in_this_process(samples, tmp_path):
-    """With several pipelines (processes of their own) the batches do not come back to this
+    """With several source workers (processes of their own) the batches do not come back to this
     process: ``results()`` says so at once, before anything starts."""
     config = pipeline_config(samples, tmp_path, [{"name": "a", "uri": str(samples.bikes)}],
-                             runtime={"pipelines": 2})
-    with pytest.raises(ConfigError, match=r"^runtime\.pipelines: the Python API's per-frame "
-                                          r"results need one pipeline"):
+                             runtime={"workers": 2})
+    with pytest.raises(ConfigError, match=r"^runtime\.workers: the Python API's per-frame "
+                                          r"results need the whole pipeline in this process"):
         next(Pipeline(config).results())
     assert not list(tmp_path.glob("*.partial.*"))  # nothing was started

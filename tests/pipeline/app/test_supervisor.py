@@ -18,9 +18,9 @@ from pipeline.app.supervisor import (
     Supervisor,
     absolute_paths,
     backoff_s,
+    default_workers,
     host_names,
     resolve_devices,
-    share_cores,
 )
 from pipeline.config import ConfigError, SourceConfig, parse_config
 from pipeline.graph import SourceConflict
@@ -117,7 +117,7 @@ class ScriptedExecutor:
 def config(samples):
     return parse_config({"sources": [{"name": n, "uri": str(samples.bikes)}
                                      for n in ("a", "b", "c", "d")],
-                         "runtime": {"pipelines": 2}})
+                         "runtime": {"workers": 2}})
 
 
 LOADS = [SourceLoad("a", 100, 100, 4), SourceLoad("b", 100, 100, 3),
@@ -232,28 +232,37 @@ def test_a_pipeline_that_cannot_start_fails_its_sources_once(config):
 
 
 @pytest.mark.parametrize("runtime, expected", [
-    ({"pipelines": 3}, [None, None, None]),
-    ({"gpus": [0, 1]}, [0, 1]),
-    ({"gpus": [3]}, [3]),
-    ({"gpus": [0, 1], "pipelines": 5}, [0, 1, 0, 1, 0]),  # spread over the GPUs in turn
-    ({"gpus": [2], "pipelines": 3}, [2, 2, 2]),
+    ({"workers": 3}, [None, None, None]),
+    ({"workers": 1}, [None]),
+    ({"gpus": [0, 1], "workers": 1}, [0, 1]),
+    ({"gpus": [3], "workers": 1}, [3]),
+    ({"gpus": [0, 1], "workers": 2}, [0, 0, 1, 1]),  # workers per GPU
+    ({"gpus": [2], "workers": 3}, [2, 2, 2]),
 ])
 def test_resolve_devices(samples, runtime, expected):
     config = parse_config({"sources": [{"name": "a", "uri": str(samples.bikes)}], "runtime": runtime})
     assert resolve_devices(config) == expected
 
 
-def test_fewer_pipelines_than_gpus_is_a_configuration_error(samples):
-    with pytest.raises(ConfigError, match=r"^runtime\.pipelines: at least one per GPU of "
-                                          r"runtime\.gpus \(3\), got 2$"):
+def test_workers_by_default_one_per_source_at_most_half_the_cores():
+    assert default_workers(1, cores=16) == 1
+    assert default_workers(100, cores=16) == 8
+    assert default_workers(3, cores=16) == 3
+    assert default_workers(100, gpus=2, cores=16) == 4
+    assert default_workers(10, cores=2) == 1
+
+
+def test_runtime_pipelines_names_what_replaced_it(samples):
+    with pytest.raises(ConfigError, match=r"^runtime\.pipelines: replaced by runtime\.workers"):
         parse_config({"sources": [{"name": "a", "uri": str(samples.bikes)}],
-                      "runtime": {"gpus": [0, 1, 2], "pipelines": 2}})
+                      "runtime": {"pipelines": 2}})
 
 
-def test_hosts_are_named_by_their_gpu_and_their_place_on_it():
-    assert host_names([0, 1]) == ["gpu0", "gpu1"]
-    assert host_names([0, 1, 0, 1, 0]) == ["gpu0.0", "gpu1.0", "gpu0.1", "gpu1.1", "gpu0.2"]
-    assert host_names([None, None]) == ["pipeline0", "pipeline1"]
+def test_workers_are_named_by_their_gpu_and_their_place_on_it():
+    assert host_names([0, 1]) == ["gpu0.worker0", "gpu1.worker0"]
+    assert host_names([0, 0, 1, 1]) == ["gpu0.worker0", "gpu0.worker1", "gpu1.worker0",
+                                        "gpu1.worker1"]
+    assert host_names([None, None]) == ["worker0", "worker1"]
 
 
 @pytest.mark.parametrize("gpus, actors, share", [
@@ -263,12 +272,6 @@ def test_ray_actors_share_a_gpu_when_there_are_more_of_them_than_gpus(gpus, acto
 
     assert actor_gpus(gpus, actors) == pytest.approx(share)
 
-
-def test_cores_are_shared_out_in_contiguous_shares(monkeypatch):
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
-    assert share_cores(2) == [[0, 1], [2, 3, 4]]
-    assert share_cores(5) == [[0], [1], [2], [3], [4]]
-    assert share_cores(6) is None and share_cores(1) is None
 
 
 def test_relative_paths_are_made_absolute(samples, tmp_path):

@@ -1,0 +1,468 @@
+"""The engine: one process per GPU (or one on the CPU path) that holds the model and serves
+every source worker of that GPU (DESIGN.md v3; the rings and messages: ``pipeline.engine_link``).
+
+```
+workers --SUBMIT rows--> intake thread: rows -> frames of the rings -> batcher (across ALL
+                         workers' cameras) -> infer (preprocess into the model's input
+                         binding, the model, NMS in place: queued on the GPU)
+                     --> reply thread: postprocess (one wait, one D2H) -> per worker one
+                         RESULTS message with its frames' detections
+```
+
+Per-frame Python here is only making the batcher's ``Frame`` records; everything else is
+per batch. The model is loaded, compiled (or read from the warm cache) and warmed once, at
+start: workers that connect before then wait for the READY answer.
+
+A worker that goes away (killed) is forgotten: its frames still in a batch are computed
+and their results dropped; a restarted worker connects again under a new source id, so
+results can never reach the wrong process. The engine itself keeps no state a restart
+would need: the supervisor restarts it, its workers reconnect and send again what it
+never answered.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+from multiprocessing.connection import Connection, Listener, wait
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from pipeline.config import PipelineConfig
+from pipeline.engine_link import HELLO, READY, SUBMIT_DTYPE, DeviceRing, EngineLink
+from pipeline.metrics import StageMetrics
+from pipeline.records import Frame, ModelOutputs
+from pipeline.slots import SlotRing
+
+log = structlog.get_logger("engine")
+
+IDLE_WAIT_S = 0.05  # the longest the intake waits for input when no batch is pending
+SUMMARY_EVERY_S = 10.0
+REPLY_QUEUE = 2  # batches between the infer and reply threads (with 3 batch sets)
+
+
+class Engine:
+    """The model of one GPU serving its workers (module docstring).
+
+    Args:
+        config: the run's configuration (model, inference, nms; the sources only size the
+            preprocess geometries of the files).
+        link: the rings and address shared with the workers.
+    """
+
+    def __init__(self, config: PipelineConfig, link: EngineLink) -> None:
+        self.config, self.link = config, link
+        self.stop = threading.Event()
+        self.failed = False  # a thread failed: the process exits with status 1
+        self.ready = threading.Event()
+        self.metrics = {name: StageMetrics(name) for name in ("batch", "infer", "postprocess")}
+        self._conns: dict[int, tuple[Connection, int]] = {}  # source id -> (conn, worker)
+        self._sources_of: dict[Connection, int] = {}
+        self._lock = threading.Lock()
+        self._listener: Listener | None = None
+        self._device_ring: DeviceRing | None = None
+        self._replies: queue.Queue[ModelOutputs | None] = queue.Queue(REPLY_QUEUE)
+
+    # -- build ------------------------------------------------------------------------------
+    def build(self) -> None:
+        """Load the model, allocate every buffer, warm up (compile or read the cache)."""
+        from pipeline.app.build import create_gpu_context, first_file_source, model_setup
+        from stages.batcher import BatcherStage, DetectionSchedule
+        from stages.infer import InferStage, create_backend
+        from stages.postprocess import DeviceNms, PostprocessStage
+        from stages.preprocess import DevicePreprocess, HostPreprocess
+
+        started = time.monotonic()
+        config, link, inference = self.config, self.link, self.config.inference
+        info = model_setup(config).info
+        self.gpu = gpu = create_gpu_context(config)
+        self.ring = SlotRing.attach(link.host_ring, link.host_slots, link.slot_bytes, [])
+        if gpu is not None:
+            self.ring.pin()
+            if link.device_share:
+                self._device_ring = DeviceRing.allocate(link.device_share * link.workers,
+                                                        link.slot_bytes)
+        backend = create_backend(inference, Path(config.model.path), info, gpu,
+                                 first_file_source(config))
+        size = (info.input_height, info.input_width)
+        self.batcher = BatcherStage("batch", size, inference.batch_size,
+                                    inference.batch_timeout_ms, (), gpu, self.ring, self.stop,
+                                    DetectionSchedule([], []))
+        if gpu is None:
+            self.infer = InferStage("infer", backend, HostPreprocess(size, info.input_dtype,
+                                                                    inference.batch_size))
+        else:
+            from pipeline.app.build import BATCH_SETS, DEFAULT_FRAME_SIZE
+
+            gpu.allocate(BATCH_SETS, inference.batch_size, link.slot_bytes,
+                         config.nms.max_detections)
+            warm = [(self.batcher.letterbox(*DEFAULT_FRAME_SIZE), fmt) for fmt in ("i420", "nv12")]
+            self.infer = InferStage("infer", backend, DevicePreprocess(warm), gpu,
+                                    DeviceNms(config.nms, inference.batch_size, info.layout))
+        self.postprocess = PostprocessStage("postprocess", config.nms, gpu, None, info.layout)
+        for stage in (self.batcher, self.infer, self.postprocess):
+            stage.open()
+        log.info("engine ready", seconds=round(time.monotonic() - started, 1),
+                 workers=link.workers, device_ring=self._device_ring is not None,
+                 batch_size=inference.batch_size)
+
+    # -- serve ------------------------------------------------------------------------------
+    def listen(self) -> None:
+        """Open the workers' socket (before ``build``: they connect and wait for READY)."""
+        self._listener = Listener(self.link.address, "AF_UNIX", authkey=self.link.authkey)
+
+    def serve(self) -> None:
+        """Answer workers until ``stop``; returns once every thread ended."""
+        self.ready.set()
+        threads = [threading.Thread(target=target, name=f"engine:{name}", daemon=True)
+                   for name, target in (("accept", self._accept), ("intake", self._intake),
+                                        ("reply", self._reply))]
+        for thread in threads:
+            thread.start()
+        last = time.monotonic()
+        while not self.stop.wait(1.0):
+            if time.monotonic() - last >= SUMMARY_EVERY_S:
+                last = time.monotonic()
+                self.log_summary()
+        for thread in threads[1:]:
+            thread.join(5.0)
+
+    def log_summary(self) -> None:
+        log.info("engine stages", workers=len(self._conns),
+                 **{name: m.summary() for name, m in self.metrics.items()})
+
+    def close(self) -> None:
+        self.stop.set()
+        if self._listener is not None:
+            self._listener.close()
+        for stage in ("batcher", "infer", "postprocess"):
+            if hasattr(self, stage):
+                try:
+                    getattr(self, stage).close()
+                except Exception as error:  # noqa: BLE001 - closing anyway
+                    log.warning("closing a stage failed", stage=stage, error=str(error))
+        if self._device_ring is not None:
+            self._device_ring.close()
+        if hasattr(self, "ring"):
+            self.ring.unpin()
+            self.ring.close_view()
+
+    def _accept(self) -> None:
+        """Take worker connections: each says HELLO with its number and gets READY with
+        the device ring's IPC handle (None on the CPU path)."""
+        handle = None if self._device_ring is None else self._device_ring.handle
+        while not self.stop.is_set():
+            try:
+                conn = self._listener.accept()
+                kind, worker = conn.recv()
+            except (OSError, EOFError):
+                if self.stop.is_set():
+                    return
+                continue
+            if kind != HELLO:
+                conn.close()
+                continue
+            with self._lock:
+                source = self.batcher.add_source(f"worker{worker}")
+                self._conns[source] = (conn, worker)
+                self._sources_of[conn] = source
+            conn.send((READY, handle))
+            log.info("worker connected", worker=worker, source_id=source)
+
+    def _forget(self, conn: Connection) -> None:
+        with self._lock:
+            source = self._sources_of.pop(conn, None)
+            if source is not None:
+                _, worker = self._conns.pop(source)
+                log.info("worker gone", worker=worker)
+        conn.close()
+
+    def _intake(self) -> None:
+        """Rows in, frames to the batcher, batches onto the GPU."""
+        try:
+            while not self.stop.is_set():
+                with self._lock:
+                    conns = list(self._sources_of)
+                timeout = self.batcher.poll_interval_s
+                timeout = IDLE_WAIT_S if timeout is None else timeout
+                if conns:
+                    ready = wait(conns, timeout)
+                else:
+                    self.stop.wait(timeout)
+                    ready = []
+                started = time.perf_counter()
+                blocked = self.batcher.blocked_s
+                batches, frames = [], 0
+                for conn in ready:
+                    try:
+                        rows = np.frombuffer(conn.recv_bytes(), SUBMIT_DTYPE)
+                    except (EOFError, OSError):
+                        self._forget(conn)
+                        continue
+                    source = self._sources_of.get(conn)
+                    if source is None:
+                        continue
+                    frames += len(rows)
+                    for frame in self._frames(source, rows):
+                        batches += self.batcher.process(frame)
+                if not ready:
+                    batches += self.batcher.on_idle()
+                self.metrics["batch"].record(frames, time.perf_counter() - started
+                                             - (self.batcher.blocked_s - blocked),
+                                             self.batcher.blocked_s - blocked)
+                for batch in batches:
+                    started = time.perf_counter()
+                    outputs = list(self.infer.process(batch))
+                    self.metrics["infer"].record(len(batch), time.perf_counter() - started, 0.0)
+                    for item in outputs:
+                        self._put_reply(item)
+        except InterruptedError:
+            pass  # stopped while waiting for a batch set
+        except Exception as error:  # noqa: BLE001 - the engine fails as a whole
+            log.error("engine intake failed", error=f"{type(error).__name__}: {error}")
+            self.failed = True
+            self.stop.set()
+        finally:
+            self._put_reply(None)
+
+    def _put_reply(self, item: ModelOutputs | None) -> None:
+        while True:
+            try:
+                self._replies.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                if self.stop.is_set() and item is not None:
+                    return
+
+    def _frames(self, source: int, rows: np.ndarray) -> list[Frame]:
+        """The batcher's records of one worker's SUBMIT rows: ``index`` is the row's token;
+        a host slot's image is the ring's view (the CPU path reads it), a device slot's
+        planes are views of the device ring."""
+        name = self.batcher.source_names[source]
+        ring, device_ring, on_cpu = self.ring, self._device_ring, self.gpu is None
+        frames = []
+        for token, host_slot, device_slot, width, height in rows.tolist():
+            if device_slot >= 0:
+                frames.append(Frame(name, token, None, 0.0, width, height, pixel_format="nv12",
+                                    device_planes=device_ring.planes(device_slot, width, height)))
+            else:
+                frames.append(Frame(name, token, None, 0.0, width, height, slot=host_slot,
+                                    image=ring.image(host_slot, width, height) if on_cpu
+                                    else None))
+        return frames
+
+    def _reply(self) -> None:
+        """Detections out: one RESULTS message per worker of each batch."""
+        while True:
+            item = self._replies.get()
+            if item is None:
+                return
+            started = time.perf_counter()
+            blocked = self.postprocess.blocked_s
+            try:
+                detections = next(iter(self.postprocess.process(item)))
+            except Exception as error:  # noqa: BLE001 - the engine fails as a whole
+                log.error("engine postprocess failed", error=f"{type(error).__name__}: {error}")
+                self.failed = True
+                self.stop.set()
+                return
+            frames = detections.frames
+            source = frames.source
+            for source_id in np.unique(source).tolist():
+                with self._lock:
+                    conn = self._conns.get(source_id, (None, 0))[0]
+                if conn is None:
+                    continue  # its worker went away
+                rows = np.flatnonzero(source == source_id)
+                part = detections if len(rows) == len(source) else detections.select(rows)
+                try:
+                    conn.send((part.frames.index, part.offsets, part.xyxy, part.confidence,
+                               part.class_id))
+                except (OSError, ValueError):
+                    pass  # it went away: the intake forgets it
+            waited = self.postprocess.blocked_s - blocked
+            self.metrics["postprocess"].record(len(frames), time.perf_counter() - started
+                                               - waited, waited)
+
+
+def engine_main(config: PipelineConfig, link: EngineLink, device: int | None,
+                conn: Connection) -> None:
+    """The engine's process: build, tell the supervisor (``("ready", seconds)`` or
+    ``("failed", reason, usage)``), serve until told ``("exit",)`` or the supervisor's end
+    of ``conn`` closes.
+
+    Args:
+        device: the GPU (seen as device 0 here: ``CUDA_VISIBLE_DEVICES``), or None.
+    """
+    from pipeline.app.workers import name_this_process
+    from pipeline.config import ConfigError
+    from pipeline.logging import configure_logging
+    from stages.infer import BackendUnavailable
+
+    if device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+        config.inference.gpu_id = 0
+    name_this_process("streamdet-engine")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    configure_logging(config.runtime.log_format, config.runtime.log_level)
+    engine = Engine(config, link)
+    started = time.monotonic()
+    try:
+        engine.listen()
+        engine.build()
+    except (ConfigError, BackendUnavailable) as error:
+        conn.send(("failed", str(error), True))
+        engine.close()
+        return
+    except Exception as error:  # noqa: BLE001 - reported to the supervisor
+        conn.send(("failed", f"engine failed to start: {type(error).__name__}: {error}", False))
+        engine.close()
+        return
+    conn.send(("ready", time.monotonic() - started))
+    serving = threading.Thread(target=engine.serve, name="engine:serve", daemon=True)
+    serving.start()
+    try:
+        while serving.is_alive():
+            if conn.poll(0.2):
+                if conn.recv()[0] == "exit":
+                    break
+    except (EOFError, OSError):
+        log.warning("supervisor gone: engine stopping")
+    engine.stop.set()
+    serving.join(10.0)
+    engine.log_summary()
+    engine.close()
+    if engine.failed:
+        os._exit(1)  # the supervisor restarts it
+
+
+
+HOST_SLOTS_PER_SOURCE, DEVICE_SLOTS_PER_SOURCE = 4, 3  # a worker's ring shares, per source
+SLOTS_PER_WORKER = 16  # plus this many each (frames of a batch being formed)
+ENGINE_JOIN_S = 15.0
+
+
+def ring_shares(sources: int, workers: int, cpu_sources: int, keep_images: bool
+                ) -> tuple[int, int]:
+    """(host slots, device slots) per worker for ``sources`` spread over ``workers``, of
+    which ``cpu_sources`` are decoded on the CPU (only those take host slots; the others
+    take device slots). A worker's share bounds its frames in flight: a live camera drops
+    when its worker's share is used up, so its latency stays bounded."""
+    per_worker = -(-sources // workers)
+    cpu_per_worker = -(-cpu_sources // workers)
+    host = HOST_SLOTS_PER_SOURCE * cpu_per_worker + SLOTS_PER_WORKER
+    if keep_images:  # the sinks hold the images a while longer
+        host += 2 * cpu_per_worker
+    gpu = DEVICE_SLOTS_PER_SOURCE * (per_worker - cpu_per_worker) + SLOTS_PER_WORKER \
+        if per_worker > cpu_per_worker else 0
+    return host, gpu
+
+
+class EngineProcess:
+    """The supervisor's side of one engine: the shared host ring (it outlives the engine),
+    the link its workers get, and the process, restarted when it dies.
+
+    Args:
+        config: the run's configuration (absolute paths).
+        device: the GPU (``CUDA_VISIBLE_DEVICES`` of the engine and its workers), or None:
+            ``inference.gpu_id`` or the CPU path, as configured.
+        workers: its source workers.
+        on_gpu: the GPU path is in use (NVDEC sources take device slots).
+        context: the multiprocessing context (spawn).
+    """
+
+    def __init__(self, config: PipelineConfig, device: int | None, workers: int, on_gpu: bool,
+                 context: Any) -> None:
+        import secrets
+        import tempfile
+
+        from pipeline.app.build import DEFAULT_FRAME_SIZE, probe_file_sources
+        from pipeline.slots import i420_bytes
+
+        self.config, self.device, self._context = config, device, context
+        sizes = probe_file_sources(config).values()
+        largest = max([DEFAULT_FRAME_SIZE, *sizes], key=lambda wh: wh[0] * wh[1])
+        slot_bytes = i420_bytes(*largest)
+        cpu_sources = sum(1 for s in config.sources if not on_gpu or s.decode == "cpu"
+                          or config.output.video is not None)
+        keep_images = config.output.video is not None or config.runtime.http is not None
+        host, gpu = ring_shares(len(config.sources), workers, cpu_sources, keep_images)
+        self.ring = SlotRing(host * workers, slot_bytes, shared=True)
+        self._folder = tempfile.mkdtemp(prefix="streamdet-engine-")
+        visible = 0 if device is not None else config.inference.gpu_id
+        self.link = EngineLink(
+            address=os.path.join(self._folder, "engine.sock"), authkey=secrets.token_bytes(16),
+            device=visible if on_gpu else None, host_ring=self.ring.shm_name,
+            host_slots=self.ring.slots, slot_bytes=slot_bytes,
+            host_shares=tuple(tuple(range(k * host, (k + 1) * host)) for k in range(workers)),
+            device_share=gpu if on_gpu else 0)
+        log.info("engine rings", workers=workers, host_slots=host * workers,
+                 device_slots=self.link.device_share * workers,
+                 host_mb=round(self.ring.slots * slot_bytes / 2**20, 1),
+                 device_mb=round(self.link.device_share * workers * slot_bytes / 2**20, 1))
+        self.process: Any = None
+        self.conn: Connection | None = None
+        self.ready_in_s: float | None = None
+        self.failure: tuple[str, bool] | None = None  # (reason, a usage error) once it gave up
+        self.restarts = 0
+
+    def start(self) -> None:
+        ours, theirs = self._context.Pipe()
+        self.process = self._context.Process(
+            target=engine_main, name="streamdet-engine", daemon=False,
+            args=(self.config, self.link, self.device, theirs))
+        self.process.start()
+        theirs.close()
+        self.conn, self.ready_in_s = ours, None
+        log.info("engine started", pid=self.process.pid, device=self.device)
+
+    def poll(self) -> str | None:
+        """Read its news; returns why it died (then it is not running), else None."""
+        alive = self.process.is_alive()
+        try:
+            while self.conn.poll():
+                message = self.conn.recv()
+                if message[0] == "ready":
+                    self.ready_in_s = message[1]
+                    log.info("engine ready", seconds=round(message[1], 1), device=self.device)
+                elif message[0] == "failed":
+                    self.failure = (message[1], message[2])
+        except (EOFError, OSError):
+            pass
+        if alive:
+            return None
+        self.process.join()
+        code = self.process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code and code < 0 else \
+            f"exited with status {code}"
+        return f"engine process {self.process.pid} {how}"
+
+    def kill(self) -> int:
+        """SIGKILL the engine (tests: a crash). Returns its pid."""
+        os.kill(self.process.pid, signal.SIGKILL)
+        return self.process.pid
+
+    def close(self) -> None:
+        """Stop the engine (after its workers), free the ring and the socket's folder."""
+        import shutil
+
+        if self.process is not None:
+            try:
+                self.conn.send(("exit",))
+            except (OSError, ValueError):
+                pass
+            self.process.join(ENGINE_JOIN_S)
+            if self.process.is_alive():
+                log.warning("engine did not stop: killing it")
+                self.process.kill()
+                self.process.join(1.0)
+            self.conn.close()
+        self.ring.close()
+        shutil.rmtree(self._folder, ignore_errors=True)
