@@ -56,8 +56,8 @@ from pipeline.stage import SourceStage, Stage
 from stages.analytics import AnalyticsStage, Region
 from stages.annotate import AnnotateStage
 from stages.batcher import BatcherStage
-from stages.remote_infer import RemoteInferStage
 from stages.filters import DetectionFilterStage, SourceFilter
+from stages.remote_infer import RemoteInferStage
 from stages.tracking import TrackerSettings, TrackerStage
 
 log = structlog.get_logger("control")
