@@ -161,6 +161,15 @@ class SourceConfig:
                       "played as a simulated camera, with live: true), or null for as fast as "
                       "the pipeline takes them.", min=0.1),
     )
+    max_lag_ms: float | None = field(
+        default=1000.0,
+        metadata=_doc("Live sources: when decoding falls this many milliseconds behind the "
+                      "source's real time (a paced source: its frame's due time; a stream: its "
+                      "own clock), stop decoding and skip to the next keyframe at which it is "
+                      "back within this lag; the frames skipped count as dropped and keep their "
+                      "frame numbers. At least 1; null: never skip. Files never skip.",
+                      min=1.0),
+    )
     decode: Literal["auto", "cpu", "gpu"] = field(
         default="auto",
         metadata=_doc("Where to decode: gpu keeps frames on the GPU (NVDEC through PyAV), cpu "

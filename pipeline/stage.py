@@ -112,7 +112,8 @@ class SourceStage:
         reconnects: reconnection attempts so far (live streams).
         link: a live stream's connection as last reported (``LinkStatus``), or None.
         dropped: frames a live source decoded but discarded because every frame slot was in
-            flight (the pipeline is behind); they still count in the frame index.
+            flight (the pipeline is behind), or read without decoding them to catch up with
+            real time (``max_lag_ms``); they still count in the frame index.
     """
 
     live: bool = False

@@ -13,6 +13,20 @@ Every frame has a pts, in seconds (float): a file's own presentation times (a fr
 one: the previous one's plus a frame period); a camera's from 0.0 at its first frame, on its
 stream's clock, and increasing across reconnections: a new session goes on from the last pts
 plus the wall-clock time the camera was away (at least a frame period).
+
+A live source that falls more than ``max_lag_ms`` behind real time catches up: it stops
+decoding, reads packets without decoding them up to the next keyframe at which it is back
+within that lag, and decodes on from there (``CatchUp``). Behind means, for a paced source,
+how long ago its next frame was due (``Pacer``; the skipped frames move its schedule on); for
+a stream, how much more wall-clock time than stream time (packet dts) went by since it was
+last on time (``StreamClock``). The frames skipped count as dropped and keep their frame numbers (a gap in
+the indices, as for frames dropped for want of a slot); one info line per source at most every
+``SKIP_LOG_INTERVAL_S`` says so.
+
+```
+packets ──lag <= max──> decode ──> frames
+   └─────lag > max───> skip (count) ... next keyframe with lag <= max ──> decode
+```
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ log = structlog.get_logger("decode")
 # A live stream with this many undecodable packets in a row is reconnected.
 MAX_BAD_PACKETS_IN_A_ROW = 50
 DEFAULT_PERIOD_S = 0.04  # a frame period when the stream announces no rate (25 fps)
+SKIP_LOG_INTERVAL_S = 5.0  # at most one "skipped to a keyframe" line per source this often
 
 
 class Dropped:
@@ -48,6 +63,14 @@ class Dropped:
 
 
 DROPPED = Dropped()
+
+
+class Skipped:
+    """``DecodeStage._pictures``' answer for a packet (a frame) of a live source read and not
+    decoded, to catch up with real time: the frame is dropped, and keeps its frame number."""
+
+
+SKIPPED = Skipped()
 
 
 class SourceError(Exception):
@@ -85,7 +108,8 @@ def backoff_delay(attempt: int, initial_s: float, max_s: float,
 class Pacer:
     """Holds a source to ``fps`` frames per second of wall-clock time (``pace_fps``): frame
     k is due at start + k / fps, so a slow consumer does not shift the schedule (a late frame
-    is released at once, as a camera would have sent it). No-op when ``fps`` is None."""
+    is released at once, as a camera would have sent it; a frame skipped to catch up keeps its
+    place: ``skip``). No-op when ``fps`` is None."""
 
     def __init__(self, fps: float | None, stop: threading.Event) -> None:
         self.period = 1.0 / fps if fps else 0.0
@@ -103,6 +127,97 @@ class Pacer:
         if self.next > now:
             self.stop.wait(self.next - now)
         return time.time() - (time.monotonic() - self.next)
+
+    def lag_s(self) -> float:
+        """Seconds the next frame is late: now less when it is due (negative: early; 0.0
+        before the first frame)."""
+        if self.next is None:
+            return 0.0
+        return time.monotonic() - (self.next + self.period)
+
+    def skip(self) -> None:
+        """The next frame was skipped: the one after it is due a period later (the source
+        stays on its real-time schedule)."""
+        if self.next is not None:
+            self.next += self.period
+
+
+class CatchUp:
+    """Decides, packet by packet, which packets a live source skips to catch up with real
+    time (module docstring): from a packet read more than ``max_lag_s`` late, every packet up
+    to a keyframe read within it. A stream whose keyframes are not marked never skips: a
+    session skips only once it has seen two keyframes, and a skip that meets no keyframe
+    within twice the longest keyframe interval seen ends anyway (decoding on; no new skip
+    starts before the next keyframe).
+
+    Attributes:
+        max_lag_s: the lag allowed, seconds.
+        lag_at_start: the lag when the skip under way began, or None while decoding.
+        skipped: packets skipped so far in the skip under way (or the last one).
+        ended: (lag at its start, packets skipped, whether it gave up: ended at a packet
+            that is not a keyframe) of a skip that ended at the latest packet, else None.
+    """
+
+    def __init__(self, max_lag_s: float) -> None:
+        self.max_lag_s = max_lag_s
+        self.lag_at_start: float | None = None
+        self.skipped = 0
+        self.ended: tuple[float, int, bool] | None = None
+        self._since_key: int | None = None  # packets since the latest keyframe
+        self._longest_gop = 0  # most packets from one keyframe to the next, 0: unknown yet
+
+    def skips(self, keyframe: bool, lag_s: float | None) -> bool:
+        """Whether the next packet is skipped (read, not decoded).
+
+        Args:
+            keyframe: the packet holds a keyframe.
+            lag_s: how far behind real time it is read, seconds, or None (unknown).
+        """
+        self.ended = None
+        if keyframe:
+            if self._since_key is not None:
+                self._longest_gop = max(self._longest_gop, self._since_key + 1)
+            self._since_key = 0
+        elif self._since_key is not None:
+            self._since_key += 1
+        behind = lag_s is not None and lag_s > self.max_lag_s
+        # Keyframes are marked and one is due: two seen, the last within twice their interval.
+        coming = bool(self._longest_gop) and self._since_key <= 2 * self._longest_gop
+        if self.lag_at_start is None:
+            if not (behind and coming):
+                return False
+            self.lag_at_start, self.skipped = lag_s, 0
+        elif (keyframe and not behind) or not coming:
+            self.ended = (self.lag_at_start, self.skipped, not keyframe)
+            self.lag_at_start = None
+            return False
+        self.skipped += 1
+        return True
+
+
+class StreamClock:
+    """How far reading a live stream is behind the stream's own clock, in seconds: the
+    wall-clock time elapsed since the stream was last on time less the stream time elapsed
+    (packet timestamps) since then. "On time" is the packet that arrived earliest relative to
+    its timestamp (the first one, or a later one when the first came late); a timestamp that
+    goes back (a new clock) starts the count anew. One per session."""
+
+    def __init__(self) -> None:
+        self.offset: float | None = None  # least (arrival - stream time) so far, seconds
+        self.last: float | None = None  # the latest stream time, seconds
+
+    def lag_s(self, stream_time: float | None, now: float | None = None) -> float | None:
+        """The lag at a packet of stream time ``stream_time`` (seconds; None: no timestamp,
+        no answer) read at ``now`` (``time.monotonic()``; default: now)."""
+        if stream_time is None:
+            return None
+        if self.last is not None and stream_time < self.last:
+            self.offset = None  # the stream's clock went back: a new reference
+        self.last = stream_time
+        offset = (time.monotonic() if now is None else now) - stream_time
+        if self.offset is None or offset < self.offset:
+            self.offset = offset
+        return offset - self.offset
 
 
 def usable_cores() -> int:
@@ -199,6 +314,11 @@ class DecodeStage(SourceStage):
         self._shift: float | None = None  # this session: pts = picture time + shift
         self._session_pts: float | None = None  # this session's first pts, None before it
         self._cropped = False  # the odd-size warning was given
+        # Catching up (module docstring): the lag allowed, None for never skipping.
+        self.max_lag_s = (source.max_lag_ms / 1000.0
+                          if self.live and source.max_lag_ms is not None else None)
+        self._skip_logged_at = float("-inf")  # time.monotonic() of the last skip line
+        self._skips_unlogged = self._skipped_unlogged = 0  # skips and frames since that line
         self.thread_type = "SLICE" if self.live else "AUTO"
         self._container: av.container.InputContainer | None = None
         if self.is_file:
@@ -213,7 +333,7 @@ class DecodeStage(SourceStage):
             error, fatal = None, False
             self._shift = self._session_pts = None  # a new session: its clock starts anew
             try:
-                for picture, rate in self._pictures(stop_reading):
+                for picture, rate in self._pictures(stop_reading, pace):
                     if self.link is not None and self.link.state != "connected":
                         self._report(LinkStatus("connected", error=self.link.error))
                     if lost_at is not None:
@@ -221,6 +341,10 @@ class DecodeStage(SourceStage):
                                  down_s=round(time.monotonic() - lost_at, 2),
                                  reconnects=self.reconnects)
                         lost_at = None
+                    if picture is SKIPPED:  # behind real time: dropped, its number kept
+                        self.dropped += 1
+                        index += 1
+                        continue
                     if index < self.first_index:  # resuming a file: already delivered
                         index += 1
                         continue
@@ -344,9 +468,14 @@ class DecodeStage(SourceStage):
         return Frame(source=self.name, index=index, pts=pts, capture_time=captured,
                      width=width, height=height, rate=rate, image=image, slot=slot)
 
-    def _pictures(self, stop_reading: threading.Event
-                  ) -> Iterator[tuple[av.VideoFrame, Fraction | None]]:
-        """One session: open, yield (decoded picture, nominal rate) until the end, close."""
+    def _pictures(self, stop_reading: threading.Event, pace: Pacer
+                  ) -> Iterator[tuple[av.VideoFrame | Skipped, Fraction | None]]:
+        """One session: open, yield (decoded picture, nominal rate) until the end, close.
+
+        A live source more than ``max_lag_s`` behind (its ``pace`` schedule when paced, else
+        the stream's clock) yields ``SKIPPED`` for each packet it reads without decoding, up
+        to a keyframe at which it is back within the lag (module docstring).
+        """
         source = self.source
         started = time.monotonic()
         try:
@@ -376,9 +505,18 @@ class DecodeStage(SourceStage):
             if self.source.pace_fps:  # delivered at this rate: its frames' times (the video)
                 rate = Fraction(self.source.pace_fps).limit_denominator(1001)
             decoded = bad = bad_in_a_row = 0
+            catch_up = CatchUp(self.max_lag_s) if self.max_lag_s is not None else None
+            clock = StreamClock() if catch_up is not None and not pace.period else None
             for packet in container.demux(stream):
                 if stop_reading.is_set():
                     return
+                if catch_up is not None and packet.size:  # not the final (flush) packet
+                    if catch_up.skips(packet.is_keyframe, self._lag_s(packet, pace, clock)):
+                        pace.skip()
+                        yield SKIPPED, rate
+                        continue
+                    if catch_up.ended is not None:
+                        self._log_skip(*catch_up.ended)
                 try:
                     pictures = packet.decode()
                 except av.InvalidDataError as error:
@@ -395,6 +533,8 @@ class DecodeStage(SourceStage):
                     decoded += 1
                     yield picture, rate
                 waiting_since = time.monotonic()
+            if catch_up is not None and catch_up.lag_at_start is not None:  # ended skipping
+                self._log_skip(catch_up.lag_at_start, catch_up.skipped)
             if bad:
                 log.warning("skipped undecodable packets", source=self.name, packets=bad)
             if self.expected_frames and decoded < self.expected_frames:
@@ -408,6 +548,40 @@ class DecodeStage(SourceStage):
             raise
         finally:
             self.close()
+
+    @staticmethod
+    def _lag_s(packet: av.Packet, pace: Pacer, clock: StreamClock | None) -> float | None:
+        """How far behind real time ``packet`` is read, in seconds: the paced schedule's
+        lag, else the stream clock's at its dts (its pts when it has none); None: unknown."""
+        if pace.period:
+            return pace.lag_s()
+        if clock is None:
+            return None
+        stamp = packet.dts if packet.dts is not None else packet.pts
+        if stamp is None or packet.time_base is None:
+            return clock.lag_s(None)
+        return clock.lag_s(float(stamp * packet.time_base))
+
+    def _log_skip(self, lag_s: float, frames: int, gave_up: bool = False) -> None:
+        """A skip of ``frames`` frames, begun ``lag_s`` behind, ended (``gave_up``: at a frame
+        that is not a keyframe): say so, at most once per ``SKIP_LOG_INTERVAL_S`` (a line
+        covers the skips since the last one)."""
+        self._skips_unlogged += 1
+        self._skipped_unlogged += frames
+        now = time.monotonic()
+        if now - self._skip_logged_at < SKIP_LOG_INTERVAL_S:
+            return
+        fields = {"source": self.name, "lag_ms": round(lag_s * 1000), "frames":
+                  self._skipped_unlogged, "skips": self._skips_unlogged,
+                  "max_lag_ms": self.source.max_lag_ms}
+        if gave_up:
+            log.warning("live source behind: skipped frames, but no keyframe came within twice "
+                        "the longest keyframe interval seen: decoding on from a frame that is "
+                        "not one", **fields)
+        else:
+            log.info("live source behind: skipped to a keyframe", **fields)
+        self._skip_logged_at = now
+        self._skips_unlogged = self._skipped_unlogged = 0
 
     def close(self) -> None:
         if self._container is not None:

@@ -194,7 +194,8 @@ class WorkerSource(SourceStage):
 
     Attributes:
         reconnects: the worker's reconnection attempts, plus restarts after a worker died.
-        dropped: frames the worker dropped for want of a free slot (live).
+        dropped: frames the worker dropped for want of a free slot or skipped to catch up
+            with real time (live).
         link: the connection as the worker last reported it (live), or ``reconnecting``
             while its dead worker is restarted.
     """

@@ -101,6 +101,10 @@ BAD = [
     ("sources.0.name", "my cam", "sources[0].name: expected letters, digits"),
     ("sources.0.live", "yes", "sources[0].live: expected true or false or null, got 'yes'"),
     ("sources.0.rtsp_transport", "http", "sources[0].rtsp_transport: expected one of 'tcp', 'udp'"),
+    ("sources.0.max_lag_ms", 0, "sources[0].max_lag_ms: expected a value >= 1.0, got 0"),
+    ("sources.0.max_lag_ms", -250, "sources[0].max_lag_ms: expected a value >= 1.0, got -250"),
+    ("sources.0.max_lag_ms", "1s", "sources[0].max_lag_ms: expected a number or null, got '1s'"),
+    ("sources.0.max_lag_ms", True, "sources[0].max_lag_ms: expected a number or null, got True"),
     ("sources", [], "sources: expected at least one source"),
     ("sources", "clip.mp4", "sources: expected a list, got 'clip.mp4'"),
     ("model.path", "nope.onnx", "model.path: file not found: 'nope.onnx'"),
@@ -201,6 +205,22 @@ def test_which_sources_reconnect(files: Path, uri: str, live: bool | None,
     data = base()
     data["sources"][0].update(uri=uri, live=live, reconnect=reconnect)
     assert parse_config(data).sources[0].should_reconnect is expected
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("default", 1000.0),  # a camera skips to a keyframe once a second behind
+    (250, 250.0),
+    (0.5e3, 500.0),
+    (None, None),  # never skips
+])
+def test_max_lag_ms_is_a_positive_number_or_null(files: Path, value: object,
+                                                 expected: float | None) -> None:
+    data = base()
+    data["sources"][0]["uri"] = "rtsp://cam/x"
+    if value != "default":
+        data["sources"][0]["max_lag_ms"] = value
+    assert parse_config(data).sources[0].max_lag_ms == expected
+    assert "sources[].max_lag_ms (a number or null; default 1000.0)" in "\n".join(describe_schema())
 
 
 def test_backoff_cap_must_not_be_below_its_start(files: Path) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from fractions import Fraction
 from pathlib import Path
 
+import av
 import numpy as np
 import pytest
 from structlog.testing import capture_logs
@@ -20,9 +21,10 @@ from pipeline.records import BatchDetections, EndOfStream, Frame, FrameBatch
 from pipeline.slots import SlotRing, i420_bytes
 from pipeline.stage import Stage
 from stages.batcher import BatcherStage
-from stages.decode import DecodeStage, backoff_delay, open_options, redact_url
+from stages.decode import CatchUp, DecodeStage, StreamClock, backoff_delay, open_options, redact_url
 from tests.support import RtspServer, free_port, require_rtsp_server
-from tests.support.clips import SMALL, WIDE
+from tests.support.clips import SMALL, WIDE, ClipFactory
+from tests.support.tcp_camera import TcpCamera
 
 
 def read_all(source: SourceConfig, stop_after_s: float | None = None
@@ -146,6 +148,126 @@ def test_a_live_source_drops_frames_rather_than_wait_for_a_slot(defect_clips: di
     assert [(f.index, f.slot) for f in frames] == [(0, 0), (1, 1)]
     assert end == EndOfStream("cam", 40)
     assert decoder.dropped == 38
+
+
+# -- catching up: a live source behind real time skips to a keyframe ----------------------
+
+GOP = 10  # the catch-up clips' keyframe interval, frames
+
+
+def keyframes(clip: Path) -> set[int]:
+    """The numbers of ``clip``'s video packets (frames, decode order) that hold a keyframe."""
+    with av.open(str(clip)) as container:
+        packets = [p for p in container.demux(video=0) if p.size]
+    return {n for n, packet in enumerate(packets) if packet.is_keyframe}
+
+
+def read_slowly(source: SourceConfig, read_s: float, age: Callable[[Frame], float],
+                from_frame: int = 0) -> tuple[list[Frame], list[float], EndOfStream, list[dict],
+                                              DecodeStage]:
+    """Read ``source`` as a consumer that takes ``read_s`` seconds per frame from its frame
+    ``from_frame`` on; returns its frames, each one's ``age(frame)`` when it was read, the
+    end marker, the log events and the stage."""
+    stage, frames, ages = DecodeStage(source), [], []
+    with capture_logs() as logs:
+        for item in stage.frames(threading.Event()):
+            if isinstance(item, EndOfStream):
+                return frames, ages, item, logs, stage
+            frames.append(item)
+            ages.append(age(item))
+            if len(frames) > from_frame:
+                time.sleep(read_s)
+    raise AssertionError("the source did not end with an EndOfStream")
+
+
+def assert_skipped_to_keyframes(frames: list[Frame], end: EndOfStream, stage: DecodeStage,
+                                clip: Path, total: int) -> None:
+    """Frames were skipped and counted as dropped; each frame after a gap is a keyframe;
+    every frame holds the picture its number says (skipped frames keep their numbers)."""
+    indices = [f.index for f in frames]
+    resumed = [b for a, b in zip(indices, indices[1:]) if b != a + 1]
+    assert resumed and set(resumed) <= keyframes(clip), indices
+    assert stage.dropped == total - len(frames) > 0
+    assert end == EndOfStream("cam", total) and indices == sorted(indices)
+    reference, _, _ = read_all(SourceConfig(name="ref", uri=str(clip)))
+    for frame in frames:
+        np.testing.assert_array_equal(frame.image, reference[frame.index].image)
+
+
+def test_a_paced_live_source_behind_skips_to_a_keyframe_and_stays_within_its_lag(
+        make_clip: ClipFactory) -> None:
+    """Offered 100 frames/s, read at 40/s: the lag grows 15 ms a frame until it passes 200 ms,
+    then the source skips to a keyframe (its schedule moves on), again and again."""
+    clip = make_clip("shapes", 80, SMALL, gop=GOP)
+    source = SourceConfig(name="cam", uri=str(clip), live=True, pace_fps=100, max_lag_ms=200)
+    frames, ages, end, logs, stage = read_slowly(source, 0.025,
+                                                 lambda f: time.time() - f.capture_time)
+    assert max(ages) < 0.2 + GOP / 100  # max_lag_ms and one GOP (the first skip waits for
+    # a second keyframe, to know the stream marks them)
+    assert_skipped_to_keyframes(frames, end, stage, clip, 80)
+    lines = [e for e in logs if e["event"] == "live source behind: skipped to a keyframe"]
+    assert len(lines) == 1  # at most one a source per 5 s
+    assert lines[0]["source"] == "cam" and lines[0]["lag_ms"] > 200 and lines[0]["frames"] >= 1
+
+
+@pytest.mark.parametrize(("live", "max_lag_ms"), [(False, 200), (True, None)],
+                         ids=["file", "max_lag_ms null"])
+def test_a_file_or_a_source_without_max_lag_skips_nothing(
+        make_clip: ClipFactory, live: bool, max_lag_ms: float | None) -> None:
+    clip = make_clip("shapes", 80, SMALL, gop=GOP)
+    source = SourceConfig(name="cam", uri=str(clip), live=live, pace_fps=100,
+                          max_lag_ms=max_lag_ms)
+    frames, ages, end, logs, stage = read_slowly(source, 0.025,
+                                                 lambda f: time.time() - f.capture_time)
+    assert [f.index for f in frames] == list(range(80)) and end == EndOfStream("cam", 80)
+    assert stage.dropped == 0 and not [e for e in logs if "behind" in e["event"]]
+    assert max(ages) > 0.8  # as far behind as the test makes it (80 x 15 ms): no skip hid it
+
+
+def test_an_unpaced_live_stream_behind_its_own_clock_skips_to_a_keyframe(
+        make_clip: ClipFactory) -> None:
+    """A camera over TCP (25 frames/s, not paced: frames wait in the socket), read at full
+    speed for its first 30 frames, then at 12.5 frames/s: its frames stay within the lag of
+    when the camera sent them."""
+    clip = make_clip("shapes", 75, SMALL, gop=GOP, fmt="mpegts")
+    with TcpCamera(clip) as camera:
+        source = SourceConfig(name="cam", uri=camera.url, reconnect=False, max_lag_ms=200)
+        frames, ages, end, _, stage = read_slowly(
+            source, 0.08, lambda f: time.monotonic() - camera.sent_at[f.index], from_frame=30)
+    # From the slow reads on (the first frames wait while FFmpeg probes the stream at open):
+    # max_lag_ms, one GOP, and a frame (the demuxer ends a packet when the next one starts).
+    assert max(ages[30:]) < 0.2 + GOP / 25 + 1 / 25
+    assert_skipped_to_keyframes(frames, end, stage, clip, 75)
+
+
+@pytest.mark.parametrize(("packets", "skipped"), [
+    # (keyframe?, lag s) per packet, max lag 1 s -> which packets are skipped
+    ([(1, 0), (0, 2), (0, 2), (0, 2)], []),  # one keyframe seen: not known to be marked
+    ([(1, 0), (0, 0), (1, 0), (0, 2), (0, 2), (1, 0.5), (0, 2)], [3, 4, 6]),  # to a keyframe
+    ([(1, 0), (1, 0), (0, 2), (1, 2), (0, 0), (1, 0.5)], [2, 3, 4]),  # not to one still behind
+    ([(1, 0), (0, 0), (1, 0), *[(0, 2)] * 6, (1, 2), (0, 2)], [3, 4, 5, 6, 9, 10]),  # no
+    # keyframe within twice the longest interval (2 packets): decoding on until the next one
+    ([(1, 0), (1, 0), (0, None), (0, 1.0), (1, 0)], []),  # unknown or at the limit: on time
+])
+def test_catch_up_skips_from_a_late_packet_to_a_keyframe_within_the_lag(
+        packets: list[tuple[int, float | None]], skipped: list[int]) -> None:
+    catch_up = CatchUp(1.0)
+    assert [n for n, (key, lag) in enumerate(packets) if catch_up.skips(bool(key), lag)] == skipped
+
+
+@pytest.mark.parametrize(("reads", "lags"), [
+    # (stream time, read at) per packet -> lag
+    ([(0.0, 10.0), (0.04, 10.04), (0.08, 10.58)], [0.0, 0.0, 0.5]),  # on time, then late
+    ([(0.0, 10.5), (0.04, 10.5), (0.08, 10.5), (0.12, 10.6)], [0.0, 0.0, 0.0, 0.06]),  # a late
+    # first packet: the ones that came earlier are the reference
+    ([(5.0, 10.0), (1.0, 10.0), (1.04, 10.3)], [0.0, 0.0, 0.26]),  # the clock went back
+    ([(0.0, 10.0), (None, 12.0), (0.04, 12.0)], [0.0, None, 1.96]),  # no timestamp: no answer
+])
+def test_stream_clock_lag_is_wall_time_less_stream_time_since_on_time(
+        reads: list[tuple[float | None, float]], lags: list[float | None]) -> None:
+    clock = StreamClock()
+    got = [clock.lag_s(stream_time, now) for stream_time, now in reads]
+    assert got == pytest.approx(lags)
 
 
 class NoDetections(Stage[FrameBatch, BatchDetections]):
@@ -316,8 +438,10 @@ def test_live_rtsp_stream_over_either_transport(rtsp: RtspServer, transport: str
 
 @pytest.mark.slow  # a real RTSP server
 def test_stalled_camera_hits_the_read_timeout_and_reconnects(rtsp: RtspServer) -> None:
+    # No catching up: the frame FFmpeg's parser holds through the stall comes out a read
+    # timeout (1 s) late, and a lag allowed of 1 s or less would skip it (rightly: it is old).
     source = SourceConfig(name="cam", uri=rtsp.url("stall"), read_timeout_s=1.0,
-                          reconnect_initial_s=0.05, reconnect_max_s=0.1)
+                          reconnect_initial_s=0.05, reconnect_max_s=0.1, max_lag_ms=None)
     reconnected = lambda frames, logs: (  # noqa: E731
         any(e["event"] == "source reconnected" for e in logs) and len(frames) >= 50)
     frames, end, logs, stage = take(source, reconnected)
@@ -328,3 +452,32 @@ def test_stalled_camera_hits_the_read_timeout_and_reconnects(rtsp: RtspServer) -
     assert [f.index for f in frames] == list(range(len(frames)))  # counts on across sessions
     gaps = [b.capture_time - a.capture_time for a, b in zip(frames, frames[1:])]
     assert max(gaps) >= 1.0  # the stall: no frame for at least the read timeout
+
+
+@pytest.mark.slow  # a real RTSP server
+def test_a_camera_read_too_slowly_skips_to_keyframes_and_stays_within_its_lag(
+        rtsp: RtspServer) -> None:
+    """Read at full speed for 40 frames, then at 10 frames/s for 3.5 s (the camera sends 25, a
+    keyframe a second; without skips the last would be 2 s late): skips to keyframes keep the
+    frames within max_lag_ms and one GOP of the camera's clock."""
+    stage, stop = DecodeStage(SourceConfig(name="cam", uri=rtsp.url("live"), max_lag_ms=300)), \
+        threading.Event()
+    reads: list[tuple[float, float, int]] = []  # (time.monotonic() when read, pts, index)
+    with capture_logs() as logs:
+        for item in stage.frames(stop):
+            if isinstance(item, EndOfStream):
+                break
+            reads.append((time.monotonic(), item.pts, item.index))
+            if len(reads) == 40:
+                slow_from = time.monotonic()
+            elif len(reads) > 40:
+                time.sleep(0.1)
+                if time.monotonic() - slow_from > 3.5:
+                    stop.set()
+    on_time = min(read - pts for read, pts, _ in reads)  # the stream's clock on the wall's
+    assert max(read - pts - on_time for read, pts, _ in reads[40:]) < 0.3 + 1.0 + 0.1
+    indices = [index for _, _, index in reads]
+    assert indices != list(range(len(reads))) and stage.dropped > 0
+    assert indices == sorted(indices) and not events(logs, "warning")  # no undecodable frame
+    lines = [e for e in logs if e["event"] == "live source behind: skipped to a keyframe"]
+    assert lines and all(e["source"] == "cam" and e["lag_ms"] > 300 for e in lines)

@@ -122,12 +122,15 @@ def read_frames(path: Path, limit: int | None = None) -> list[av.VideoFrame]:
 
 
 def add_video(container: av.container.OutputContainer, size: tuple[int, int],
-              rate: int = 25) -> av.video.stream.VideoStream:
-    """An H.264 yuv420p stream of ``size`` (width, height) in ``container``."""
+              rate: int = 25, gop: int | None = None) -> av.video.stream.VideoStream:
+    """An H.264 yuv420p stream of ``size`` (width, height) in ``container``; with ``gop``, a
+    keyframe every ``gop`` frames exactly (else x264's choice: the first, and scene cuts)."""
     stream = container.add_stream("libx264", rate=rate)
     stream.width, stream.height = size
     stream.pix_fmt = "yuv420p"
     stream.options = {"preset": "ultrafast"}
+    if gop is not None:
+        stream.options["x264-params"] = f"keyint={gop}:min-keyint={gop}:scenecut=0"
     return stream
 
 
@@ -142,11 +145,12 @@ def encode_pictures(container: av.container.OutputContainer, stream: av.video.st
 
 
 def write_clip(path: Path, pictures: list[av.VideoFrame], size: tuple[int, int],
-               fmt: str = "mp4") -> Path:
-    """Encode ``pictures`` at ``size`` into ``path`` (MP4 with its index first, or mpegts)."""
+               fmt: str = "mp4", gop: int | None = None) -> Path:
+    """Encode ``pictures`` at ``size`` into ``path`` (MP4 with its index first, or mpegts),
+    with a keyframe every ``gop`` frames when given (``add_video``)."""
     options = {"movflags": "+faststart"} if fmt == "mp4" else {}
     with av.open(str(path), "w", format=fmt, options=options) as container:
-        encode_pictures(container, add_video(container, size), pictures)
+        encode_pictures(container, add_video(container, size, gop=gop), pictures)
     return path
 
 

@@ -71,18 +71,21 @@ class ClipFactory:
         return tuple(frames)
 
     def __call__(self, scene: str, frames: int, size: tuple[int, int], *, start: int = 0,
-                 reverse: bool = False, fmt: str = "mp4") -> Path:
+                 reverse: bool = False, fmt: str = "mp4", gop: int | None = None) -> Path:
         """A clip of ``frames`` frames of ``scene`` from frame ``start`` (backwards with
         ``reverse``), scaled to ``size`` (width, height), as H.264 at 25 fps in ``fmt``
-        (``mp4``, with its index first, or ``mpegts``). Do not change the file: it is shared."""
-        key = (scene, frames, size, start, reverse, fmt)
+        (``mp4``, with its index first, or ``mpegts``); with ``gop``, a keyframe every ``gop``
+        frames exactly (else x264 places them: the first, and scene cuts). Do not change the
+        file: it is shared."""
+        key = (scene, frames, size, start, reverse, fmt, gop)
         if key not in self._made:
             pictures = list(self.frames(scene, frames, start))
             if reverse:
                 pictures.reverse()
-            name = (f"{scene}-{start}-{frames}{'-rev' if reverse else ''}-{size[0]}x{size[1]}"
+            name = (f"{scene}-{start}-{frames}{'-rev' if reverse else ''}"
+                    f"{f'-gop{gop}' if gop else ''}-{size[0]}x{size[1]}"
                     f".{'ts' if fmt == 'mpegts' else fmt}")
-            self._made[key] = write_clip(self.folder / name, pictures, size, fmt)
+            self._made[key] = write_clip(self.folder / name, pictures, size, fmt, gop)
         return self._made[key]
 
 
