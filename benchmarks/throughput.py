@@ -94,6 +94,7 @@ import av
 import numpy as np
 
 from benchmarks.overlap_benchmark import CLIP_BITRATE, CLIP_NAME, make_1080p_clip
+from pipeline.app.clips import clip_frames, make_looped_clip, repeats_for
 from pipeline.config import PipelineConfig, SourceConfig, parse_config
 from pipeline.records import BatchDetections, EndOfStream, Frame
 from pipeline.slots import SlotRing, i420_bytes
@@ -321,48 +322,10 @@ def steady_rate(times: Any, counts: Any = None) -> tuple[float, float, float]:
     return (len(times) - 1 - first) / (end - start), start, end
 
 
-def clip_frames(clip: Path) -> int:
-    """Frames of a file's first video stream (counted by demuxing when the header has none)."""
-    with av.open(str(clip)) as container:
-        stream = container.streams.video[0]
-        if stream.frames:
-            return int(stream.frames)
-        return sum(1 for packet in container.demux(stream) if packet.size)
-
-
-def make_looped_clip(source: Path, target: Path, repeats: int) -> Path:
-    """``source``'s video repeated ``repeats`` times end to end, by a stream copy (no
-    re-encode; timestamps shifted per copy so they keep rising); once, cached at ``target``."""
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.stem + ".partial" + target.suffix)
-    with av.open(str(partial), "w") as out:
-        ostream = None
-        offset = 0  # in the source stream's time base
-        for _ in range(repeats):
-            with av.open(str(source)) as inp:
-                istream = inp.streams.video[0]
-                if ostream is None:
-                    ostream = out.add_stream_from_template(istream)
-                end = offset
-                for packet in inp.demux(istream):
-                    if packet.dts is None or not packet.size:  # the demuxer's flush packet
-                        continue
-                    pts = packet.pts if packet.pts is not None else packet.dts
-                    end = max(end, offset + pts + (packet.duration or 0))
-                    packet.pts, packet.dts = offset + pts, offset + packet.dts
-                    packet.stream = ostream
-                    out.mux(packet)
-                offset = end
-    partial.replace(target)
-    return target
-
-
 def looped_clip(clip: Path, seconds: float, fps_cap: int, cache: Path) -> Path:
     """A copy of ``clip`` repeated often enough for one camera at ``fps_cap`` frames/s to
     read for ``seconds`` plus start-up."""
-    repeats = max(1, math.ceil(fps_cap * (seconds + 2) / clip_frames(clip)))
+    repeats = repeats_for(clip_frames(clip), seconds + 2, fps_cap)
     return make_looped_clip(clip, cache / f"{clip.stem}_x{repeats}.mp4", repeats)
 
 
