@@ -77,9 +77,6 @@ import argparse
 import gc
 import math
 import os
-import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -95,6 +92,7 @@ import numpy as np
 
 from benchmarks.overlap_benchmark import CLIP_BITRATE, CLIP_NAME, make_1080p_clip
 from pipeline.app.clips import clip_frames, make_looped_clip, repeats_for
+from pipeline.app.measurement import UtilisationSampler
 from pipeline.config import PipelineConfig, SourceConfig, parse_config
 from pipeline.records import BatchDetections, EndOfStream, Frame
 from pipeline.slots import SlotRing, i420_bytes
@@ -252,55 +250,6 @@ class InferenceRow:
     warmup_s: float | None = None
     backend: str = ""
     notes: list[str] = field(default_factory=list)
-
-
-class UtilisationSampler:
-    """Utilisation (%) of GPU ``index`` every ``interval_s`` in a thread: NVML, else
-    ``nvidia-smi``."""
-
-    def __init__(self, enabled: bool, interval_s: float = 0.2, index: int = 0) -> None:
-        self.samples: list[tuple[float, float]] = []
-        self.interval_s = interval_s
-        self._read = self._reader(index) if enabled else None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def _reader(index: int) -> Callable[[], float] | None:
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            return lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-        except Exception:  # noqa: BLE001 - not installed or no driver: try the CLI
-            if shutil.which("nvidia-smi") is None:
-                return None
-            command = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                       "-i", str(index)]
-            return lambda: float(subprocess.run(command, capture_output=True, text=True,
-                                                timeout=5).stdout.split()[0])
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.samples.append((time.perf_counter(), self._read()))
-            except Exception:  # noqa: BLE001 - one failed read leaves a gap, no more
-                pass
-
-    def __enter__(self) -> UtilisationSampler:
-        if self._read is not None:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def mean(self, start: float, end: float) -> float | None:
-        inside = [value for t, value in self.samples if start <= t <= end]
-        return statistics.fmean(inside) if inside else None
 
 
 def steady_rate(times: Any, counts: Any = None) -> tuple[float, float, float]:
