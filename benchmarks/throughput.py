@@ -558,66 +558,12 @@ def probe_size(clip: Path) -> tuple[int, int]:
 
 def measure_inference(setup: Setup, row: InferenceRow) -> None:
     """Images/s of ``backend.infer`` on one preallocated batch of random images, the backend
-    built as the pipeline builds it; also how long its ``warmup()`` took."""
-    from pipeline.app.build import create_gpu_context
-    from stages.backends.base import read_model_info
-    from stages.infer import create_backend
+    built as the pipeline builds it; also how long its ``warmup()`` took
+    (``pipeline.app.ceilings.engine_rate``, what ``capacity`` calls engine alone)."""
+    from pipeline.app.ceilings import engine_rate
 
-    batch = row.batch
-    config = pipeline_config(setup, 1, "cpu", batch, Path("."))
-    info = read_model_info(setup.model)
-    gpu = create_gpu_context(config)
-    backend = create_backend(config.inference, setup.model, info, gpu)
-    row.backend = backend.name
-    try:
-        started = time.perf_counter()
-        backend.warmup()
-        row.warmup_s = time.perf_counter() - started
-        shape = (batch, 3, info.input_height, info.input_width)
-        if gpu is None:
-            images = np.random.default_rng(0).random(shape, np.float32)
-            started, runs = time.perf_counter(), 0
-            while runs < 3 or time.perf_counter() - started < setup.seconds / 2:
-                backend.infer(images)
-                runs += 1
-            row.images_s = batch * runs / (time.perf_counter() - started)
-            return
-        import cupy
-
-        stream = gpu.compute_stream
-        images = backend.input_buffer(batch) if hasattr(backend, "input_buffer") else cupy.empty(
-            shape, getattr(backend, "input_dtype", info.input_dtype))
-        with stream:
-            images[...] = cupy.random.random(shape, np.float32).astype(images.dtype)
-        row.images_s = infer_rate(backend, images, stream, setup.seconds / 2)
-    finally:
-        backend.close()
-
-
-def infer_rate(backend: Any, images: Any, stream: Any, seconds: float, min_runs: int = 10
-               ) -> float:
-    """Images/s of ``backend.infer(images, stream)`` over about ``seconds`` of runs, timed
-    with CUDA events on ``stream`` after one warm run.
-
-    Args:
-        images: (B, 3, H, W) CuPy array of the backend's input dtype, valid on ``stream``
-            (the backend's own input buffer saves it a copy).
-    """
-    import cupy
-
-    backend.infer(images, stream)
-    stream.synchronize()
-    probe = time.perf_counter()
-    backend.infer(images, stream)
-    stream.synchronize()
-    runs = max(min_runs, int(seconds / max(time.perf_counter() - probe, 1e-4)))
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record(stream)
-    for _ in range(runs):
-        backend.infer(images, stream)
-    end.record(stream)
-    end.synchronize()
-    return images.shape[0] * runs / (cupy.cuda.get_elapsed_time(start, end) / 1000)
+    rate = engine_rate(pipeline_config(setup, 1, "cpu", row.batch, Path(".")), setup.seconds / 2)
+    row.backend, row.warmup_s, row.images_s = rate.backend, rate.warmup_s, rate.images_s
 
 
 def measure_naive(setup: Setup, row: Row) -> None:
