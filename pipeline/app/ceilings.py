@@ -41,6 +41,7 @@ from pipeline.records import Frame
 
 SLOTS_PER_SOURCE = 4
 START_S = 2.0  # decode alone: opening and first frames, before the window
+NVDEC_DECODERS = 16  # decode alone on NVDEC: streams enough to keep its engines busy
 CLIP_FRAMES = 16  # engine alone: distinct frames of the clip in its batch (repeated to fill it)
 
 
@@ -179,13 +180,17 @@ def measure_nvdec(clip: Path, decoders: int, seconds: float, device_id: int) -> 
     return frames / (t1 - t0)
 
 
-def decode_rate(config: PipelineConfig, decoders: int, seconds: float) -> DecodeRate:
-    """Decode alone for ``config``'s first source, where the pipeline would decode it."""
+def decode_rate(config: PipelineConfig, decoders: int | None, seconds: float) -> DecodeRate:
+    """Decode alone for ``config``'s first source, where the pipeline would decode it, by
+    ``decoders`` parallel decoders (None: ``NVDEC_DECODERS`` on NVDEC, one per usable core
+    on the CPU)."""
     from pipeline.app.build import create_gpu_context, decoder_kind
+    from stages.decode import usable_cores
 
     source = config.sources[0]
     gpu = create_gpu_context(config)
     mode = decoder_kind(config, source, "sources[0]", gpu)
+    decoders = decoders or (NVDEC_DECODERS if mode == "gpu" else usable_cores())
     clip = Path(source.uri)
     if mode == "gpu":
         return DecodeRate(measure_nvdec(clip, decoders, seconds, config.inference.gpu_id),
@@ -306,14 +311,16 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("decode", "engine"))
     parser.add_argument("--config", required=True, help="a run's YAML; sources[0].uri: the clip")
-    parser.add_argument("--decoders", type=int, default=8, help="decode: parallel decoders")
+    parser.add_argument("--decoders", type=int, default=None,
+                        help="decode: parallel decoders (default: 16 on NVDEC, one per core "
+                             "on the CPU)")
     parser.add_argument("--seconds", type=float, default=5.0, help="the measured window")
     args = parser.parse_args(argv)
     configure_logging(level="warning")
     try:
         config = load_config(args.config)
         if args.what == "decode":
-            found: Any = decode_rate(config, max(1, args.decoders), args.seconds)
+            found: Any = decode_rate(config, args.decoders, args.seconds)
         else:
             found = engine_rate(config, args.seconds, Path(config.sources[0].uri))
     except (ConfigError, BackendUnavailable) as error:

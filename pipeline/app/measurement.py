@@ -364,7 +364,8 @@ def launch(command: list[str], log: Path, cwd: Path | None = None
 
 def stop(process: subprocess.Popen[Any], wait_s: float = EXIT_WAIT_S) -> tuple[int, str | None]:
     """SIGINT (a graceful stop), then the exit status; killed after ``wait_s``. Returns the
-    status and a note when it had to be killed."""
+    status and a note when it had to be killed. Interrupted while it waits, it sends a second
+    SIGINT (run.py then aborts) and re-raises."""
     note = None
     if process.poll() is None:
         process.send_signal(signal.SIGINT)
@@ -373,6 +374,13 @@ def stop(process: subprocess.Popen[Any], wait_s: float = EXIT_WAIT_S) -> tuple[i
         except subprocess.TimeoutExpired:
             note = f"the child did not exit within {wait_s:g} s of SIGINT: killed"
             process.kill()
+        except KeyboardInterrupt:  # asked again while it stops: a second SIGINT aborts it
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            raise
     return process.wait(), note
 
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 import yaml
 
 from pipeline.app.ceilings import clip_batch, decode_rate, engine_rate
