@@ -9,7 +9,8 @@ benchmark's looped 1080p clip, made when missing):
   sources dealt round-robin), each decoding its sources in threads with ``DecodeStage`` into a
   private slot ring (plain memory, the planes copied as in the pipeline) and giving each slot
   back at once. Frames are only counted: nothing crosses a process boundary per frame. This
-  is the ceiling of CPU decode with the pipeline's decoder settings on this machine.
+  is the ceiling of CPU decode with the pipeline's decoder settings on this machine
+  (``pipeline.app.ceilings.measure_isolated``: what ``capacity`` calls decode alone).
 - ``pool``: ``benchmarks.throughput.measure_decode``, the pipeline's own ``DecodeWorkerPool``
   (shared-memory ring, frame records through the pipes, one reading thread per source that
   gives each slot back).
@@ -22,77 +23,12 @@ near one core's worth of work per frame at the pool's rate is the bottleneck.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import resource
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-from pipeline.app.workers import default_worker_count
-from pipeline.config import SourceConfig
-from pipeline.records import Frame
-from pipeline.slots import SlotRing, i420_bytes
-
-SLOTS_PER_SOURCE = 4
-
-
-def _isolated_worker(clip: str, names: list[str], threads: int, seconds: float,
-                     size: tuple[int, int], counter: multiprocessing.Value,
-                     start: multiprocessing.Event) -> None:
-    from pipeline.logging import configure_logging
-    from stages.decode import DecodeStage
-
-    configure_logging(level="warning")
-    stop = threading.Event()
-    ring = SlotRing(SLOTS_PER_SOURCE * len(names), i420_bytes(*size))
-
-    def decode(name: str) -> None:
-        stage = DecodeStage(SourceConfig(name=name, uri=clip), ring, stop, 0, threads)
-        for item in stage.frames(stop):
-            if isinstance(item, Frame):
-                ring.release([item.slot])
-                with counter.get_lock():
-                    counter.value += 1
-
-    start.wait()
-    workers = [threading.Thread(target=decode, args=(name,), daemon=True) for name in names]
-    for thread in workers:
-        thread.start()
-    time.sleep(seconds)
-    stop.set()
-    for thread in workers:
-        thread.join(10)
-
-
-def measure_isolated(clip: Path, cameras: int, seconds: float) -> tuple[float, int, float]:
-    """(frames/s, worker processes, worker CPU s per frame) of isolated decode workers."""
-    from benchmarks.throughput import probe_size
-    from stages.decode import decoder_threads
-
-    context = multiprocessing.get_context("spawn")
-    processes = default_worker_count(cameras)
-    counter, start = context.Value("q", 0), context.Event()
-    names = [f"cam{i:03d}" for i in range(cameras)]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    procs = [context.Process(target=_isolated_worker, daemon=True,
-                             args=(str(clip), names[k::processes], decoder_threads(cameras),
-                                   seconds + 2.0, probe_size(clip), counter, start))
-             for k in range(processes)]
-    for proc in procs:
-        proc.start()
-    start.set()
-    time.sleep(2.0)  # opening, first frames
-    first, t0 = counter.value, time.perf_counter()
-    time.sleep(seconds)
-    frames, t1 = counter.value - first, time.perf_counter()
-    for proc in procs:
-        proc.join(30)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    total = max(counter.value, 1)
-    return frames / (t1 - t0), processes, cpu / total
+from pipeline.app.ceilings import measure_isolated
 
 
 def measure_pool(clip: Path, cameras: int, seconds: float) -> tuple[float, float, float]:

@@ -33,17 +33,13 @@ stderr, each line prefixed with its second since the launch, go to ``OUT/run.log
    and a camera stopped by Ctrl-C counts as finished; 3 would mean a file source was cut
    short).
 
-Over the window, for the N configured cameras (not ``added``): offered frames/s (N x pace),
-delivered frames/s (``pipeline_source_frames_total``), dropped
-(``pipeline_source_dropped_frames_total``), p50 and p99 capture-to-sink latency from the
-deltas of ``pipeline_frame_latency_seconds_bucket`` summed over the cameras, and the p99 of
-each host. A percentile is given as the bucket it falls in: ``<= 100 ms`` means in (50, 100]
-ms (the buckets' bounds are ``pipeline.app.prometheus.LATENCY_BUCKETS_S``: 5, 10, 20, 50,
-100, 200, 500 ms, 1 s, ...); 100 ms is a bound, so "p99 <= 100 ms" is decided exactly. Each
-stage's work and blocked seconds (``pipeline_stage_work_seconds_total``,
-``pipeline_stage_blocked_seconds_total``; the per-camera sinks summed as ``sinks``) are summed
-over the hosts, and the busiest stage of any host (work in % of the window) is named: the
-bottleneck. The verdict: held = 0 dropped, p99 <= 100 ms and delivered >= 95% of offered.
+Over the window, for the N configured cameras (not ``added``), the numbers and the verdict
+of ``pipeline.app.measurement`` (its docstring says how each is read from the scrapes):
+offered and delivered frames/s, dropped, p50 and p99 capture-to-sink latency as the
+histogram bucket they fall in (all cameras, and each host's p99), each stage's work and
+blocked seconds summed over the hosts, the busiest stage of any host (the bottleneck); held =
+0 dropped, p99 <= 100 ms and delivered >= 95% of offered. ``python run.py capacity`` uses the
+same measurement to find how many cameras hold.
 
 Full mode (the H200): YOLOv8s-fall 640 (``assets/models/yolov8s-fall.onnx``), torch FP16,
 batch 64, compile cache ``--engine-cache``; every camera plays the 1080p clip of the
@@ -59,11 +55,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -77,13 +70,24 @@ from typing import Any
 
 import yaml
 
+from pipeline.app.measurement import (
+    DELIVERED_SHARE,
+    P99_LIMIT_S,
+    MeasurementError,
+    MetricsPoller,
+    UtilisationSampler,
+    Window,
+    bucket_text,
+    free_port,
+    launch,
+    said,
+    stop,
+    window_numbers,
+)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-P99_LIMIT_S = 0.1
-DELIVERED_SHARE = 0.95
-SCRAPE_PERIOD_S = 0.2
 HEALTH_TIMEOUT_S = {"full": 420.0, "small": 120.0}  # launch until /api/health says ok
 AFTER_WINDOW_S = 100.0  # --budget-s: what saving and stopping may take after the window
-EXIT_WAIT_S = 120.0  # SIGINT until run.py exits (then it is killed)
 WATCHED = 6  # cameras whose snapshots the viewer fetches and saves
 ADDED = "added"
 EXIT_MEANING = {0: "every source finished (a live camera stopped by Ctrl-C counts as finished)",
@@ -92,158 +96,8 @@ EXIT_MEANING = {0: "every source finished (a live camera stopped by Ctrl-C count
                 130: "aborted by a second signal"}
 
 
-class BenchmarkError(RuntimeError):
+class BenchmarkError(MeasurementError):
     """A step of the benchmark failed; the message is one line for the user."""
-
-
-# ---- metrics ---------------------------------------------------------------------------
-
-
-@dataclass
-class HostSample:
-    """One host's counters as one scrape showed them.
-
-    Attributes:
-        frames: source -> ``pipeline_source_frames_total`` (summed over its series).
-        dropped: source -> ``pipeline_source_dropped_frames_total``.
-        buckets: source -> {upper bound in s (inf for +Inf): cumulative count}.
-        work: stage -> ``pipeline_stage_work_seconds_total`` (sinks summed as ``sinks``).
-        blocked: stage -> ``pipeline_stage_blocked_seconds_total`` (likewise).
-    """
-
-    frames: dict[str, float] = field(default_factory=dict)
-    dropped: dict[str, float] = field(default_factory=dict)
-    buckets: dict[str, dict[float, float]] = field(default_factory=dict)
-    work: dict[str, float] = field(default_factory=dict)
-    blocked: dict[str, float] = field(default_factory=dict)
-
-
-def parse_metrics(text: str) -> dict[str, HostSample]:
-    """The counters this benchmark reads from a ``/metrics`` page, per host (label
-    ``pipeline``; ``-`` when a sample has none: one pipeline)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    hosts: dict[str, HostSample] = {}
-
-    def add(table: dict[str, float], key: str, value: float) -> None:
-        table[key] = table.get(key, 0.0) + value
-
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = sample.labels
-            host = hosts.setdefault(labels.get("pipeline", "-"), HostSample())
-            source = labels.get("source", "")
-            stage = labels.get("stage", "")
-            stage = "sinks" if stage.startswith("sink:") else stage
-            if sample.name == "pipeline_source_frames_total":
-                add(host.frames, source, sample.value)
-            elif sample.name == "pipeline_source_dropped_frames_total":
-                add(host.dropped, source, sample.value)
-            elif sample.name == "pipeline_frame_latency_seconds_bucket":
-                add(host.buckets.setdefault(source, {}), float(labels["le"]), sample.value)
-            elif sample.name == "pipeline_stage_work_seconds_total":
-                add(host.work, stage, sample.value)
-            elif sample.name == "pipeline_stage_blocked_seconds_total":
-                add(host.blocked, stage, sample.value)
-    return hosts
-
-
-def percentile_bucket(buckets: dict[float, float], share: float) -> tuple[float, float] | None:
-    """The latency bucket ``(lower, upper]`` in seconds that holds the ``share`` quantile of a
-    cumulative histogram ``{upper bound: count}`` (upper ``inf``: beyond the last bound);
-    None when it counts nothing."""
-    bounds = sorted(buckets)
-    total = buckets[bounds[-1]] if bounds else 0.0
-    if total <= 0:
-        return None
-    lower = 0.0
-    for bound in bounds:
-        if buckets[bound] >= share * total:
-            return lower, bound
-        lower = bound
-    return lower, math.inf
-
-
-def bucket_text(found: tuple[float, float] | None) -> str:
-    """``<= 100 ms (50-100)``; ``> 30000 ms`` past the last bound; ``-`` for none."""
-    if found is None:
-        return "-"
-    lower, upper = found
-    if math.isinf(upper):
-        return f"> {1000 * lower:g} ms"
-    return f"<= {1000 * upper:g} ms ({1000 * lower:g}-{1000 * upper:g})"
-
-
-class MetricsPoller:
-    """Scrapes ``/metrics`` every ``SCRAPE_PERIOD_S`` in a thread and keeps, per host, each
-    snapshot that differs from that host's previous one, with the time it was first seen
-    (``time.monotonic()``)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.lock = threading.Lock()
-        self.history: dict[str, list[tuple[float, HostSample]]] = {}
-        self.last_text = ""
-        self.errors = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="metrics-poller", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5)
-
-    def scrape(self) -> str:
-        """One scrape now; records it and returns its text."""
-        try:
-            with urllib.request.urlopen(self.url, timeout=5) as answer:
-                text = answer.read().decode()
-        except OSError:
-            with self.lock:
-                self.errors += 1
-            return ""
-        seen = time.monotonic()
-        hosts = parse_metrics(text)
-        with self.lock:
-            self.last_text = text
-            for name, sample in hosts.items():
-                history = self.history.setdefault(name, [])
-                if not history or history[-1][1] != sample:
-                    history.append((seen, sample))
-        return text
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            began = time.monotonic()
-            self.scrape()
-            self._stop.wait(max(0.0, SCRAPE_PERIOD_S - (time.monotonic() - began)))
-
-    def ends(self, start: float, end: float) -> dict[str, tuple[float, HostSample, float,
-                                                               HostSample]]:
-        """Per host: (time, snapshot) of its first and of its last snapshot in [start, end].
-
-        Raises:
-            BenchmarkError: a host has fewer than two snapshots in the window.
-        """
-        with self.lock:
-            histories = {name: list(items) for name, items in self.history.items()}
-        found = {}
-        for name, items in histories.items():
-            inside = [item for item in items if start <= item[0] <= end]
-            if len(inside) < 2:
-                raise BenchmarkError(f"host {name}: fewer than two metrics snapshots in the "
-                                     f"window (a window of a few seconds at least is needed)")
-            found[name] = (*inside[0], *inside[-1])
-        return found
-
-    def host_of(self) -> dict[str, str]:
-        """source -> the host whose latest snapshot has it."""
-        with self.lock:
-            latest = {name: items[-1][1] for name, items in self.history.items() if items}
-        return {source: host for host, sample in latest.items() for source in sample.frames}
 
 
 # ---- HTTP --------------------------------------------------------------------------------
@@ -272,12 +126,6 @@ def get_json(url: str) -> Any:
     if status != 200:
         raise BenchmarkError(f"GET {url}: status {status}")
     return json.loads(body)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class Viewer:
@@ -382,20 +230,12 @@ class Plan:
 
 
 @dataclass
-class Result:
-    """Everything measured; None: not measured (the notes say why)."""
+class Result(Window):
+    """Everything measured (the window's numbers, ``Window``, and the live view's); None: not
+    measured (the notes say why)."""
 
     start_s: float | None = None  # launch until /api/health said ok
     all_s: float | None = None  # launch until every configured camera had delivered a frame
-    window_s: float | None = None
-    hosts: list[str] = field(default_factory=list)
-    offered: float | None = None
-    delivered: float | None = None
-    dropped: int | None = None
-    p50: tuple[float, float] | None = None
-    p99: tuple[float, float] | None = None
-    host_p99: dict[str, tuple[float, float] | None] = field(default_factory=dict)
-    host_cameras: dict[str, int] = field(default_factory=dict)
     post_status: int | None = None
     post_ms: float | None = None
     added_host: str | None = None
@@ -404,23 +244,14 @@ class Result:
     delete_status: int | None = None
     delete_s: float | None = None  # DELETE sent until it answered
     gone_s: float | None = None  # DELETE sent until added left /api/sources
-    stages: dict[str, tuple[float, float]] = field(default_factory=dict)  # stage -> work, blocked
-    busiest: tuple[str, str, float] | None = None  # host, stage, work % of the window
     health_end: str | None = None
     watched: list[str] = field(default_factory=list)
     saved_jpegs: list[str] = field(default_factory=list)
     viewer_served: int = 0
     viewer_pictures: int = 0  # distinct pictures (X-Picture) among those served
     viewer_missing: int = 0
-    gpu_util: float | None = None
     exit_code: int | None = None
     notes: list[str] = field(default_factory=list)
-
-    @property
-    def delivered_pct(self) -> float | None:
-        if self.delivered is None or not self.offered:
-            return None
-        return 100 * self.delivered / self.offered
 
     @property
     def added_ok(self) -> bool:
@@ -431,56 +262,6 @@ class Result:
     def removed_ok(self) -> bool:
         """The DELETE answered 200 (outputs final) and the camera left the list."""
         return self.delete_status == 200 and self.gone_s is not None
-
-    @property
-    def held(self) -> bool:
-        return (self.dropped == 0 and self.p99 is not None and self.p99[1] <= P99_LIMIT_S
-                and self.delivered is not None and self.offered is not None
-                and self.delivered >= DELIVERED_SHARE * self.offered)
-
-
-def window_numbers(poller: MetricsPoller, start: float, end: float, cameras: set[str],
-                   result: Result) -> None:
-    """Fill ``result``'s rates, drops, latency and stages from the snapshots in the window."""
-    total = {}
-    frames_per_s = dropped = 0.0
-    busiest = None
-    for host, (t0, first, t1, last) in sorted(poller.ends(start, end).items()):
-        mine = cameras & set(last.frames)
-        if mine:
-            result.hosts.append(host)
-            result.host_cameras[host] = len(mine)
-        span = t1 - t0
-        frames_per_s += sum(last.frames[s] - first.frames.get(s, 0.0) for s in mine) / span
-        dropped += sum(last.dropped.get(s, 0.0) - first.dropped.get(s, 0.0) for s in mine)
-        buckets: dict[float, float] = {}
-        for source in mine:
-            for bound, count in last.buckets.get(source, {}).items():
-                delta = count - first.buckets.get(source, {}).get(bound, 0.0)
-                buckets[bound] = buckets.get(bound, 0.0) + delta
-                total[bound] = total.get(bound, 0.0) + delta
-        if mine:
-            result.host_p99[host] = percentile_bucket(buckets, 0.99)
-        for stage in set(last.work) | set(last.blocked):
-            work = last.work.get(stage, 0.0) - first.work.get(stage, 0.0)
-            blocked = last.blocked.get(stage, 0.0) - first.blocked.get(stage, 0.0)
-            had = result.stages.get(stage, (0.0, 0.0))
-            result.stages[stage] = (had[0] + work, had[1] + blocked)
-            share = 100 * work / span
-            # the sinks are many threads: their sum is no one thread's load
-            if stage != "sinks" and (busiest is None or share > busiest[2]):
-                busiest = (host, stage, share)
-    result.delivered, result.dropped = frames_per_s, int(round(dropped))
-    result.p50, result.p99 = percentile_bucket(total, 0.5), percentile_bucket(total, 0.99)
-    result.busiest = busiest
-
-
-def said(process: subprocess.Popen[Any]) -> str:
-    """``: its last error line`` of run.log (``launch`` keeps the last one seen), or a
-    pointer to run.log."""
-    time.sleep(0.5)  # the log reader's last lines
-    last = getattr(process, "last_error", None)
-    return f": {last}" if last else "; see run.log"
 
 
 def wait_healthy(base: str, process: subprocess.Popen[Any], limit_s: float,
@@ -601,46 +382,12 @@ def save_page(base: str, out: Path, viewer: Viewer, result: Result) -> None:
         result.viewer_pictures = sum(len(seen) for seen in viewer.pictures.values())
 
 
-def launch(command: list[str], log: Path) -> tuple[subprocess.Popen[str], threading.Thread]:
-    """Start ``command`` in the repository; its output goes to ``log``, each line prefixed
-    with its second since the launch."""
-    started = time.monotonic()
-    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def read() -> None:
-        with open(log, "w") as sink:
-            for line in process.stdout:  # type: ignore[union-attr]
-                sink.write(f"{time.monotonic() - started:8.2f} {line}")
-                sink.flush()
-                if line.startswith("error:"):
-                    process.last_error = line.strip()  # type: ignore[attr-defined]
-
-    reader = threading.Thread(target=read, name="run-log", daemon=True)
-    reader.start()
-    return process, reader
-
-
-def stop(process: subprocess.Popen[str], result: Result) -> None:
-    """SIGINT, then wait for the exit status (killed after ``EXIT_WAIT_S``)."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(EXIT_WAIT_S)
-        except subprocess.TimeoutExpired:
-            result.notes.append(f"run.py did not exit within {EXIT_WAIT_S:g} s of SIGINT: "
-                                f"killed")
-            process.kill()
-    result.exit_code = process.wait()
-
-
 def measure(plan: Plan, command: list[str], result: Result) -> None:
     """Launch run.py, measure (module docstring), stop it."""
     base = f"http://127.0.0.1:{plan.http_port}"
     poller = MetricsPoller(f"http://127.0.0.1:{plan.metrics_port}/metrics")
     started = time.monotonic()
-    process, reader = launch(command, plan.out / "run.log")
+    process, reader = launch(command, plan.out / "run.log", cwd=REPO_ROOT)
     viewer: Viewer | None = None
     try:
         result.start_s = wait_healthy(base, process, plan.health_s, started)
@@ -651,8 +398,6 @@ def measure(plan: Plan, command: list[str], result: Result) -> None:
         result.watched = spread(poller.host_of(), names, WATCHED)
         preview_fps = 5.0  # runtime.http.preview_fps's default: the page's rate
         viewer = Viewer(base, result.watched, preview_fps)
-        from benchmarks.throughput import UtilisationSampler
-
         with UtilisationSampler(not plan.small) as sampler:
             t0, p0 = time.monotonic(), time.perf_counter()
             (plan.out / "metrics-start.txt").write_text(poller.scrape())
@@ -670,7 +415,9 @@ def measure(plan: Plan, command: list[str], result: Result) -> None:
         if viewer is not None:
             viewer.stop()
         poller.stop()
-        stop(process, result)
+        result.exit_code, note = stop(process)
+        if note is not None:
+            result.notes.append(note)
         reader.join(10)
 
 
@@ -747,7 +494,7 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
 def make_clip(small: bool, assets: Path, seconds: float, pace_fps: float) -> tuple[Path, str]:
     """The cameras' clip, long enough for ``seconds`` at ``pace_fps``, and its description."""
     from benchmarks.overlap_benchmark import CLIP_BITRATE, CLIP_NAME, make_1080p_clip
-    from benchmarks.throughput import clip_frames, make_looped_clip
+    from pipeline.app.clips import clip_frames, make_looped_clip
     from samples.fetch import SamplePaths
 
     bikes = SamplePaths.under(assets).bikes
@@ -836,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         result = Result()
         try:
             measure(plan, command, result)
-        except (BenchmarkError, OSError, ValueError) as error:
+        except (MeasurementError, OSError, ValueError) as error:
             result.notes.append(f"failed: {error}")
         finally:
             shutil.rmtree(records, ignore_errors=True)

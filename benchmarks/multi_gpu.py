@@ -59,13 +59,13 @@ from benchmarks.throughput import (
     CAMERA_FPS_CAP,
     DELIVERED_SHARE,
     Setup,
-    UtilisationSampler,
-    clip_frames,
     counts_arg,
     emit_table,
     looped_clip,
     pipeline_config,
 )
+from pipeline.app.clips import clip_frames
+from pipeline.app.measurement import UtilisationSampler
 from samples.fetch import SamplePaths, ensure_samples
 
 START_TIMEOUT_S = 300.0  # every host must deliver within this (compiling from the cache)

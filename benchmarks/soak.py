@@ -164,7 +164,7 @@ def looped_clip(clip: Path, target: Path, seconds: float) -> Path:
     """``clip`` repeated end to end (stream copy) to last at least ``seconds``."""
     import av
 
-    from benchmarks.throughput import make_looped_clip
+    from pipeline.app.clips import make_looped_clip
 
     with av.open(str(clip)) as container:
         duration = float(container.duration or 0) / av.time_base

@@ -179,12 +179,12 @@ def main_launch(args: argparse.Namespace) -> int:
 
 def time_infer(backend, stream, batch: int, seconds: float = 2.0) -> float:
     """Images/s of ``backend.infer`` on ``stream`` (CuPy) on ``batch`` random images in its
-    own input buffer (``benchmarks.throughput.infer_rate``: CUDA events over about
+    own input buffer (``pipeline.app.ceilings.infer_rate``: CUDA events over about
     ``seconds``)."""
     import cupy
     import numpy as np
 
-    from benchmarks.throughput import infer_rate
+    from pipeline.app.ceilings import infer_rate
 
     images = backend.input_buffer(batch)
     with stream:

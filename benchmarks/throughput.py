@@ -77,9 +77,6 @@ import argparse
 import gc
 import math
 import os
-import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -94,6 +91,8 @@ import av
 import numpy as np
 
 from benchmarks.overlap_benchmark import CLIP_BITRATE, CLIP_NAME, make_1080p_clip
+from pipeline.app.clips import clip_frames, make_looped_clip, repeats_for
+from pipeline.app.measurement import UtilisationSampler
 from pipeline.config import PipelineConfig, SourceConfig, parse_config
 from pipeline.records import BatchDetections, EndOfStream, Frame
 from pipeline.slots import SlotRing, i420_bytes
@@ -253,55 +252,6 @@ class InferenceRow:
     notes: list[str] = field(default_factory=list)
 
 
-class UtilisationSampler:
-    """Utilisation (%) of GPU ``index`` every ``interval_s`` in a thread: NVML, else
-    ``nvidia-smi``."""
-
-    def __init__(self, enabled: bool, interval_s: float = 0.2, index: int = 0) -> None:
-        self.samples: list[tuple[float, float]] = []
-        self.interval_s = interval_s
-        self._read = self._reader(index) if enabled else None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def _reader(index: int) -> Callable[[], float] | None:
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            return lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-        except Exception:  # noqa: BLE001 - not installed or no driver: try the CLI
-            if shutil.which("nvidia-smi") is None:
-                return None
-            command = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                       "-i", str(index)]
-            return lambda: float(subprocess.run(command, capture_output=True, text=True,
-                                                timeout=5).stdout.split()[0])
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.samples.append((time.perf_counter(), self._read()))
-            except Exception:  # noqa: BLE001 - one failed read leaves a gap, no more
-                pass
-
-    def __enter__(self) -> UtilisationSampler:
-        if self._read is not None:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def mean(self, start: float, end: float) -> float | None:
-        inside = [value for t, value in self.samples if start <= t <= end]
-        return statistics.fmean(inside) if inside else None
-
-
 def steady_rate(times: Any, counts: Any = None) -> tuple[float, float, float]:
     """(items/s, start, end) over completion ``times``, the first 10% of items left out.
 
@@ -321,48 +271,10 @@ def steady_rate(times: Any, counts: Any = None) -> tuple[float, float, float]:
     return (len(times) - 1 - first) / (end - start), start, end
 
 
-def clip_frames(clip: Path) -> int:
-    """Frames of a file's first video stream (counted by demuxing when the header has none)."""
-    with av.open(str(clip)) as container:
-        stream = container.streams.video[0]
-        if stream.frames:
-            return int(stream.frames)
-        return sum(1 for packet in container.demux(stream) if packet.size)
-
-
-def make_looped_clip(source: Path, target: Path, repeats: int) -> Path:
-    """``source``'s video repeated ``repeats`` times end to end, by a stream copy (no
-    re-encode; timestamps shifted per copy so they keep rising); once, cached at ``target``."""
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.stem + ".partial" + target.suffix)
-    with av.open(str(partial), "w") as out:
-        ostream = None
-        offset = 0  # in the source stream's time base
-        for _ in range(repeats):
-            with av.open(str(source)) as inp:
-                istream = inp.streams.video[0]
-                if ostream is None:
-                    ostream = out.add_stream_from_template(istream)
-                end = offset
-                for packet in inp.demux(istream):
-                    if packet.dts is None or not packet.size:  # the demuxer's flush packet
-                        continue
-                    pts = packet.pts if packet.pts is not None else packet.dts
-                    end = max(end, offset + pts + (packet.duration or 0))
-                    packet.pts, packet.dts = offset + pts, offset + packet.dts
-                    packet.stream = ostream
-                    out.mux(packet)
-                offset = end
-    partial.replace(target)
-    return target
-
-
 def looped_clip(clip: Path, seconds: float, fps_cap: int, cache: Path) -> Path:
     """A copy of ``clip`` repeated often enough for one camera at ``fps_cap`` frames/s to
     read for ``seconds`` plus start-up."""
-    repeats = max(1, math.ceil(fps_cap * (seconds + 2) / clip_frames(clip)))
+    repeats = repeats_for(clip_frames(clip), seconds + 2, fps_cap)
     return make_looped_clip(clip, cache / f"{clip.stem}_x{repeats}.mp4", repeats)
 
 
@@ -646,66 +558,12 @@ def probe_size(clip: Path) -> tuple[int, int]:
 
 def measure_inference(setup: Setup, row: InferenceRow) -> None:
     """Images/s of ``backend.infer`` on one preallocated batch of random images, the backend
-    built as the pipeline builds it; also how long its ``warmup()`` took."""
-    from pipeline.app.build import create_gpu_context
-    from stages.backends.base import read_model_info
-    from stages.infer import create_backend
+    built as the pipeline builds it; also how long its ``warmup()`` took
+    (``pipeline.app.ceilings.engine_rate``, what ``capacity`` calls engine alone)."""
+    from pipeline.app.ceilings import engine_rate
 
-    batch = row.batch
-    config = pipeline_config(setup, 1, "cpu", batch, Path("."))
-    info = read_model_info(setup.model)
-    gpu = create_gpu_context(config)
-    backend = create_backend(config.inference, setup.model, info, gpu)
-    row.backend = backend.name
-    try:
-        started = time.perf_counter()
-        backend.warmup()
-        row.warmup_s = time.perf_counter() - started
-        shape = (batch, 3, info.input_height, info.input_width)
-        if gpu is None:
-            images = np.random.default_rng(0).random(shape, np.float32)
-            started, runs = time.perf_counter(), 0
-            while runs < 3 or time.perf_counter() - started < setup.seconds / 2:
-                backend.infer(images)
-                runs += 1
-            row.images_s = batch * runs / (time.perf_counter() - started)
-            return
-        import cupy
-
-        stream = gpu.compute_stream
-        images = backend.input_buffer(batch) if hasattr(backend, "input_buffer") else cupy.empty(
-            shape, getattr(backend, "input_dtype", info.input_dtype))
-        with stream:
-            images[...] = cupy.random.random(shape, np.float32).astype(images.dtype)
-        row.images_s = infer_rate(backend, images, stream, setup.seconds / 2)
-    finally:
-        backend.close()
-
-
-def infer_rate(backend: Any, images: Any, stream: Any, seconds: float, min_runs: int = 10
-               ) -> float:
-    """Images/s of ``backend.infer(images, stream)`` over about ``seconds`` of runs, timed
-    with CUDA events on ``stream`` after one warm run.
-
-    Args:
-        images: (B, 3, H, W) CuPy array of the backend's input dtype, valid on ``stream``
-            (the backend's own input buffer saves it a copy).
-    """
-    import cupy
-
-    backend.infer(images, stream)
-    stream.synchronize()
-    probe = time.perf_counter()
-    backend.infer(images, stream)
-    stream.synchronize()
-    runs = max(min_runs, int(seconds / max(time.perf_counter() - probe, 1e-4)))
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record(stream)
-    for _ in range(runs):
-        backend.infer(images, stream)
-    end.record(stream)
-    end.synchronize()
-    return images.shape[0] * runs / (cupy.cuda.get_elapsed_time(start, end) / 1000)
+    rate = engine_rate(pipeline_config(setup, 1, "cpu", row.batch, Path(".")), setup.seconds / 2)
+    row.backend, row.warmup_s, row.images_s = rate.backend, rate.warmup_s, rate.images_s
 
 
 def measure_naive(setup: Setup, row: Row) -> None:

@@ -1,6 +1,7 @@
 """Command line: ``python run.py --config configs/file.yaml`` (``streamdet``): parses the
 arguments and the configuration, then runs it the one way every run goes
-(``pipeline.app.run``: its docstring has the exit status table).
+(``pipeline.app.run``: its docstring has the exit status table). ``run.py capacity --config
+cams.yaml --clip my.mp4`` measures how many cameras hold (``pipeline.app.capacity``).
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "write annotated MP4 and JSON Lines detections per source.",
         epilog="Configuration keys: run.py --help-config. Example: configs/file.yaml.",
     )
-    parser.add_argument("command", nargs="?", default="run", choices=["run", "build-engine"],
-                        help="run the pipeline (default), or build the TensorRT engine ahead "
-                             "of deployment")
+    parser.add_argument("command", nargs="?", default="run",
+                        choices=["run", "build-engine", "capacity"],
+                        help="run the pipeline (default), build the TensorRT engine ahead "
+                             "of deployment, or find how many cameras of --clip this machine "
+                             "holds (capacity)")
     parser.add_argument("--config", "-c", help="YAML configuration file")
     parser.add_argument("--log-format", choices=["console", "json"],
                         help="override runtime.log_format")
@@ -49,7 +52,34 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "(ray://head:10001), local starts one here; needs the ray extra")
     parser.add_argument("--help-config", action="store_true",
                         help="list every configuration key with its default and meaning")
+    capacity = parser.add_argument_group(
+        "capacity", "run.py capacity --config cams.yaml --clip my.mp4 [--fps 30]: play the clip "
+        "as N paced live cameras through the run path (the config's model, inference and "
+        "runtime; its sources replaced) and find the largest N held: 0 dropped, p99 latency "
+        "<= 100 ms, >= 95% of the frames delivered")
+    capacity.add_argument("--clip", type=Path, help="the video every camera plays")
+    capacity.add_argument("--fps", type=float, help="each camera's frames/s (default: the clip's)")
+    capacity.add_argument("--cameras", metavar="N,N,...",
+                          help="camera counts to try (default: search from an estimate, "
+                               "doubling, then bisecting)")
+    capacity.add_argument("--budget-s", type=float, help="the longest it may take (default 1800)")
+    capacity.add_argument("--warmup-s", type=float,
+                          help="seconds after every camera delivered before the window "
+                               "(default 10)")
+    capacity.add_argument("--seconds", type=float, help="the measured window (default 30)")
+    capacity.add_argument("--out", type=Path,
+                          help="folder for each run's config and log, results.md and "
+                               "results.json (default: none kept)")
+    capacity.add_argument("--decoders", type=int,
+                          help="decode alone's parallel decoders (default: 16 on NVDEC, one "
+                               "per core on the CPU)")
+    capacity.add_argument("--no-ceilings", action="store_true",
+                          help="skip decode alone and engine alone")
     return parser.parse_args(argv)
+
+
+CAPACITY_OPTIONS = ("clip", "fps", "cameras", "budget_s", "warmup_s", "seconds", "out",
+                    "decoders")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,6 +90,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.config:
         print("error: --config is required (for example: --config configs/file.yaml)",
               file=sys.stderr)
+        return EXIT_USAGE
+    given = [f"--{name.replace('_', '-')}" for name in CAPACITY_OPTIONS
+             if getattr(args, name) is not None] + ["--no-ceilings"] * args.no_ceilings
+    if args.command == "capacity":
+        return capacity(args)
+    if given:
+        print(f"error: {', '.join(given)}: options of the capacity command (run.py capacity "
+              f"--config cams.yaml --clip my.mp4)", file=sys.stderr)
         return EXIT_USAGE
     if args.ray is not None:
         from pipeline.app.ray_cluster import ray_missing
@@ -89,6 +127,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
 
 
+def capacity(args: argparse.Namespace) -> int:
+    """``run.py capacity``: how many paced cameras of ``--clip`` hold (``pipeline.app.capacity``)."""
+    from pipeline.app.capacity import Options, main, parse_counts
+
+    configure_logging(args.log_format or "console", args.log_level or "warning")
+    if args.clip is None:
+        print("error: capacity: --clip is required (the video every camera plays)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    options = Options(Path(args.config), args.clip, list(args.overrides), args.fps,
+                      decoders=args.decoders, ceilings=not args.no_ceilings, out=args.out)
+    for name in ("budget_s", "warmup_s", "seconds"):
+        if getattr(args, name) is not None:
+            setattr(options, name, getattr(args, name))
+    try:
+        if args.cameras is not None:
+            options.cameras = parse_counts(args.cameras)
+        return main(options)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as error:  # noqa: BLE001 - one line for the user, details at debug
+        log.debug("traceback", text=traceback.format_exc())
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        return EXIT_FAILED
+
+
 def build_engine(config: PipelineConfig) -> int:
     """Build (or find in the cache) the TensorRT engine for the configured model."""
     from pipeline.app.build import first_file_source
@@ -109,3 +177,7 @@ def build_engine(config: PipelineConfig) -> int:
         return EXIT_FAILED
     print(path)
     return EXIT_OK
+
+
+if __name__ == "__main__":  # python -m pipeline.app.cli: what capacity starts
+    sys.exit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from benchmarks.decode_ceiling import main
-from benchmarks.throughput import make_looped_clip
+from pipeline.app.clips import make_looped_clip
 
 
 def test_prints_isolated_and_pool_rates(samples, tmp_path, capsys):

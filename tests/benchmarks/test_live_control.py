@@ -1,87 +1,13 @@
-"""benchmarks.live_control: its numbers from hand-made metrics pages, and its small (CPU)
-mode end to end through run.py, as CI runs it, then benchmarks.render_page on what it saved."""
+"""benchmarks.live_control: its small (CPU) mode end to end through run.py, as CI runs it,
+then benchmarks.render_page on what it saved (its numbers are pipeline.app.measurement's,
+tested in tests/pipeline/app/test_measurement.py)."""
 
 from __future__ import annotations
 
-import math
-import time
-
 import pytest
 
-from benchmarks.live_control import (
-    MetricsPoller,
-    Result,
-    bucket_text,
-    main,
-    parse_metrics,
-    percentile_bucket,
-    spread,
-    window_numbers,
-)
+from benchmarks.live_control import main, spread
 from benchmarks.render_page import answer_for
-
-
-def metrics_page(frames: int, fast: int, dropped: int = 0, work: float = 1.0) -> str:
-    """A cluster /metrics page: cam0 on host p0 (``fast`` of its ``frames`` within 50 ms,
-    the rest within 200 ms), ``added`` on p0 too (ignored), cam1 on p1 (all within 10 ms)."""
-    lines = []
-    for host, source, count, le in (("p0", "cam0", frames, None), ("p0", "added", 7, None),
-                                    ("p1", "cam1", frames, 0.01)):
-        lines.append(f'pipeline_source_frames_total{{pipeline="{host}",source="{source}"}} '
-                     f'{count}')
-        lines.append(f'pipeline_source_dropped_frames_total{{pipeline="{host}",'
-                     f'source="{source}"}} {dropped if source == "cam0" else 0}')
-        for bound in ("0.01", "0.05", "0.1", "0.2", "+Inf"):
-            if le is not None:
-                value = count
-            else:
-                value = fast if float(bound) <= 0.05 else count
-                value = 0 if bound == "0.01" else value
-            lines.append(f'pipeline_frame_latency_seconds_bucket{{le="{bound}",pipeline='
-                         f'"{host}",source="{source}"}} {value}')
-    for host in ("p0", "p1"):
-        for stage, seconds in (("infer", work), ("sink:cam0", work / 4), ("sink:cam1", work / 4)):
-            lines.append(f'pipeline_stage_work_seconds_total{{pipeline="{host}",'
-                         f'stage="{stage}"}} {seconds}')
-            lines.append(f'pipeline_stage_blocked_seconds_total{{pipeline="{host}",'
-                         f'stage="{stage}"}} {seconds / 10}')
-    return "\n".join(["# TYPE pipeline_source_frames_total counter", *lines]) + "\n"
-
-
-@pytest.mark.parametrize(("buckets", "share", "expected"), [
-    ({0.05: 0, 0.1: 99, math.inf: 100}, 0.99, (0.05, 0.1)),
-    ({0.05: 0, 0.1: 98, math.inf: 100}, 0.99, (0.1, math.inf)),
-    ({0.05: 50, 0.1: 100, math.inf: 100}, 0.5, (0.0, 0.05)),
-    ({0.05: 0, math.inf: 0}, 0.99, None),
-])
-def test_a_percentile_is_the_bucket_it_falls_in(buckets, share, expected):
-    assert percentile_bucket(buckets, share) == expected
-
-
-def test_bucket_text_states_the_bounds():
-    assert bucket_text((0.05, 0.1)) == "<= 100 ms (50-100)"
-    assert bucket_text((30.0, math.inf)) == "> 30000 ms"
-    assert bucket_text(None) == "-"
-
-
-def test_window_numbers_count_the_configured_cameras_per_host_and_in_all():
-    poller = MetricsPoller("http://unused")
-    start = time.monotonic()
-    for at, text in ((start, metrics_page(100, 100)),
-                     (start + 2.0, metrics_page(300, 296, dropped=3, work=3.0))):
-        for host, sample in parse_metrics(text).items():
-            poller.history.setdefault(host, []).append((at, sample))
-    result = Result()
-    window_numbers(poller, start, start + 2.0, {"cam0", "cam1"}, result)
-    assert result.delivered == pytest.approx(200.0)  # (200 + 200) frames in 2 s; added ignored
-    assert result.dropped == 3
-    # p0: 196 of its 200 frames <= 50 ms (98%), the rest <= 100 ms; p1: all <= 10 ms
-    assert result.host_p99 == {"p0": (0.05, 0.1), "p1": (0.0, 0.01)}
-    assert result.p99 == (0.01, 0.05)  # 396 of the 400 frames <= 50 ms: 99%
-    assert result.stages["infer"] == pytest.approx((4.0, 0.4))  # 2 s of work on each host
-    assert result.stages["sinks"] == pytest.approx((2.0, 0.2))
-    assert result.busiest == ("p0", "infer", pytest.approx(100.0))
-    assert result.host_cameras == {"p0": 1, "p1": 1}
 
 
 def test_watched_cameras_are_spread_over_the_hosts():

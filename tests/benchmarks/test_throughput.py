@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-
-import av
 import pytest
 
-from benchmarks.throughput import PacedRow, clip_frames, main, make_looped_clip, paced_verdict, steady_rate
-from pipeline.config import SourceConfig
-from pipeline.records import Frame
-from stages.decode import DecodeStage
+from benchmarks.throughput import PacedRow, main, paced_verdict, steady_rate
 
 
 @pytest.mark.parametrize("times, rate", [
@@ -37,26 +31,6 @@ def test_steady_rate_counts_every_frame_of_a_batch_part():
 def test_too_few_completions_are_an_error(times, counts):
     with pytest.raises(RuntimeError, match="too few completions"):
         steady_rate(times, counts)
-
-
-def test_a_looped_clip_is_the_clip_repeated_with_rising_timestamps(samples, tmp_path):
-    looped = make_looped_clip(samples.carphone, tmp_path / "car_x3.mp4", 3)
-    assert clip_frames(looped) == 3 * clip_frames(samples.carphone) == 360
-    with av.open(str(looped)) as container:
-        stream = container.streams.video[0]
-        dts = [p.dts for p in container.demux(stream) if p.dts is not None]
-        assert stream.codec_context.name == "h264"
-    assert dts == sorted(dts) and len(set(dts)) == len(dts)
-    # A plain file source reads it through, every frame decodable, once.
-    source = DecodeStage(SourceConfig(name="car", uri=str(looped)))
-    items = list(source.frames(threading.Event()))
-    frames = [item for item in items if isinstance(item, Frame)]
-    assert [f.index for f in frames] == list(range(360)) and items[-1].error is None
-    pts = [f.pts for f in frames]
-    assert pts == sorted(pts) and len(set(pts)) == 360
-    # Made once: a second call returns the cached file as it is.
-    mtime = looped.stat().st_mtime_ns
-    assert make_looped_clip(samples.carphone, looped, 3).stat().st_mtime_ns == mtime
 
 
 def parse(table: str) -> list[list[list[str]]]:

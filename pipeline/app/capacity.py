@@ -1,0 +1,641 @@
+"""How many cameras will this machine hold? ``python run.py capacity --config cams.yaml --clip
+my.mp4 [--fps 30]`` plays the clip as N paced live cameras through the run path users take
+and finds the largest N that holds, beside what decode and the engine reach alone.
+
+    cams.yaml (model, inference, runtime, outputs) ──┐
+    my.mp4 (looped by a stream copy when too short) ─┴─> N.yaml: sources = N cameras
+        {camNNN: the clip, live: true, pace_fps: FPS, reconnect: false}; outputs into a
+        temporary folder (deleted afterwards); Prometheus on a free port of 127.0.0.1
+    for each N the search picks:
+        python -m pipeline.app.cli run --config N.yaml   (a child process, its own group)
+        └─ pipeline.app.measurement: every camera delivering, --warmup-s, a --seconds window
+           of Prometheus scrapes -> delivered, dropped, p50/p99, stages' work and blocked s
+    decode alone, engine alone: python -m pipeline.app.ceilings (child processes, first)
+
+Held (``measurement.Window.held``): 0 dropped, p99 capture-to-sink latency <= 100 ms and
+delivered >= 95% of offered, over the window. The search: ``--cameras 50,100,150`` tries those;
+by default it starts at an estimate (half of what the slower of decode alone and engine alone
+could feed at FPS, or ``DEFAULT_START`` without them), doubles while N holds (halves while it
+does not), then bisects between the largest N that held and the smallest above it that did
+not, down to one camera. ``--budget-s`` caps the whole command: a run that would not fit in
+what is left is not started (the table says so). The process that measures never creates a
+CUDA context: every GPU user is a child.
+
+Exit status: 0 when at least one N was measured (held or not: the table is the result), 1
+when none could be, 2 for a bad ``--clip``, configuration or option (one line, nothing run),
+130 when interrupted (Ctrl-C or SIGTERM: the running child is stopped with one SIGINT, the
+table of the runs so far printed).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.app.measurement import (
+    DELIVERED_SHARE,
+    P99_LIMIT_S,
+    MeasurementError,
+    MetricsPoller,
+    UtilisationSampler,
+    Window,
+    bucket_text,
+    child_env,
+    free_port,
+    launch,
+    said,
+    stop,
+    wait_delivering,
+    window_numbers,
+)
+from pipeline.config import ConfigError, apply_overrides, load_config
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+DEFAULT_START = 4  # cameras of the first run when no ceiling gives an estimate
+MAX_CAMERAS = 4096  # the search never doubles past this
+START_TIMEOUT_S = 300.0  # launch until every camera delivered (model load, compile, warm-up)
+STOP_S = 30.0  # what stopping a run takes, at most, in the budget's reckoning
+CEILING_TIMEOUT_S = 900.0  # a ceiling child (an engine compiled from a cold cache)
+
+
+@dataclass
+class Options:
+    """What ``capacity`` was asked (the command line's capacity options).
+
+    Attributes:
+        config: the user's YAML; its sources are replaced, the rest kept.
+        overrides: ``--set KEY=VALUE`` applied to it first.
+        clip: the video every camera plays.
+        fps: each camera's frames/s (None: the clip's own rate).
+        cameras: the counts to try, in order (None: search).
+        budget_s: the longest the whole command may take.
+        warmup_s: seconds from every camera delivering to the window.
+        seconds: the window.
+        out: folder for each run's config, log and scrapes and the results (None: a
+            temporary one, deleted afterwards).
+        decoders: decode alone's parallel decoders (None: its default).
+        ceilings: measure decode alone and engine alone.
+    """
+
+    config: Path
+    clip: Path
+    overrides: list[str] = field(default_factory=list)
+    fps: float | None = None
+    cameras: list[int] | None = None
+    budget_s: float = 1800.0
+    warmup_s: float = 10.0
+    seconds: float = 30.0
+    out: Path | None = None
+    decoders: int | None = None
+    ceilings: bool = True
+
+
+@dataclass
+class RunRow:
+    """One N tried: its window (None when it could not be measured: ``error`` says why)."""
+
+    cameras: int
+    fps: float
+    window: Window | None = None
+    error: str | None = None
+    start_s: float | None = None  # launch until every camera delivered
+    took_s: float | None = None  # launch until the child exited
+    exit_code: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self.window is not None and self.error is None and self.window.held
+
+
+# ---- inputs ------------------------------------------------------------------------------
+
+
+def check_clip(clip: Path) -> tuple[int, float | None]:
+    """(frames, frame rate or None) of a clip whose first frame decodes.
+
+    Raises:
+        ConfigError: ``--clip: ...`` missing, a folder, not a video, or undecodable.
+    """
+    from pipeline.app.build import probe_frame_size
+    from pipeline.app.clips import clip_frames, clip_rate
+
+    if clip.is_dir():
+        raise ConfigError(f"--clip: {str(clip)!r} is a folder, not a video file")
+    if not clip.is_file():
+        raise ConfigError(f"--clip: file not found: {str(clip)!r}")
+    try:
+        probe_frame_size(str(clip))
+        return clip_frames(clip), clip_rate(clip)
+    except ConfigError as error:
+        raise ConfigError(f"--clip: {error}") from None
+
+
+def camera_sources(count: int, clip: Path, fps: float) -> list[dict[str, Any]]:
+    """``count`` paced live cameras playing ``clip``: ``cam000``, ``cam001``, ..."""
+    return [{"name": f"cam{i:03d}", "uri": str(clip), "live": True, "pace_fps": fps,
+             "reconnect": False} for i in range(count)]
+
+
+def read_user_config(path: Path, overrides: list[str], clip: Path, fps: float
+                     ) -> dict[str, Any]:
+    """The user's YAML as written (``${VAR}`` kept for the child to fill), ``overrides``
+    applied, after checking that it is valid with its sources replaced by cameras of
+    ``clip``.
+
+    Raises:
+        ConfigError: the file is missing, not YAML, or holds a bad value (the key named).
+    """
+    cameras = f"sources={json.dumps(camera_sources(1, clip, fps))}"
+    load_config(path, [*overrides, cameras])
+    data = yaml.safe_load(path.read_text()) or {}
+    return apply_overrides(data, overrides)
+
+
+def run_config(user: dict[str, Any], cameras: int, clip: Path, fps: float, records: Path,
+               metrics_port: int) -> dict[str, Any]:
+    """The configuration of one run: the user's with its sources replaced by ``cameras``
+    cameras, its outputs in ``records`` (video only if the user's config names one; no
+    MQTT: the cameras are not real), Prometheus on ``metrics_port`` of 127.0.0.1, no
+    progress bar, and no end but SIGINT. The live view, when configured, moves to a free
+    port of 127.0.0.1. Neither ``runtime.pipelines`` nor ``runtime.workers`` is set here."""
+    data = copy.deepcopy(user)
+    data["sources"] = camera_sources(cameras, clip, fps)
+    output = dict(data.get("output") or {})
+    output["dir"] = str(records)
+    output.setdefault("video", None)
+    output.pop("mqtt", None)
+    data["output"] = output
+    runtime = dict(data.get("runtime") or {})
+    runtime.pop("metrics_token", None)
+    runtime.update(metrics_port=metrics_port, metrics_host="127.0.0.1", progress=False,
+                   stop_when="never")
+    if runtime.get("http") is not None:
+        runtime["http"] = {**runtime["http"], "host": "127.0.0.1", "port": free_port()}
+    data["runtime"] = runtime
+    return data
+
+
+def write_config(data: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+# ---- the search --------------------------------------------------------------------------
+
+
+def next_count(tried: dict[int, bool], start: int, most: int = MAX_CAMERAS) -> int | None:
+    """The next camera count to try given ``tried`` (count -> held), or None when the
+    largest count that holds is known: ``start`` first; doubled while every count held,
+    halved while none did; then the middle between the largest that held and the smallest
+    above it that did not, until they are one apart."""
+    if not tried:
+        return max(1, min(start, most))
+    held = [n for n, ok in tried.items() if ok]
+    low = max(held, default=0)
+    above = [n for n, ok in tried.items() if not ok and n > low]
+    if not above:
+        return min(2 * low, most) if low < most else None
+    high = min(above)
+    if low == 0:
+        return high // 2 if high > 1 else None
+    return (low + high) // 2 if high - low > 1 else None
+
+
+def largest_held(rows: list[RunRow]) -> int:
+    """The largest camera count that held (0: none)."""
+    return max((row.cameras for row in rows if row.held), default=0)
+
+
+def estimate(ceilings: dict[str, dict[str, Any]], fps: float) -> int:
+    """Half the cameras the slower of decode alone and engine alone could feed at ``fps``
+    (``DEFAULT_START`` when neither was measured)."""
+    rates = [c[key] for c, key in ((ceilings.get("decode"), "fps"),
+                                   (ceilings.get("engine"), "images_s"))
+             if c is not None and c.get(key)]
+    if not rates:
+        return DEFAULT_START
+    return max(1, math.floor(0.5 * min(rates) / fps))
+
+
+# ---- the measurements ----------------------------------------------------------------------
+
+
+class UsageError(Exception):
+    """A child said the configuration cannot run here (its exit status 2): stop, exit 2."""
+
+
+def measure_ceiling(what: str, config_path: Path, log: Path, seconds: float,
+                    decoders: int | None, timeout_s: float) -> dict[str, Any]:
+    """Decode alone or engine alone (``pipeline.app.ceilings``) in a child process.
+
+    Raises:
+        UsageError: the child exited 2 (its error line).
+        MeasurementError: it failed otherwise (its error line), or took longer than
+            ``timeout_s``.
+    """
+    command = [sys.executable, "-m", "pipeline.app.ceilings", what, "--config",
+               str(config_path), "--seconds", f"{seconds:g}"]
+    if what == "decode" and decoders:
+        command += ["--decoders", str(decoders)]
+    with open(log, "w") as errors:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors,
+                                   stdin=subprocess.DEVNULL, text=True, env=child_env(),
+                                   start_new_session=True)
+        try:
+            output, _ = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stop(process, 30.0)
+            raise MeasurementError(f"took longer than {timeout_s:g} s") from None
+        except BaseException:
+            stop(process, 30.0)
+            raise
+    text = log.read_text().strip()
+    last = next((line for line in reversed(text.splitlines()) if line.startswith("error:")),
+                f"exit status {process.returncode}; see {log.name}")
+    if process.returncode == EXIT_USAGE:
+        raise UsageError(last.removeprefix("error: "))
+    if process.returncode != 0:
+        raise MeasurementError(last.removeprefix("error: "))
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def measure_cameras(options: Options, user: dict[str, Any], clip: Path, fps: float,
+                    cameras: int, folder: Path, start_limit_s: float, gpu: bool) -> RunRow:
+    """One run of ``cameras`` cameras through ``python -m pipeline.app.cli run`` (module
+    docstring); its config, ``run.log`` and the scrapes at the window's ends go to
+    ``folder``.
+
+    Raises:
+        UsageError: run.py refused the configuration (exit status 2).
+    """
+    row = RunRow(cameras, fps)
+    folder.mkdir(parents=True, exist_ok=True)
+    records = Path(tempfile.mkdtemp(prefix="capacity-records-"))
+    port = free_port()
+    config = write_config(run_config(user, cameras, clip, fps, records, port),
+                          folder / "config.yaml")
+    names = {source["name"] for source in camera_sources(cameras, clip, fps)}
+    poller = MetricsPoller(f"http://127.0.0.1:{port}/metrics")
+    command = [sys.executable, "-m", "pipeline.app.cli", "run", "--config", str(config),
+               "--no-progress"]
+    started = time.monotonic()
+    process, reader = launch(command, folder / "run.log")
+    try:
+        poller.start()
+        row.start_s = wait_delivering(poller, process, names, start_limit_s, started)
+        time.sleep(options.warmup_s)
+        window = Window(offered=cameras * fps)
+        with UtilisationSampler(gpu) as sampler:
+            t0, p0 = time.monotonic(), time.perf_counter()
+            (folder / "metrics-start.txt").write_text(poller.scrape())
+            time.sleep(options.seconds)
+            (folder / "metrics-end.txt").write_text(poller.scrape())
+            t1, p1 = time.monotonic(), time.perf_counter()
+        window.gpu_util, window.window_s = sampler.mean(p0, p1), t1 - t0
+        if process.poll() is not None:
+            raise MeasurementError(f"run.py exited with {process.returncode} in the "
+                                   f"window{said(process)}")
+        window_numbers(poller, t0, t1, names, window)
+        row.window = window
+    except (MeasurementError, OSError, ValueError) as error:
+        row.error = str(error)
+    finally:
+        poller.stop()
+        row.exit_code, note = stop(process)
+        reader.join(10)
+        row.took_s = time.monotonic() - started
+        shutil.rmtree(records, ignore_errors=True)
+    if note is not None:
+        row.error = row.error or note
+    if row.exit_code == EXIT_USAGE:
+        raise UsageError(getattr(process, "last_error", "run.py: bad configuration")
+                         .removeprefix("error: "))
+    if row.error is None and row.exit_code not in (0, None):
+        row.error = f"run.py exited with {row.exit_code}{said(process)}"
+    return row
+
+
+# ---- the report ----------------------------------------------------------------------------
+
+
+def plural(count: int, one: str, many: str | None = None) -> str:
+    return f"{count} {one if count == 1 else (many or one + 's')}"
+
+
+def latency_text(found: tuple[float, float] | None) -> str:
+    return bucket_text(found).split(" (")[0]
+
+
+def busiest_text(window: Window) -> str:
+    """``infer 92% (27.6 s work, 0.3 s blocked)``: the busiest stage of any host, with its
+    work and blocked seconds summed over the hosts."""
+    if window.busiest is None:
+        return "-"
+    host, stage, share = window.busiest
+    work, blocked = window.stages.get(stage, (0.0, 0.0))
+    where = f"{host} " if len(window.hosts) > 1 else ""
+    return f"{where}{stage} {share:.0f}% ({work:,.1f} s work, {blocked:,.1f} s blocked)"
+
+
+def held_text(row: RunRow) -> str:
+    if row.window is None or row.error is not None:
+        return f"no: failed ({row.error})"
+    if row.window.held:
+        return "yes"
+    return "no: " + ", ".join(row.window.why_not_held())
+
+
+def table(rows: list[RunRow]) -> str:
+    """The markdown table, one row per N tried, in camera order."""
+    gpu = any(row.window is not None and row.window.gpu_util is not None for row in rows)
+    head = ["cameras", "offered fps", "delivered fps", "dropped", "p50 latency", "p99 latency",
+            "held", "busiest stage"] + (["GPU"] if gpu else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in sorted(rows, key=lambda r: r.cameras):
+        w = row.window or Window(offered=row.cameras * row.fps)
+        cells = [str(row.cameras), f"{w.offered:,.1f}",
+                 "-" if w.delivered is None else f"{w.delivered:,.1f}",
+                 "-" if w.dropped is None else str(w.dropped), latency_text(w.p50),
+                 latency_text(w.p99), held_text(row), busiest_text(w)]
+        if gpu:
+            cells.append("-" if w.gpu_util is None else f"{w.gpu_util:.0f}%")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ceiling_lines(ceilings: dict[str, Any], fps: float) -> list[str]:
+    lines = []
+    decode = ceilings.get("decode")
+    if isinstance(decode, dict):
+        where = (plural(decode["processes"], "worker process", "worker processes")
+                 if decode["mode"] == "cpu" else "NVDEC")
+        lines.append(f"decode alone: {decode['fps']:,.0f} frames/s ({decode['decoders']} "
+                     f"decoders, {decode['mode']}, {where}): at most "
+                     f"{decode['fps'] / fps:,.0f} cameras at {fps:g} fps")
+    elif decode is not None:
+        lines.append(f"decode alone: failed ({decode})")
+    engine = ceilings.get("engine")
+    if isinstance(engine, dict):
+        lines.append(f"engine alone: {engine['images_s']:,.0f} images/s ({engine['backend']} on "
+                     f"{engine['device']}, batch {engine['batch']}, warm-up "
+                     f"{engine['warmup_s']:.1f} s): at most {engine['images_s'] / fps:,.0f} "
+                     f"cameras at {fps:g} fps")
+    elif engine is not None:
+        lines.append(f"engine alone: failed ({engine})")
+    return lines
+
+
+def stage_lines(row: RunRow) -> str:
+    """Every stage's work and blocked seconds in ``row``'s window, busiest first."""
+    if row.window is None or not row.window.stages:
+        return "-"
+    return "; ".join(f"{stage} {work:,.1f} s work, {blocked:,.1f} s blocked"
+                     for stage, (work, blocked) in sorted(row.window.stages.items(),
+                                                          key=lambda item: -item[1][0]))
+
+
+def report(header: str, rows: list[RunRow], ceilings: dict[str, Any],
+           notes: list[str], fps: float) -> str:
+    """What is printed and saved: the header, the ceilings, the table, the answer."""
+    best = largest_held(rows)
+    lines = [header, "", *ceiling_lines(ceilings, fps), "", table(rows), ""]
+    focus = min((r for r in rows if not r.held and r.window is not None),
+                key=lambda r: r.cameras, default=None)
+    if focus is not None:
+        lines.append(f"Stages at {plural(focus.cameras, 'camera')} (the fewest that did not hold), "
+                     f"summed over the window: {stage_lines(focus)}")
+    lines += [f"Note: {note}" for note in notes]
+    if best:
+        lines.append(f"Largest held: {plural(best, 'camera')} at {fps:g} fps "
+                     f"({best * fps:,.0f} frames/s).")
+    else:
+        lines.append("Largest held: none of the counts tried held.")
+    return "\n".join(lines) + "\n"
+
+
+def results_json(options: Options, rows: list[RunRow], ceilings: dict[str, Any],
+                 notes: list[str], fps: float) -> dict[str, Any]:
+    def window(w: Window | None) -> dict[str, Any] | None:
+        if w is None:
+            return None
+        found = asdict(w)
+        found.update(held=w.held, delivered_pct=w.delivered_pct)
+        return found
+
+    return {"clip": str(options.clip), "config": str(options.config), "fps": fps,
+            "warmup_s": options.warmup_s, "seconds": options.seconds,
+            "held_limits": {"dropped": 0, "p99_s": P99_LIMIT_S,
+                            "delivered_share": DELIVERED_SHARE},
+            "largest_held": largest_held(rows), "ceilings": ceilings, "notes": notes,
+            "runs": [{**{k: v for k, v in asdict(row).items() if k != "window"},
+                      "held": row.held, "window": window(row.window)} for row in rows]}
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+
+def parse_counts(text: str) -> list[int]:
+    """``50,100,150`` -> [50, 100, 150].
+
+    Raises:
+        ConfigError: not a list of positive whole numbers.
+    """
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ConfigError(f"--cameras: expected camera counts like 50,100,150, got {text!r}")
+    return counts
+
+
+def check_options(options: Options) -> None:
+    """Raise ``ConfigError`` (one line) for an option out of range."""
+    if options.seconds < 5:
+        raise ConfigError(f"--seconds: at least 5 (pipelines report metrics once a second), "
+                          f"got {options.seconds:g}")
+    if options.warmup_s < 0:
+        raise ConfigError(f"--warmup-s: at least 0, got {options.warmup_s:g}")
+    if options.fps is not None and options.fps <= 0:
+        raise ConfigError(f"--fps: above 0, got {options.fps:g}")
+    if options.budget_s <= 0:
+        raise ConfigError(f"--budget-s: above 0, got {options.budget_s:g}")
+    if options.decoders is not None and options.decoders < 1:
+        raise ConfigError(f"--decoders: at least 1, got {options.decoders}")
+
+
+def progress(text: str) -> None:
+    print(f"capacity: {text}", file=sys.stderr, flush=True)
+
+
+def search(measure: Callable[[int], bool], start: int, counts: list[int] | None = None,
+           fits: Callable[[int], bool] = lambda count: True) -> dict[int, bool]:
+    """Try camera counts until the largest that holds is known (``next_count`` from
+    ``start``), or ``counts`` in their order when given; stop early at a count ``fits``
+    refuses (the budget). Returns count -> held (``measure``'s answer)."""
+    tried: dict[int, bool] = {}
+    pending = None if counts is None else list(counts)
+    while True:
+        if pending is None:
+            count = next_count(tried, start)
+        else:
+            count = pending.pop(0) if pending else None
+        if count is None or not fits(count):
+            return tried
+        tried[count] = measure(count)
+
+
+def prepare_inputs(options: Options) -> tuple[Any, dict[str, Any], Path, int, float]:
+    """Check the options, the clip and the configuration before anything runs: (the
+    configuration with one camera, the user's YAML, the clip's absolute path, its frames,
+    the cameras' fps).
+
+    Raises:
+        ConfigError: the one line for the user (exit status 2).
+    """
+    from pipeline.app.run import prepare
+
+    check_options(options)
+    frames, rate = check_clip(options.clip)
+    fps = options.fps or rate
+    if not fps:
+        raise ConfigError("--fps: the clip states no frame rate: give one")
+    clip = options.clip.resolve()
+    user = read_user_config(options.config, options.overrides, clip, fps)
+    one = json.dumps(camera_sources(1, clip, fps))
+    single = load_config(options.config, [*options.overrides, f"sources={one}"])
+    prepare(single, restart=True)  # the model, its classes, the clip's first frame
+    return single, user, clip, frames, fps
+
+
+def measure_ceilings(options: Options, user: dict[str, Any], clip: Path, fps: float,
+                     out: Path, time_left: Callable[[], float]) -> dict[str, Any]:
+    """Engine alone, then decode alone, each in a child process: what each measured (a
+    dict), or why it could not (a string).
+
+    Raises:
+        UsageError: a child found the configuration cannot run here.
+    """
+    seconds = min(10.0, max(2.0, options.seconds / 3))
+    records = Path(tempfile.mkdtemp(prefix="capacity-records-"))
+    try:
+        config = write_config(run_config(user, 1, clip, fps, records, free_port()),
+                              out / "ceilings.yaml")
+        found: dict[str, Any] = {}
+        for what in ("engine", "decode"):
+            log = out / f"{what}-alone.log"
+            progress(f"{what} alone ({seconds:g} s window; log: {log})")
+            try:
+                found[what] = measure_ceiling(what, config, log, seconds, options.decoders,
+                                              min(CEILING_TIMEOUT_S, max(time_left(), 30.0)))
+            except MeasurementError as error:
+                found[what] = str(error)
+        return found
+    finally:
+        shutil.rmtree(records, ignore_errors=True)
+
+
+def main(options: Options) -> int:
+    """Run the command (module docstring); returns its exit status."""
+    began = time.monotonic()
+
+    def time_left() -> float:
+        return options.budget_s - (time.monotonic() - began)
+
+    try:
+        single, user, clip, frames, fps = prepare_inputs(options)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    work = Path(tempfile.mkdtemp(prefix="capacity-"))
+    out = options.out.resolve() if options.out is not None else work
+    rows: list[RunRow] = []
+    ceilings: dict[str, Any] = {}
+    notes: list[str] = []
+    header = ""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        from pipeline.app.clips import clip_for
+
+        # each camera plays from its start: the start, the warm-up, the window, the stop
+        played = clip_for(clip, START_TIMEOUT_S + options.warmup_s + options.seconds + STOP_S,
+                          fps, work)
+        header = header_text(options, single, clip, played, frames, fps)
+        if options.ceilings:
+            ceilings = measure_ceilings(options, user, played, fps, out, time_left)
+        measured = {k: v for k, v in ceilings.items() if isinstance(v, dict)}
+        needed = options.warmup_s + options.seconds + STOP_S
+
+        def fits(count: int) -> bool:
+            took = max((row.took_s or 0.0 for row in rows), default=0.0)
+            if rows and time_left() < max(took, needed + 10.0):
+                notes.append(f"--budget-s {options.budget_s:g}: {count} cameras not tried "
+                             f"({time_left():.0f} s left, a run takes about "
+                             f"{max(took, needed):.0f} s)")
+                return False
+            return True
+
+        def measure(count: int) -> bool:
+            folder = out / f"cameras-{count:03d}"
+            progress(f"{plural(count, 'camera')} at {fps:g} fps (log: {folder / 'run.log'})")
+            row = measure_cameras(options, user, played, fps, count, folder,
+                                  min(START_TIMEOUT_S, max(time_left() - needed, 30.0)),
+                                  single.inference.device != "cpu")
+            rows.append(row)
+            progress(f"{plural(count, 'camera')}: held {held_text(row)}")
+            return row.held
+
+        search(measure, estimate(measured, fps), options.cameras, fits)
+        status = EXIT_OK if any(row.window is not None for row in rows) else EXIT_FAILED
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        notes.append("interrupted: the table holds the runs finished before")
+        status = EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(work, ignore_errors=True)
+    text = report(header, rows, ceilings, notes, fps)
+    if options.out is not None:
+        (out / "results.md").write_text(text)
+        (out / "results.json").write_text(
+            json.dumps(results_json(options, rows, ceilings, notes, fps), indent=1))
+    print(text, end="", flush=True)
+    return status
+
+
+def header_text(options: Options, config: Any, clip: Path, played: Path, frames: int,
+                fps: float) -> str:
+    from pipeline.app.clips import clip_frames
+
+    inference = config.inference
+    copies = clip_frames(played) // max(frames, 1) if played != clip else 1
+    looped = f", looped {copies}x" if copies > 1 else ""
+    return (f"Capacity: {clip.name} ({frames:,} frames{looped}) as paced live cameras at "
+            f"{fps:g} fps through `run.py run` with {options.config} (model "
+            f"{Path(config.model.path).name}, inference {inference.backend} on "
+            f"{inference.device}, batch {inference.batch_size}); warm-up {options.warmup_s:g} s,"
+            f" window {options.seconds:g} s. Held: 0 dropped, p99 <= {1000 * P99_LIMIT_S:g} ms,"
+            f" delivered >= {100 * DELIVERED_SHARE:g}% of offered. Latencies are histogram "
+            f"buckets (bounds 5, 10, 20, 50, 100, 200, 500 ms, ...).")
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    """SIGTERM stops the command as Ctrl-C does."""
+    raise KeyboardInterrupt

@@ -1,0 +1,462 @@
+"""A paced run measured from outside, as a user's Prometheus would see it: start ``run.py`` as a
+child process, scrape its ``/metrics`` (``runtime.metrics_port``), take a window's numbers
+and decide whether the run held. ``capacity`` and ``benchmarks.live_control`` measure with it.
+
+    launch(run.py) ──> MetricsPoller (a thread, /metrics every SCRAPE_PERIOD_S, per host the
+    │                  snapshots that changed, each with the time it was first seen)
+    │   wait_delivering: every camera counted a frame
+    │   warm-up, then the window [t0, t1]
+    └── window_numbers(poller, t0, t1, cameras) ──> Window: delivered, dropped, p50/p99,
+        stages' work and blocked seconds, the busiest stage, held
+    stop(child): SIGINT, its exit status
+
+Over the window, for the cameras asked about (others, e.g. one added through the API, are
+left out): delivered frames/s (``pipeline_source_frames_total``), dropped
+(``pipeline_source_dropped_frames_total``), p50 and p99 capture-to-sink latency from the
+deltas of ``pipeline_frame_latency_seconds_bucket`` summed over the cameras, and the p99 of
+each host. Hosts send their metrics to the supervisor once a second, so a host's numbers run
+between its first and last snapshot inside the window (timed to within a scrape period). A
+percentile is the bucket it falls in: ``<= 100 ms`` means in (50, 100] ms (the bounds are
+``pipeline.app.prometheus.LATENCY_BUCKETS_S``: 5, 10, 20, 50, 100, 200, 500 ms, 1 s, ...);
+100 ms is a bound, so "p99 <= 100 ms" is decided exactly. Each stage's work and blocked
+seconds (``pipeline_stage_work_seconds_total``, ``pipeline_stage_blocked_seconds_total``; the
+per-camera sinks summed as ``sinks``) are summed over the hosts, and the busiest stage of any
+host (work in % of the window) is named: the bottleneck. Held: 0 dropped, p99 <= 100 ms and
+delivered >= 95% of offered.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+P99_LIMIT_S = 0.1
+DELIVERED_SHARE = 0.95
+SCRAPE_PERIOD_S = 0.2
+EXIT_WAIT_S = 120.0  # SIGINT until the child exits (then it is killed)
+
+
+class MeasurementError(RuntimeError):
+    """A step of a measurement failed; the message is one line for the user."""
+
+
+# ---- metrics ---------------------------------------------------------------------------
+
+
+@dataclass
+class HostSample:
+    """One host's counters as one scrape showed them.
+
+    Attributes:
+        frames: source -> ``pipeline_source_frames_total`` (summed over its series).
+        dropped: source -> ``pipeline_source_dropped_frames_total``.
+        buckets: source -> {upper bound in s (inf for +Inf): cumulative count}.
+        work: stage -> ``pipeline_stage_work_seconds_total`` (sinks summed as ``sinks``).
+        blocked: stage -> ``pipeline_stage_blocked_seconds_total`` (likewise).
+    """
+
+    frames: dict[str, float] = field(default_factory=dict)
+    dropped: dict[str, float] = field(default_factory=dict)
+    buckets: dict[str, dict[float, float]] = field(default_factory=dict)
+    work: dict[str, float] = field(default_factory=dict)
+    blocked: dict[str, float] = field(default_factory=dict)
+
+
+def parse_metrics(text: str) -> dict[str, HostSample]:
+    """The counters a measurement reads from a ``/metrics`` page, per host (label
+    ``pipeline``; ``-`` when a sample has none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    hosts: dict[str, HostSample] = {}
+
+    def add(table: dict[str, float], key: str, value: float) -> None:
+        table[key] = table.get(key, 0.0) + value
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            host = hosts.setdefault(labels.get("pipeline", "-"), HostSample())
+            source = labels.get("source", "")
+            stage = labels.get("stage", "")
+            stage = "sinks" if stage.startswith("sink:") else stage
+            if sample.name == "pipeline_source_frames_total":
+                add(host.frames, source, sample.value)
+            elif sample.name == "pipeline_source_dropped_frames_total":
+                add(host.dropped, source, sample.value)
+            elif sample.name == "pipeline_frame_latency_seconds_bucket":
+                add(host.buckets.setdefault(source, {}), float(labels["le"]), sample.value)
+            elif sample.name == "pipeline_stage_work_seconds_total":
+                add(host.work, stage, sample.value)
+            elif sample.name == "pipeline_stage_blocked_seconds_total":
+                add(host.blocked, stage, sample.value)
+    return hosts
+
+
+def percentile_bucket(buckets: dict[float, float], share: float) -> tuple[float, float] | None:
+    """The latency bucket ``(lower, upper]`` in seconds that holds the ``share`` quantile of a
+    cumulative histogram ``{upper bound: count}`` (upper ``inf``: beyond the last bound);
+    None when it counts nothing."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    lower = 0.0
+    for bound in bounds:
+        if buckets[bound] >= share * total:
+            return lower, bound
+        lower = bound
+    return lower, math.inf
+
+
+def bucket_text(found: tuple[float, float] | None) -> str:
+    """``<= 100 ms (50-100)``; ``> 30000 ms`` past the last bound; ``-`` for none."""
+    if found is None:
+        return "-"
+    lower, upper = found
+    if math.isinf(upper):
+        return f"> {1000 * lower:g} ms"
+    return f"<= {1000 * upper:g} ms ({1000 * lower:g}-{1000 * upper:g})"
+
+
+class MetricsPoller:
+    """Scrapes ``/metrics`` every ``SCRAPE_PERIOD_S`` in a thread and keeps, per host, each
+    snapshot that differs from that host's previous one, with the time it was first seen
+    (``time.monotonic()``)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.lock = threading.Lock()
+        self.history: dict[str, list[tuple[float, HostSample]]] = {}
+        self.last_text = ""
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics-poller", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def scrape(self) -> str:
+        """One scrape now; records it and returns its text ("" when nothing answered)."""
+        try:
+            with urllib.request.urlopen(self.url, timeout=5) as answer:
+                text = answer.read().decode()
+        except OSError:
+            with self.lock:
+                self.errors += 1
+            return ""
+        seen = time.monotonic()
+        hosts = parse_metrics(text)
+        with self.lock:
+            self.last_text = text
+            for name, sample in hosts.items():
+                history = self.history.setdefault(name, [])
+                if not history or history[-1][1] != sample:
+                    history.append((seen, sample))
+        return text
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            began = time.monotonic()
+            self.scrape()
+            self._stop.wait(max(0.0, SCRAPE_PERIOD_S - (time.monotonic() - began)))
+
+    def ends(self, start: float, end: float) -> dict[str, tuple[float, HostSample, float,
+                                                               HostSample]]:
+        """Per host: (time, snapshot) of its first and of its last snapshot in [start, end].
+
+        Raises:
+            MeasurementError: a host has fewer than two snapshots in the window.
+        """
+        with self.lock:
+            histories = {name: list(items) for name, items in self.history.items()}
+        found = {}
+        for name, items in histories.items():
+            inside = [item for item in items if start <= item[0] <= end]
+            if len(inside) < 2:
+                raise MeasurementError(f"host {name}: fewer than two metrics snapshots in the "
+                                       f"window (a window of a few seconds at least is needed)")
+            found[name] = (*inside[0], *inside[-1])
+        return found
+
+    def host_of(self) -> dict[str, str]:
+        """source -> the host whose latest snapshot has it."""
+        with self.lock:
+            latest = {name: items[-1][1] for name, items in self.history.items() if items}
+        return {source: host for host, sample in latest.items() for source in sample.frames}
+
+    def frames(self) -> dict[str, float]:
+        """source -> its frames in the latest snapshots (summed over the hosts)."""
+        with self.lock:
+            latest = [items[-1][1] for items in self.history.values() if items]
+        counted: dict[str, float] = {}
+        for sample in latest:
+            for source, frames in sample.frames.items():
+                counted[source] = counted.get(source, 0.0) + frames
+        return counted
+
+
+# ---- the window ------------------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    """A window's numbers for the cameras asked about; None: not measured.
+
+    Attributes:
+        window_s: its length (from the scrapes at its ends).
+        offered: frames/s the cameras offered (their number x their pace).
+        delivered: frames/s they delivered (``pipeline_source_frames_total``).
+        dropped: frames they dropped in it.
+        p50, p99: the capture-to-sink latency buckets ``(lower, upper]`` in s, all cameras.
+        host_p99: host -> the p99 bucket of its cameras.
+        host_cameras: host -> how many of the cameras it ran.
+        hosts: the hosts that ran some of them, in name order.
+        stages: stage -> (work s, blocked s) summed over the hosts.
+        busiest: (host, stage, work in % of the window) of the busiest stage of any host
+            (the sinks, many threads, left out).
+        gpu_util: the mean GPU utilisation (%) over the window, when sampled.
+    """
+
+    window_s: float | None = None
+    offered: float | None = None
+    delivered: float | None = None
+    dropped: int | None = None
+    p50: tuple[float, float] | None = None
+    p99: tuple[float, float] | None = None
+    host_p99: dict[str, tuple[float, float] | None] = field(default_factory=dict)
+    host_cameras: dict[str, int] = field(default_factory=dict)
+    hosts: list[str] = field(default_factory=list)
+    stages: dict[str, tuple[float, float]] = field(default_factory=dict)
+    busiest: tuple[str, str, float] | None = None
+    gpu_util: float | None = None
+
+    @property
+    def delivered_pct(self) -> float | None:
+        if self.delivered is None or not self.offered:
+            return None
+        return 100 * self.delivered / self.offered
+
+    @property
+    def held(self) -> bool:
+        """0 dropped, p99 <= ``P99_LIMIT_S`` and delivered >= ``DELIVERED_SHARE`` of offered."""
+        return (self.dropped == 0 and self.p99 is not None and self.p99[1] <= P99_LIMIT_S
+                and self.delivered is not None and self.offered is not None
+                and self.delivered >= DELIVERED_SHARE * self.offered)
+
+    def why_not_held(self) -> list[str]:
+        """The conditions of ``held`` the window missed, in words (empty when it held)."""
+        if self.delivered is None:
+            return ["not measured"]
+        reasons = []
+        if self.dropped:
+            reasons.append(f"{self.dropped} dropped")
+        if self.p99 is None:
+            reasons.append("no latency counted")
+        elif self.p99[1] > P99_LIMIT_S:
+            reasons.append(f"p99 {bucket_text(self.p99).split(' (')[0]}")
+        if self.offered is not None and self.delivered < DELIVERED_SHARE * self.offered:
+            reasons.append(f"delivered {self.delivered_pct:.0f}% of offered")
+        return reasons
+
+
+def window_numbers(poller: MetricsPoller, start: float, end: float, cameras: set[str],
+                   result: Window) -> None:
+    """Fill ``result``'s rates, drops, latency and stages from the snapshots in the window.
+
+    Raises:
+        MeasurementError: a host has fewer than two snapshots in the window.
+    """
+    total: dict[float, float] = {}
+    frames_per_s = dropped = 0.0
+    busiest = None
+    for host, (t0, first, t1, last) in sorted(poller.ends(start, end).items()):
+        mine = cameras & set(last.frames)
+        if mine:
+            result.hosts.append(host)
+            result.host_cameras[host] = len(mine)
+        span = t1 - t0
+        frames_per_s += sum(last.frames[s] - first.frames.get(s, 0.0) for s in mine) / span
+        dropped += sum(last.dropped.get(s, 0.0) - first.dropped.get(s, 0.0) for s in mine)
+        buckets: dict[float, float] = {}
+        for source in mine:
+            for bound, count in last.buckets.get(source, {}).items():
+                delta = count - first.buckets.get(source, {}).get(bound, 0.0)
+                buckets[bound] = buckets.get(bound, 0.0) + delta
+                total[bound] = total.get(bound, 0.0) + delta
+        if mine:
+            result.host_p99[host] = percentile_bucket(buckets, 0.99)
+        for stage in set(last.work) | set(last.blocked):
+            work = last.work.get(stage, 0.0) - first.work.get(stage, 0.0)
+            blocked = last.blocked.get(stage, 0.0) - first.blocked.get(stage, 0.0)
+            had = result.stages.get(stage, (0.0, 0.0))
+            result.stages[stage] = (had[0] + work, had[1] + blocked)
+            share = 100 * work / span
+            # the sinks are many threads: their sum is no one thread's load
+            if stage != "sinks" and (busiest is None or share > busiest[2]):
+                busiest = (host, stage, share)
+    result.delivered, result.dropped = frames_per_s, int(round(dropped))
+    result.p50, result.p99 = percentile_bucket(total, 0.5), percentile_bucket(total, 0.99)
+    result.busiest = busiest
+
+
+# ---- the child process -------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment for a child that imports ``pipeline``: unbuffered output,
+    and the folder ``pipeline`` is imported from first on ``PYTHONPATH`` (a checkout run as
+    ``python run.py`` from elsewhere finds itself)."""
+    import pipeline
+
+    root = str(Path(pipeline.__file__).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": root if not path else f"{root}{os.pathsep}{path}"}
+
+
+def launch(command: list[str], log: Path, cwd: Path | None = None
+           ) -> tuple[subprocess.Popen[str], threading.Thread]:
+    """Start ``command`` in its own process group (a Ctrl-C at the terminal reaches this
+    process only, which then stops the child with one SIGINT: ``stop``); its stdout and
+    stderr go to ``log``, each line prefixed with its second since the launch. The last
+    line that starts with ``error:`` is kept as ``process.last_error``."""
+    started = time.monotonic()
+    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                               env=child_env(), start_new_session=True)
+
+    def read() -> None:
+        with open(log, "w") as sink:
+            for line in process.stdout:  # type: ignore[union-attr]
+                sink.write(f"{time.monotonic() - started:8.2f} {line}")
+                sink.flush()
+                if line.startswith("error:"):
+                    process.last_error = line.strip()  # type: ignore[attr-defined]
+
+    reader = threading.Thread(target=read, name="child-log", daemon=True)
+    reader.start()
+    return process, reader
+
+
+def stop(process: subprocess.Popen[Any], wait_s: float = EXIT_WAIT_S) -> tuple[int, str | None]:
+    """SIGINT (a graceful stop), then the exit status; killed after ``wait_s``. Returns the
+    status and a note when it had to be killed. Interrupted while it waits, it sends a second
+    SIGINT (run.py then aborts) and re-raises."""
+    note = None
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            note = f"the child did not exit within {wait_s:g} s of SIGINT: killed"
+            process.kill()
+        except KeyboardInterrupt:  # asked again while it stops: a second SIGINT aborts it
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            raise
+    return process.wait(), note
+
+
+def said(process: subprocess.Popen[Any]) -> str:
+    """``: its last error line`` (``launch`` keeps it), or a pointer to its log."""
+    time.sleep(0.5)  # the log reader's last lines
+    last = getattr(process, "last_error", None)
+    return f": {last}" if last else "; see its log"
+
+
+def wait_delivering(poller: MetricsPoller, process: subprocess.Popen[Any], cameras: set[str],
+                    limit_s: float, started: float) -> float:
+    """Seconds from ``started`` until every one of ``cameras`` counted a frame in the metrics
+    ``poller`` scrapes (it must be running).
+
+    Raises:
+        MeasurementError: the child ended first, or it took longer than ``limit_s``.
+    """
+    waiting = sorted(cameras)
+    while time.monotonic() - started < limit_s:
+        if process.poll() is not None:
+            raise MeasurementError(f"run.py exited with {process.returncode} before every "
+                                   f"camera delivered{said(process)}")
+        counted = poller.frames()
+        waiting = sorted(name for name in cameras if not counted.get(name))
+        if not waiting:
+            return time.monotonic() - started
+        time.sleep(0.25)
+    raise MeasurementError(f"{len(waiting)} of {len(cameras)} cameras had delivered no frame "
+                           f"{limit_s:g} s after the launch (first: {waiting[:3]})")
+
+
+class UtilisationSampler:
+    """Utilisation (%) of GPU ``index`` every ``interval_s`` in a thread: NVML, else
+    ``nvidia-smi`` (neither creates a CUDA context)."""
+
+    def __init__(self, enabled: bool, interval_s: float = 0.2, index: int = 0) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self.interval_s = interval_s
+        self._read = self._reader(index) if enabled else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _reader(index: int) -> Callable[[], float] | None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            return lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        except Exception:  # noqa: BLE001 - not installed or no driver: try the CLI
+            if shutil.which("nvidia-smi") is None:
+                return None
+            command = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                       "-i", str(index)]
+            return lambda: float(subprocess.run(command, capture_output=True, text=True,
+                                                timeout=5).stdout.split()[0])
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.samples.append((time.perf_counter(), self._read()))
+            except Exception:  # noqa: BLE001 - one failed read leaves a gap, no more
+                pass
+
+    def __enter__(self) -> UtilisationSampler:
+        if self._read is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def mean(self, start: float, end: float) -> float | None:
+        inside = [value for t, value in self.samples if start <= t <= end]
+        return statistics.fmean(inside) if inside else None

@@ -1,0 +1,174 @@
+"""``run.py capacity`` as users run it: a small real search on the CPU path (the sample clip
+as paced cameras through run.py), Ctrl-C while a run is measured, and bad inputs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.app.cli import main
+
+FPS = 5.0  # with N cameras at 5 fps offering 3x the engine's rate, N stays small
+
+
+def user_config(samples, path: Path, **inference) -> Path:
+    """A user's CPU config: one camera (replaced by capacity), YOLOv3-tiny, batch 4."""
+    path.write_text(yaml.safe_dump({
+        "sources": [{"name": "door", "uri": "rtsp://camera.invalid/stream"}],
+        "model": {"path": str(samples.model), "class_names": str(samples.names)},
+        "inference": {"device": "cpu", "backend": "onnxruntime", "batch_size": 4, **inference},
+        "runtime": {"log_format": "json"}}))
+    return path
+
+
+def capacity(repo_root: Path, *args: str, **popen) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "run.py", "capacity", *args], cwd=repo_root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def table_rows(text: str) -> dict[int, list[str]]:
+    """cameras -> the cells of its table row."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0].isdigit():
+            rows[int(cells[0])] = cells
+    return rows
+
+
+@pytest.fixture(scope="module")
+def small_search(samples, repo_root, tmp_path_factory):
+    """``--cameras 1,N`` at 5 fps, N cameras offering three times what the engine alone
+    does on this machine (so N cannot hold): (N, exit status, stdout, stderr, --out)."""
+    from pipeline.app.ceilings import engine_rate
+    from pipeline.config import load_config
+
+    tmp = tmp_path_factory.mktemp("capacity")
+    config = user_config(samples, tmp / "cams.yaml")
+    one = load_config(config, [f"sources=[{{name: c, uri: '{samples.bikes}'}}]"])
+    too_many = math.ceil(3 * engine_rate(one, 1.0).images_s / FPS)
+    out = tmp / "out"
+    process = capacity(repo_root, "--config", str(config), "--clip", str(samples.bikes),
+                       "--fps", f"{FPS:g}", "--cameras", f"1,{too_many}", "--seconds", "6",
+                       "--warmup-s", "1", "--out", str(out))
+    stdout, stderr = process.communicate(timeout=300)
+    return too_many, process.returncode, stdout, stderr, out
+
+
+@pytest.mark.slow  # two paced runs through run.py and both ceilings: about 40 s
+def test_a_small_search_prints_a_row_per_count_held_decided_from_the_numbers(small_search):
+    too_many, status, stdout, stderr, out = small_search
+    assert status == 0, stderr
+    rows = table_rows(stdout)
+    assert sorted(rows) == [1, too_many], stdout
+    results = json.loads((out / "results.json").read_text())
+    runs = {run["cameras"]: run for run in results["runs"]}
+    for cameras, cells in rows.items():
+        run, window = runs[cameras], runs[cameras]["window"]
+        assert run["exit_code"] == 0 and run["error"] is None, run  # run.py stopped cleanly
+        assert cells[1] == f"{cameras * FPS:,.1f}" == f"{window['offered']:,.1f}"
+        assert cells[2] == f"{window['delivered']:,.1f}" and window["delivered"] > 0
+        assert cells[3] == str(window["dropped"])
+        assert cells[4].startswith("<=") and cells[5].startswith(("<=", ">"))
+        held = (window["dropped"] == 0 and window["p99"][1] <= 0.1
+                and window["delivered"] >= 0.95 * window["offered"])
+        assert run["held"] is held and cells[6].startswith("yes" if held else "no: "), cells
+        assert " s work, " in cells[7] and " s blocked)" in cells[7], cells
+    # three times what the engine alone does cannot be delivered: measured, not held
+    assert rows[too_many][6].startswith("no: ") and "delivered" in rows[too_many][6], stdout
+    assert runs[too_many]["window"]["delivered"] < 0.95 * too_many * FPS
+    best = 1 if runs[1]["held"] else 0
+    assert results["largest_held"] == best
+    assert stdout.splitlines()[-1].startswith("Largest held: " + (f"1 camera at {FPS:g} fps" if best
+                                                                  else "none"))
+    assert stdout == (out / "results.md").read_text()
+    engine, decode = results["ceilings"]["engine"], results["ceilings"]["decode"]
+    assert engine["backend"] == "onnxruntime" and engine["batch"] == 4 and engine["images_s"] > 0
+    assert decode["mode"] == "cpu" and decode["fps"] > 0
+    assert f"engine alone: {engine['images_s']:,.0f} images/s (onnxruntime on cpu, batch 4" \
+        in stdout
+    assert f"decode alone: {decode['fps']:,.0f} frames/s ({decode['decoders']} decoders, cpu" \
+        in stdout
+    for cameras in rows:
+        folder = out / f"cameras-{cameras:03d}"
+        assert '"event": "run finished"' in (folder / "run.log").read_text()
+        generated = yaml.safe_load((folder / "config.yaml").read_text())
+        assert len(generated["sources"]) == cameras
+        assert not Path(generated["output"]["dir"]).exists()  # the records are deleted
+
+
+def test_ctrl_c_stops_the_measured_run_cleanly_and_prints_what_was_measured(samples,
+                                                                            repo_root,
+                                                                            tmp_path):
+    out = tmp_path / "out"
+    process = capacity(repo_root, "--config", str(user_config(samples, tmp_path / "c.yaml")),
+                       "--clip", str(samples.bikes), "--fps", "2", "--cameras", "1",
+                       "--seconds", "30", "--warmup-s", "0", "--no-ceilings", "--out", str(out))
+    window_open = out / "cameras-001" / "metrics-start.txt"
+    deadline = time.monotonic() + 60
+    while not window_open.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert window_open.exists(), process.communicate(timeout=60)
+    process.send_signal(signal.SIGINT)  # as the terminal's Ctrl-C reaches it: run.py does not
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert "Note: interrupted" in stdout and "Largest held: none" in stdout
+    log = (out / "cameras-001" / "run.log").read_text()
+    assert '"event": "run finished"' in log  # one SIGINT: it finished its frames and ended
+    assert '"event": "aborting"' not in log
+    config = str(out / "cameras-001" / "config.yaml")
+    assert not any(config in command for command in commands())  # no child left running
+
+
+def commands() -> list[str]:
+    """The command line of every process of this user (Linux)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            found.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--clip", "{tmp}/missing.mp4"], "error: --clip: file not found: '{tmp}/missing.mp4'"),
+    (["--clip", "{tmp}"], "error: --clip: '{tmp}' is a folder, not a video file"),
+    (["--clip", "{tmp}/c.yaml"], "error: --clip: cannot read '{tmp}/c.yaml'"),
+    (["--clip", "{bikes}", "--config", "{tmp}/none.yaml"],
+     "error: config: cannot read '{tmp}/none.yaml'"),
+    (["--clip", "{bikes}", "--set", "inference.batch_size=0"], "error: inference.batch_size"),
+    (["--clip", "{bikes}", "--set", "model.path={tmp}/none.onnx"], "error: model.path"),
+    (["--clip", "{bikes}", "--set", "inference.nonsense=1"], "error: inference.nonsense: unknown key"),
+    (["--clip", "{bikes}", "--cameras", "ten"], "error: --cameras: expected camera counts"),
+    (["--clip", "{bikes}", "--seconds", "2"], "error: --seconds: at least 5"),
+    (["--clip", "{bikes}", "--fps", "0"], "error: --fps: above 0"),
+    ([], "error: capacity: --clip is required"),
+])
+def test_bad_inputs_get_one_line_and_exit_status_2(samples, tmp_path, capsys, args, message):
+    config = user_config(samples, tmp_path / "c.yaml")
+    fill = {"tmp": str(tmp_path), "bikes": str(samples.bikes)}
+    argv = ["capacity", "--config", str(config), *[a.format(**fill) for a in args]]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(message.format(**fill)), captured.err
+    assert len(captured.err.splitlines()) == 1, captured.err
+
+
+def test_capacity_options_are_refused_by_the_other_commands(samples, tmp_path, capsys):
+    assert main(["--config", str(user_config(samples, tmp_path / "c.yaml")), "--clip",
+                 str(samples.bikes), "--cameras", "2"]) == 2
+    assert capsys.readouterr().err == ("error: --clip, --cameras: options of the capacity "
+                                       "command (run.py capacity --config cams.yaml --clip "
+                                       "my.mp4)\n")

@@ -1,0 +1,64 @@
+"""pipeline.app.ceilings: decode alone and engine alone on the CPU path, in process and as
+the child process ``capacity`` starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import yaml
+
+from pipeline.app.ceilings import clip_batch, decode_rate, engine_rate
+from pipeline.config import parse_config
+
+PAD = np.float32(114 / 255)
+
+
+def config_of(samples, clip, **inference) -> dict:
+    return {"sources": [{"name": "cam000", "uri": str(clip), "live": True, "pace_fps": 5,
+                         "reconnect": False}],
+            "model": {"path": str(samples.model), "class_names": str(samples.names)},
+            "inference": {"device": "cpu", "batch_size": 3, **inference},
+            "output": {"video": None}}
+
+
+def test_the_batch_is_the_clips_frames_letterboxed_and_repeated(samples):
+    images = clip_batch(samples.carphone, 20, 416, 416, np.float16)  # 176x144: pads above
+    assert images.shape == (20, 3, 416, 416) and images.dtype == np.float16
+    assert np.all(images[:, :, 0, :] == np.float16(PAD))  # the letterbox's top rows
+    assert 0.0 <= float(images.min()) and float(images.max()) <= 1.0
+    assert np.array_equal(images[16], images[0]) and np.array_equal(images[19], images[3])
+    assert not np.array_equal(images[0], images[15])  # 16 distinct frames of a moving clip
+
+
+def test_engine_alone_runs_the_configured_backend_at_the_batch_size(samples):
+    config = parse_config(config_of(samples, samples.bikes))
+    rate = engine_rate(config, 0.5, samples.bikes)
+    assert (rate.batch, rate.backend, rate.device) == (3, "onnxruntime", "cpu")
+    assert rate.images_s > 0 and rate.warmup_s > 0
+
+
+def test_decode_alone_restarts_a_short_clip_and_decodes_where_the_pipeline_would(samples):
+    # carphone has 120 frames: two decoders pass its end many times in the window
+    config = parse_config(config_of(samples, samples.carphone))
+    rate = decode_rate(config, 2, 1.0)
+    assert (rate.mode, rate.decoders) == ("cpu", 2)
+    assert rate.fps > 120 and rate.processes >= 1
+
+
+def test_the_child_prints_one_json_line_or_one_error_line(samples, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config_of(samples, samples.bikes)))
+    command = [sys.executable, "-m", "pipeline.app.ceilings", "engine", "--config", str(path),
+               "--seconds", "0.5"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["backend"] == "onnxruntime"
+    bad = config_of(samples, samples.bikes)
+    bad["model"]["path"] = str(tmp_path / "missing.onnx")
+    path.write_text(yaml.safe_dump(bad))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith("error: model.path") and len(done.stderr.splitlines()) == 1
