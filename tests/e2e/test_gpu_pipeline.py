@@ -165,3 +165,33 @@ def test_a_source_added_while_running_gives_the_cpu_detections(samples, tmp_path
     print(f"added at runtime: {sum(len(r['detections']) for r in cpu)} CPU detections, "
           f"{len(lost)} unmatched on the GPU, {len(extra)} GPU detections unmatched on the CPU")
     assert not lost and not extra, (lost[:3], extra[:3])
+
+
+def test_the_engine_and_two_workers_give_the_cpu_detections(samples, tmp_path: Path) -> None:
+    """``runtime.workers: 2`` through the run path: one engine process holds the model, two
+    source workers feed it: NVDEC frames through the device ring (CUDA IPC), CPU-decoded
+    frames through the shared host ring, batched together. Frame by frame the CPU path's
+    detections."""
+    from pipeline.app.run import run as run_config
+
+    clips = ("bikes", "bigbuckbunny", "carphone")
+    cpu = run(samples, tmp_path / "cpu", clips=clips, device="cpu")
+    config = parse_config({
+        "sources": [{"name": name, "uri": str(getattr(samples, name)), "decode": decode}
+                    for name, decode in zip(clips, ("gpu", "cpu", "gpu"))],
+        "model": {"path": str(samples.model), "class_names": str(samples.names)},
+        "inference": {"batch_size": 4, "engine_cache": str(ENGINE_CACHE), "device": "cuda",
+                      "backend": "torch", "precision": "fp16"},
+        "output": {"dir": str(tmp_path / "split"), "video": None},
+        "runtime": {"progress": False, "workers": 2},
+    })
+    assert run_config(config) == 0
+    split = [json.loads(line) for name in clips
+             for line in (tmp_path / "split" / f"{name}.jsonl").read_text().splitlines()]
+    assert [(r["source"], r["frame"]) for r in split] == [(r["source"], r["frame"]) for r in cpu]
+    total = sum(len(r["detections"]) for r in cpu)
+    lost, extra = unmatched(cpu, split, margin=0.02), unmatched(split, cpu, margin=0.02)
+    print(f"engine + 2 workers: {len(cpu)} frames, {total} CPU detections, {len(lost)} "
+          f"unmatched, {len(extra)} extra")
+    assert total > 400
+    assert not lost and not extra, (lost[:3], extra[:3])
