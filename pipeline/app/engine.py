@@ -22,6 +22,7 @@ never answered.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
 import signal
@@ -223,7 +224,10 @@ class Engine:
                     for item in outputs:
                         self._put_reply(item)
         except InterruptedError:
-            pass  # stopped while waiting for a batch set
+            if not self.stop.is_set():
+                log.error("engine intake interrupted")
+                self.failed = True
+                self.stop.set()
         except Exception as error:  # noqa: BLE001 - the engine fails as a whole
             log.error("engine intake failed", error=f"{type(error).__name__}: {error}")
             self.failed = True
@@ -309,6 +313,7 @@ def engine_main(config: PipelineConfig, link: EngineLink, device: int | None,
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
         config.inference.gpu_id = 0
     name_this_process("streamdet-engine")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(config.runtime.log_format, config.runtime.log_level)

@@ -24,6 +24,7 @@ process over a pipe, ``pipeline.app.ray_cluster`` wraps the same class as a Ray 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import os
 import signal
 import threading
@@ -445,6 +446,7 @@ def host_main(name: str, device: int | None, config: PipelineConfig, conn: Conne
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
         config.inference.gpu_id = 0
     name_this_process(f"streamdet-{name}")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack
     # Ctrl-C, or a SIGTERM to the whole group, reaches the supervisor, which stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
