@@ -33,3 +33,17 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(_Stderr()),
         cache_logger_on_first_use=False,
     )
+
+
+def register_stack_dump() -> None:
+    """On SIGUSR1, write every thread's stack (``faulthandler``): to stderr, or to
+    ``$STREAMDET_STACKS_DIR/stack-PID.txt`` when that is set (one file per process, so the
+    dumps of several processes do not interleave). For a run that hangs: ``pkill -USR1
+    streamdet``."""
+    import faulthandler
+    import os
+    import signal
+
+    folder = os.environ.get("STREAMDET_STACKS_DIR")
+    out = open(os.path.join(folder, f"stack-{os.getpid()}.txt"), "w") if folder else None  # noqa: SIM115 - open for the process's life
+    faulthandler.register(signal.SIGUSR1, file=out or sys.stderr, all_threads=True)

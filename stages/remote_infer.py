@@ -230,24 +230,34 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
         return None
 
     def _flush(self) -> None:
-        """Send the frames waiting to go: NVDEC frames get a device slot each (a file frame
-        waits for one; a live frame finding none is dropped) and are copied in (one wait for
-        all), then every row goes in one message. While the engine is away they wait."""
+        """Send the frames waiting to go, in order: NVDEC frames get a device slot each and
+        are copied in (one wait per message). When no device slot is free, what is ready
+        goes first (its results free slots), then a file frame waits for one and a live
+        frame is dropped. While the engine is away the frames wait."""
         with self._send_lock:
             with self._cond:
                 link = self._link
                 if link is None or not self._unsent:
                     return
                 tokens, self._unsent = self._unsent, []
-            rows, copies, dropped = [], [], []
+            rows: list[tuple[int, int, int, int, int]] = []
+            copies: list[_Entry] = []
+            dropped: list[int] = []
             for k, token in enumerate(tokens):
                 entry = self._entries[token]
                 frame = entry.item
                 if frame.device_planes is not None:
-                    slot = self._device_slot(link, entry.live)
-                    if slot is None:  # the engine went away: these wait for the next one
+                    slot = self._device_slot(link, wait=False)
+                    if slot == -1 and rows:  # none free: what is ready goes first
+                        if not self._send(link, rows, copies):
+                            slot = None  # the engine went away
+                        rows, copies = [], []
+                    if slot == -1:
+                        slot = self._device_slot(link, wait=not entry.live)
+                    if slot is None:  # these wait for the next engine
                         with self._cond:
                             self._unsent[:0] = tokens[k:]
+                        rows = []
                         break
                     if slot < 0:
                         dropped.append(token)
@@ -258,22 +268,29 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
                              entry.device_slot, frame.width, frame.height))
             if dropped:
                 self._drop(dropped)
-            try:
-                self._copy_in(link, copies)
-                if rows:
-                    link.conn.send_bytes(np.array(rows, SUBMIT_DTYPE).tobytes())
-            except (OSError, ValueError):
-                pass  # the engine went away: the receiver sends them again once it is back
+            if rows:
+                self._send(link, rows, copies)
 
-    def _device_slot(self, link: _Link, live: bool) -> int | None:
-        """A free device slot of ``link``; a file frame waits for one, a live frame gets -1
+    def _send(self, link: _Link, rows: list[tuple[int, int, int, int, int]],
+              copies: list[_Entry]) -> bool:
+        """Copy ``copies`` in and send ``rows`` as one message; False: the engine is gone
+        (the receiver sends them again once it is back)."""
+        try:
+            self._copy_in(link, copies)
+            link.conn.send_bytes(np.array(rows, SUBMIT_DTYPE).tobytes())
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def _device_slot(self, link: _Link, wait: bool) -> int | None:
+        """A free device slot of ``link``; with ``wait`` it waits for one, else it gives -1
         at once when none is free (also on ``stop``). None: ``link`` was lost meanwhile."""
         with self._cond:
             started = time.perf_counter()
             while not link.free_device:
                 if self._link is not link:
                     return None
-                if live or self.stop.is_set():
+                if not wait or self.stop.is_set():
                     return -1
                 self._cond.wait(0.1)
             self.blocked_s += time.perf_counter() - started

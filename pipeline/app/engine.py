@@ -22,7 +22,6 @@ never answered.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import queue
 import signal
@@ -306,14 +305,14 @@ def engine_main(config: PipelineConfig, link: EngineLink, device: int | None,
     """
     from pipeline.app.workers import name_this_process
     from pipeline.config import ConfigError
-    from pipeline.logging import configure_logging
+    from pipeline.logging import configure_logging, register_stack_dump
     from stages.infer import BackendUnavailable
 
     if device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
         config.inference.gpu_id = 0
     name_this_process("streamdet-engine")
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack
+    register_stack_dump()  # kill -USR1: every thread's stack
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(config.runtime.log_format, config.runtime.log_level)

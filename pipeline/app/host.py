@@ -24,7 +24,6 @@ process over a pipe, ``pipeline.app.ray_cluster`` wraps the same class as a Ray 
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
 import os
 import signal
 import threading
@@ -438,7 +437,7 @@ def host_main(name: str, device: int | None, config: PipelineConfig, conn: Conne
         engine: (``EngineLink``, worker number): a source worker of that engine.
     """
     from pipeline.app.workers import name_this_process
-    from pipeline.logging import configure_logging
+    from pipeline.logging import configure_logging, register_stack_dump
 
     if cpus:  # before onnxruntime sizes its thread pool from the cores it may use
         os.sched_setaffinity(0, cpus)
@@ -446,7 +445,7 @@ def host_main(name: str, device: int | None, config: PipelineConfig, conn: Conne
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
         config.inference.gpu_id = 0
     name_this_process(f"streamdet-{name}")
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack
+    register_stack_dump()  # kill -USR1: every thread's stack
     # Ctrl-C, or a SIGTERM to the whole group, reaches the supervisor, which stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -780,11 +780,17 @@ def host_names(devices: list[int | None]) -> list[str]:
             for i, device in enumerate(devices)]
 
 
+MAX_DEFAULT_WORKERS = 3  # per GPU (measured on the H200: results-h200.md, issue 25)
+
+
 def default_workers(sources: int, gpus: int = 1, cores: int | None = None) -> int:
-    """Source workers per GPU when ``runtime.workers`` is null: one per source, at most half
-    the cores (the engine's threads and FFmpeg's need the rest), at least one."""
+    """Source workers per GPU when ``runtime.workers`` is null: one per source, at most
+    ``MAX_DEFAULT_WORKERS`` (each worker is a CUDA context of its own, and the GPU
+    time-slices between contexts: on the H200, 100 paced cameras held with 3 workers and not
+    with 8) and at most half the cores (the engine's threads and FFmpeg's need the rest);
+    at least one."""
     cores = cores or usable_cores()
-    return max(1, min(-(-sources // gpus), cores // (2 * gpus)))
+    return max(1, min(-(-sources // gpus), MAX_DEFAULT_WORKERS, cores // (2 * gpus)))
 
 
 def resolve_devices(config: PipelineConfig) -> list[int | None]:
