@@ -9,8 +9,8 @@
 #   BUDGET_S=285 THROUGHPUT_RESERVE_S=0 SECONDS_PER_RUN=3 bash benchmarks/gpu_check.sh throughput
 #
 # Steps: tests (pytest -m gpu), nms, preprocess, overlap, startup, throughput, and multigpu (not in the
-# default set: needs 2 GPUs, e.g. nvidia-h200-x2) and livecontrol (not in the default set either:
-# it takes a call of its own). Needs CuPy, Numba,
+# default set: needs 2 GPUs, e.g. nvidia-h200-x2), livecontrol and failover (not in the default
+# set either: each takes a call of its own). Needs CuPy, Numba,
 # torch, torchvision, onnx2torch, PyAV and the assets (python -m samples.fetch, and
 # python -m samples.yolov8 for throughput) on that machine.
 #
@@ -55,6 +55,17 @@
 # $OUT/livecontrol (no browser on the H200). Needs starlette and uvicorn there (carry
 # their wheels), like the runtime.http start of startup:
 #   BUDGET_S=570 bash benchmarks/gpu_check.sh livecontrol
+#
+# failover: benchmarks.failover, issue 25's failure targets through run.py: FAIL_CAMERAS
+# (default 100) paced cameras at FAIL_PACE_FPS (default 30) and 2 paced file sources in the
+# default config (FAIL_WORKERS=N sets runtime.workers: N) with runtime.http on; after
+# FAIL_WARMUP_S (default 10) the device memory of each process (nvidia-smi), then source
+# worker 1 killed with SIGKILL (its cameras must deliver again within 3 s, the others drop
+# nothing), then the engine (every camera again within 20 s); then the files' records are
+# checked (complete, each frame once) and the exit status after SIGINT. The start gets what
+# the rest leaves of the time left (--budget-s); its table, run.log and the files' JSONL go
+# under $OUT/failover. Needs starlette and uvicorn there, like livecontrol:
+#   BUDGET_S=570 bash benchmarks/gpu_check.sh failover
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 BUDGET_S=${BUDGET_S:-570}
@@ -139,6 +150,13 @@ for step in "${steps[@]}"; do
                 --pace-fps "${LIVE_PACE_FPS:-30}" --warmup-s "${LIVE_WARMUP_S:-10}" \
                 --seconds "${LIVE_SECONDS:-30}" --budget-s "$((limit - 20))" \
                 --out "$OUT/livecontrol" ;;
+        failover)
+            limit=$(( $(left) - 15 ))
+            # The benchmark plans with 20 s less than its hard limit, to print its table.
+            run_step failover "$limit" python3 -m benchmarks.failover \
+                --cameras "${FAIL_CAMERAS:-100}" ${FAIL_WORKERS:+--workers "$FAIL_WORKERS"} \
+                --pace-fps "${FAIL_PACE_FPS:-30}" --warmup-s "${FAIL_WARMUP_S:-10}" \
+                --budget-s "$((limit - 20))" --out "$OUT/failover" ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done
@@ -151,6 +169,8 @@ for step in "${steps[@]}"; do
         cat "$OUT/$step.md"
     elif [ "$step" = livecontrol ] && [ -s "$OUT/livecontrol/results.md" ]; then
         cat "$OUT/livecontrol/results.md"
+    elif [ "$step" = failover ] && [ -s "$OUT/failover/results.md" ]; then
+        cat "$OUT/failover/results.md"
     else
         tail -n 30 "$OUT/$step.log"
     fi

@@ -497,17 +497,25 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def make_clip(small: bool, assets: Path, seconds: float, pace_fps: float) -> tuple[Path, str]:
-    """The cameras' clip, long enough for ``seconds`` at ``pace_fps``, and its description."""
+def camera_clip(small: bool, assets: Path) -> Path:
+    """The clip a camera plays (once): bikes.mp4 (small), else the benchmarks' 1080p clip made
+    from it (``benchmarks.overlap_benchmark.make_1080p_clip``, cached under ``assets/cache``)."""
     from benchmarks.overlap_benchmark import CLIP_BITRATE, CLIP_NAME, make_1080p_clip
-    from pipeline.app.clips import clip_frames, make_looped_clip
     from samples.fetch import SamplePaths
 
     bikes = SamplePaths.under(assets).bikes
     if not bikes.exists():
         raise BenchmarkError(f"{bikes} is missing: run python -m samples.fetch")
-    clip = bikes if small else make_1080p_clip(bikes, assets / "cache" / CLIP_NAME,
+    return bikes if small else make_1080p_clip(bikes, assets / "cache" / CLIP_NAME,
                                                bitrate=CLIP_BITRATE)
+
+
+def make_clip(small: bool, assets: Path, seconds: float, pace_fps: float) -> tuple[Path, str]:
+    """The cameras' clip (``camera_clip``) repeated to last ``seconds`` at ``pace_fps``, and
+    its description."""
+    from pipeline.app.clips import clip_frames, make_looped_clip
+
+    clip = camera_clip(small, assets)
     repeats = max(1, math.ceil(pace_fps * seconds / clip_frames(clip)))
     looped = make_looped_clip(clip, assets / "cache" / f"{clip.stem}_x{repeats}.mp4", repeats)
     return looped, f"{clip.name} repeated {repeats}x ({clip_frames(looped):,} frames)"
