@@ -9,8 +9,8 @@
 #   BUDGET_S=285 THROUGHPUT_RESERVE_S=0 SECONDS_PER_RUN=3 bash benchmarks/gpu_check.sh throughput
 #
 # Steps: tests (pytest -m gpu), nms, preprocess, overlap, startup, throughput, and multigpu (not in the
-# default set: needs 2 GPUs, e.g. nvidia-h200-x2) and livecontrol (not in the default set either:
-# it takes a call of its own). Needs CuPy, Numba,
+# default set: needs 2 GPUs, e.g. nvidia-h200-x2), livecontrol and failover (not in the default
+# set either: each takes a call of its own). Needs CuPy, Numba,
 # torch, torchvision, onnx2torch, PyAV and the assets (python -m samples.fetch, and
 # python -m samples.yolov8 for throughput) on that machine.
 #
@@ -32,7 +32,8 @@
 # default /tmp/startup-cache), a warm start (the same cache), both one paced camera through
 # run.py; a warm start with runtime.http whose /api/health is polled; the bucketed graphs'
 # inference rates (batch 64, 37 padded to its bucket and 37 captured exactly); then a warm start
-# of STARTUP_CAMERAS (default 100) paced cameras over STARTUP_PIPELINES (default 4) processes.
+# of STARTUP_CAMERAS (default 100) paced cameras with runtime.workers STARTUP_WORKERS (default
+# empty: not set, the default config's automatic count of source workers).
 # Each start's log, with seconds since its launch, is written under $OUT. The runtime.http start
 # needs starlette and uvicorn there (not on the H200's image: carry their wheels).
 #
@@ -43,8 +44,9 @@
 #   BUDGET_S=570 bash benchmarks/gpu_check.sh multigpu
 #
 # livecontrol: benchmarks.live_control, issue 24's acceptance run through run.py: LIVE_CAMERAS
-# (default 100) paced cameras at LIVE_PACE_FPS (default 30) over LIVE_PIPELINES (default 3)
-# pipeline processes with runtime.http on; a camera POSTed and DELETEd through the HTTP API in
+# (default 100) paced cameras at LIVE_PACE_FPS (default 30) in the default config (one engine,
+# the automatic count of source workers; LIVE_WORKERS=N sets runtime.workers: N) with
+# runtime.http on; a camera POSTed and DELETEd through the HTTP API in
 # the window (LIVE_SECONDS, default 30, after LIVE_WARMUP_S, default 10); the paced verdict
 # (0 dropped, p99 <= 100 ms, >= 95% delivered). The start (model compile: ~35 s cold, ~10 s
 # with the cache in assets/engines) gets what the rest leaves of the time left (--budget-s).
@@ -53,6 +55,17 @@
 # $OUT/livecontrol (no browser on the H200). Needs starlette and uvicorn there (carry
 # their wheels), like the runtime.http start of startup:
 #   BUDGET_S=570 bash benchmarks/gpu_check.sh livecontrol
+#
+# failover: benchmarks.failover, issue 25's failure targets through run.py: FAIL_CAMERAS
+# (default 100) paced cameras at FAIL_PACE_FPS (default 30) and 2 paced file sources in the
+# default config (FAIL_WORKERS=N sets runtime.workers: N) with runtime.http on; after
+# FAIL_WARMUP_S (default 10) the device memory of each process (nvidia-smi), then source
+# worker 1 killed with SIGKILL (its cameras must deliver again within 3 s, the others drop
+# nothing), then the engine (every camera again within 20 s); then the files' records are
+# checked (complete, each frame once) and the exit status after SIGINT. The start gets what
+# the rest leaves of the time left (--budget-s); its table, run.log and the files' JSONL go
+# under $OUT/failover. Needs starlette and uvicorn there, like livecontrol:
+#   BUDGET_S=570 bash benchmarks/gpu_check.sh failover
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 BUDGET_S=${BUDGET_S:-570}
@@ -120,7 +133,8 @@ for step in "${steps[@]}"; do
                     --http-port 8791 &&
                 python3 -m benchmarks.startup inference --cache '$cache' &&
                 python3 -m benchmarks.startup launch --cache '$cache' --log '$OUT/start-many.log' \
-                    --cameras ${STARTUP_CAMERAS:-100} --pipelines ${STARTUP_PIPELINES:-4}" ;;
+                    --cameras ${STARTUP_CAMERAS:-100} \
+                    ${STARTUP_WORKERS:+--workers $STARTUP_WORKERS}" ;;
         multigpu)
             limit=$(( $(left) - 15 ))
             # shellcheck disable=SC2086
@@ -132,10 +146,17 @@ for step in "${steps[@]}"; do
             limit=$(( $(left) - 15 ))
             # The benchmark plans with 20 s less than its hard limit, to print its table.
             run_step livecontrol "$limit" python3 -m benchmarks.live_control \
-                --cameras "${LIVE_CAMERAS:-100}" --pipelines "${LIVE_PIPELINES:-3}" \
+                --cameras "${LIVE_CAMERAS:-100}" ${LIVE_WORKERS:+--workers "$LIVE_WORKERS"} \
                 --pace-fps "${LIVE_PACE_FPS:-30}" --warmup-s "${LIVE_WARMUP_S:-10}" \
                 --seconds "${LIVE_SECONDS:-30}" --budget-s "$((limit - 20))" \
                 --out "$OUT/livecontrol" ;;
+        failover)
+            limit=$(( $(left) - 15 ))
+            # The benchmark plans with 20 s less than its hard limit, to print its table.
+            run_step failover "$limit" python3 -m benchmarks.failover \
+                --cameras "${FAIL_CAMERAS:-100}" ${FAIL_WORKERS:+--workers "$FAIL_WORKERS"} \
+                --pace-fps "${FAIL_PACE_FPS:-30}" --warmup-s "${FAIL_WARMUP_S:-10}" \
+                --budget-s "$((limit - 20))" --out "$OUT/failover" ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done
@@ -148,6 +169,8 @@ for step in "${steps[@]}"; do
         cat "$OUT/$step.md"
     elif [ "$step" = livecontrol ] && [ -s "$OUT/livecontrol/results.md" ]; then
         cat "$OUT/livecontrol/results.md"
+    elif [ "$step" = failover ] && [ -s "$OUT/failover/results.md" ]; then
+        cat "$OUT/failover/results.md"
     else
         tail -n 30 "$OUT/$step.log"
     fi

@@ -1,8 +1,9 @@
 """The live view and source control under load, through the run path users take: N paced
-cameras over ``runtime.pipelines`` host processes with ``runtime.http`` on; one camera added
-and removed through the HTTP API while they run; does the paced result still hold?
+cameras with ``runtime.http`` on (and ``runtime.workers`` only when ``--workers`` is given: the
+default config's automatic count otherwise); one camera added and removed through the HTTP API
+while they run; does the paced result still hold?
 
-    python -m benchmarks.live_control [--small] [--cameras 100] [--pipelines 3]
+    python -m benchmarks.live_control [--small] [--cameras 100] [--workers N]
         [--pace-fps 30] [--warmup-s S] [--seconds S] [--decode auto|cpu|gpu]
         [--engine-cache DIR] [--budget-s S] [--out DIR]
 
@@ -15,9 +16,10 @@ stderr, each line prefixed with its second since the launch, go to ``OUT/run.log
    ``--budget-s`` it waits at most what the rest of the run leaves);
 2. waits ``--warmup-s``, then opens a window of ``--seconds``. All through the run it scrapes
    ``/metrics`` (``runtime.metrics_port``) about 5 times a second and keeps, per host (label
-   ``pipeline``), each new snapshot with the time it was first seen: hosts send theirs to the
-   supervisor once a second, so a window's numbers are per host between its first and last
-   snapshot inside the window (timed to within a scrape period);
+   ``pipeline``: the source worker, ``worker0``, ...), each new snapshot with the time it was
+   first seen: hosts send theirs to the supervisor once a second, so a window's numbers are
+   per host between its first and last snapshot inside the window (timed to within a scrape
+   period);
 3. in the window: ``POST /api/sources`` one more camera (``added``, the same clip and pace) at
    20% of it, then polls ``/api/sources`` until that camera's ``frames`` is above 0, and at
    60% (or once it delivered, at most at 90%) ``DELETE /api/sources/added``, which answers
@@ -45,9 +47,10 @@ Full mode (the H200): YOLOv8s-fall 640 (``assets/models/yolov8s-fall.onnx``), to
 batch 64, compile cache ``--engine-cache``; every camera plays the 1080p clip of the
 benchmarks (``benchmarks.overlap_benchmark.make_1080p_clip``, under ``assets/cache``,
 repeated long enough for the whole run) as ``{live: true, pace_fps, reconnect: false}`` with
-``decode: auto`` (NVDEC: no video is written); 100 cameras over 3 pipelines at 30 fps.
-``--small`` (CI, no GPU): 2 pipelines, 2 cameras of bikes.mp4 at 2 fps, YOLOv3-tiny on the
-CPU, a 10 s window.
+``decode: auto`` (NVDEC: no video is written); 100 cameras at 30 fps in the default config
+(no runtime tuning keys: one engine, the automatic number of source workers).
+``--small`` (CI, no GPU): ``runtime.workers: 2``, 2 cameras of bikes.mp4 at 2 fps, YOLOv3-tiny
+on the CPU, a 10 s window.
 """
 
 from __future__ import annotations
@@ -193,7 +196,7 @@ class Plan:
 
     small: bool
     cameras: int
-    pipelines: int
+    workers: int | None  # runtime.workers; None: not set (the default config)
     pace_fps: float
     warmup_s: float
     seconds: float
@@ -217,15 +220,18 @@ class Plan:
                      if self.small else
                      {"device": "cuda", "backend": "torch", "precision": "fp16",
                       "batch_size": 64, "engine_cache": str(self.engine_cache)})
+        runtime: dict[str, Any] = {"http": {"port": self.http_port},
+                                   "metrics_port": self.metrics_port, "progress": False,
+                                   "stop_when": "never"}
+        if self.workers is not None:
+            runtime["workers"] = self.workers
         return {
             "sources": [self.source(f"cam{i:03d}") for i in range(self.cameras)],
             "model": {"path": str(self.model), "class_names": str(self.names)},
             "inference": inference,
             "output": {"dir": str(self.records), "video": None,
                        "jsonl": "{source}.jsonl"},
-            "runtime": {"pipelines": self.pipelines, "http": {"port": self.http_port},
-                        "metrics_port": self.metrics_port, "progress": False,
-                        "stop_when": "never"},
+            "runtime": runtime,
         }
 
 
@@ -491,17 +497,25 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def make_clip(small: bool, assets: Path, seconds: float, pace_fps: float) -> tuple[Path, str]:
-    """The cameras' clip, long enough for ``seconds`` at ``pace_fps``, and its description."""
+def camera_clip(small: bool, assets: Path) -> Path:
+    """The clip a camera plays (once): bikes.mp4 (small), else the benchmarks' 1080p clip made
+    from it (``benchmarks.overlap_benchmark.make_1080p_clip``, cached under ``assets/cache``)."""
     from benchmarks.overlap_benchmark import CLIP_BITRATE, CLIP_NAME, make_1080p_clip
-    from pipeline.app.clips import clip_frames, make_looped_clip
     from samples.fetch import SamplePaths
 
     bikes = SamplePaths.under(assets).bikes
     if not bikes.exists():
         raise BenchmarkError(f"{bikes} is missing: run python -m samples.fetch")
-    clip = bikes if small else make_1080p_clip(bikes, assets / "cache" / CLIP_NAME,
+    return bikes if small else make_1080p_clip(bikes, assets / "cache" / CLIP_NAME,
                                                bitrate=CLIP_BITRATE)
+
+
+def make_clip(small: bool, assets: Path, seconds: float, pace_fps: float) -> tuple[Path, str]:
+    """The cameras' clip (``camera_clip``) repeated to last ``seconds`` at ``pace_fps``, and
+    its description."""
+    from pipeline.app.clips import clip_frames, make_looped_clip
+
+    clip = camera_clip(small, assets)
     repeats = max(1, math.ceil(pace_fps * seconds / clip_frames(clip)))
     looped = make_looped_clip(clip, assets / "cache" / f"{clip.stem}_x{repeats}.mp4", repeats)
     return looped, f"{clip.name} repeated {repeats}x ({clip_frames(looped):,} frames)"
@@ -512,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="CPU-only mode for CI")
     parser.add_argument("--cameras", type=int, default=None, help="default 100; small: 2")
-    parser.add_argument("--pipelines", type=int, default=None, help="default 3; small: 2")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="runtime.workers (default: not set, the automatic count; small: 2)")
     parser.add_argument("--pace-fps", type=float, default=None, help="default 30; small: 2")
     parser.add_argument("--warmup-s", type=float, default=None, help="default 10; small: 2")
     parser.add_argument("--seconds", type=float, default=None,
@@ -529,14 +544,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     small = args.small
     cameras = args.cameras or (2 if small else 100)
-    pipelines = args.pipelines or (2 if small else 3)
+    workers = args.workers if args.workers is not None else (2 if small else None)
     pace_fps = args.pace_fps or (2.0 if small else 30.0)
     warmup_s = args.warmup_s if args.warmup_s is not None else (2.0 if small else 10.0)
     seconds = args.seconds or (10.0 if small else 30.0)
     if seconds < 5:
         parser.error(f"--seconds: at least 5 (hosts report once a second), got {seconds:g}")
-    if cameras < 1 or pipelines < 1:
-        parser.error("--cameras and --pipelines: at least 1")
+    if cameras < 1 or (workers is not None and workers < 1):
+        parser.error("--cameras and --workers: at least 1")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     for old in ("index.html", "sources.json", "health.json", "results.md"):
@@ -565,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise BenchmarkError(f"--budget-s {args.budget_s:g}: no time left to start "
                                      f"(warm-up {warmup_s:g} s + window {seconds:g} s + "
                                      f"{AFTER_WINDOW_S:g} s to save and stop)")
-        plan = Plan(small, cameras, pipelines, pace_fps, warmup_s, seconds, args.decode, clip,
+        plan = Plan(small, cameras, workers, pace_fps, warmup_s, seconds, args.decode, clip,
                     model, names, args.engine_cache.resolve(), out, records, free_port(),
                     free_port(), health_s)
         config_path = out / "config.yaml"
@@ -573,9 +588,11 @@ def main(argv: list[str] | None = None) -> int:
         command = [sys.executable, "run.py", "--config", str(config_path)]
         me = "python -m benchmarks.live_control " + shlex.join(argv if argv is not None
                                                               else sys.argv[1:])
+        layout = (f"runtime.workers {workers}" if workers is not None
+                  else "default workers (runtime.workers not set)")
         header = (f"Live control ({me.strip()}): `{shlex.join(['python', *command[1:]])}`; "
                   f"{cameras} paced cameras (live, {pace_fps:g} fps, reconnect off, decode "
-                  f"{args.decode}) over runtime.pipelines {pipelines}, runtime.http on; "
+                  f"{args.decode}), {layout}, runtime.http on; "
                   f"{what}; clip {clip_text}; outputs: JSONL only. Latency percentiles are "
                   f"histogram buckets (bounds 5, 10, 20, 50, 100, 200, 500 ms, ...).")
         print(f"launching: {shlex.join(['python', *command[1:]])} (log: {out / 'run.log'})",

@@ -44,6 +44,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from pipeline.app.measurement import device_memory, process_tree
+
 PROMETHEUS_P99 = 0.99
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,26 +67,6 @@ class Sample:
     video_mb: float
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and every descendant (``/proc/*/stat`` parent links)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        parents.setdefault(ppid, []).append(int(entry.name))
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        todo.extend(parents.get(current, []))
-    return tree
-
-
 def host_usage(pids: list[int]) -> tuple[float, int, int]:
     """(RSS MB, threads, open file descriptors) summed over ``pids``."""
     rss_kb, threads, fds = 0, 0, 0
@@ -104,18 +86,8 @@ def host_usage(pids: list[int]) -> tuple[float, int, int]:
 
 def device_usage(pids: list[int]) -> float | None:
     """Device memory (MB) used by ``pids`` according to ``nvidia-smi``, or None without it."""
-    try:
-        result = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    used = 0.0
-    for line in result.stdout.splitlines():
-        pid, _, memory = line.partition(",")
-        if pid.strip().isdigit() and int(pid) in pids:
-            used += float(memory)
-    return used
+    used = device_memory()
+    return None if used is None else sum(used.get(pid, 0.0) for pid in pids)
 
 
 def scrape(port: int) -> tuple[float, float, float, float, dict[float, float]]:

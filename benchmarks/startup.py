@@ -1,16 +1,17 @@
 """How long a start takes, through the run path users take, and what the bucketed CUDA graphs
 cost at run time.
 
-    python -m benchmarks.startup launch --config-out cfg.yaml [--cameras 1] [--pipelines N]
+    python -m benchmarks.startup launch --config-out cfg.yaml [--cameras 1] [--workers N]
         [--batch 64] [--cache DIR] [--log FILE] [--limit-s 300]
     python -m benchmarks.startup inference [--batch 64] [--odd 37] [--cache DIR]
 
 ``launch`` writes a config (``--cameras`` paced live cameras at ``--pace-fps`` playing
-``--clip``, YOLOv8s 640 FP16 at ``--batch``, compile cache ``--cache``; ``runtime.pipelines``
-when ``--pipelines`` is given), starts ``python run.py --config`` on it as a new process and
-prints, in seconds from the launch: when the log said ``model ready`` (the first one, with its
-cache hit or miss and the seconds per bucket it logged), when the first record reached a JSONL
-file, and when every camera had at least one record; with ``--http-port``, when
+``--clip``, YOLOv8s 640 FP16 at ``--batch``, compile cache ``--cache``; ``runtime.workers``
+when ``--workers`` is given, else the default config's automatic count), starts
+``python run.py --config`` on it as a new process and prints, in seconds from the launch:
+when the log said ``model ready`` (the first one, with its cache hit or miss and the seconds
+per bucket it logged), when the first record reached a JSONL file, and when every camera had
+at least one record; with ``--http-port``, when
 ``/api/health`` first answered each status (``starting`` while the model warms up). Then it
 stops the run with SIGINT. The run's log, each line prefixed with its second since the launch,
 goes to ``--log``: the start's profile. A fresh ``--cache`` folder makes a cold start; the
@@ -61,7 +62,7 @@ class LaunchTimes:
 
 def write_config(path: Path, clip: Path, model: Path, names: Path | None, cameras: int,
                  pace_fps: float, batch: int, cache: Path, out: Path,
-                 pipelines: int | None, http_port: int | None) -> None:
+                 workers: int | None, http_port: int | None) -> None:
     # decode auto: NVDEC where usable (the live view downloads a watched frame now and then)
     sources = [{"name": f"cam{i:03d}", "uri": str(clip), "live": True, "pace_fps": pace_fps,
                 "reconnect": False, "decode": "auto"} for i in range(cameras)]
@@ -71,9 +72,10 @@ def write_config(path: Path, clip: Path, model: Path, names: Path | None, camera
         "inference": {"device": "cuda", "backend": "torch", "precision": "fp16",
                       "batch_size": batch, "engine_cache": str(cache)},
         "output": {"dir": str(out), "video": None, "jsonl": "{source}.jsonl"},
-        "runtime": {"progress": False, "pipelines": pipelines,
-                    "http": {"port": http_port} if http_port else None},
+        "runtime": {"progress": False, "http": {"port": http_port} if http_port else None},
     }
+    if workers is not None:  # else not set: the default config's automatic count
+        config["runtime"]["workers"] = workers
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
@@ -158,11 +160,12 @@ def main_launch(args: argparse.Namespace) -> int:
     for old in out.glob("*.jsonl"):
         old.unlink()
     write_config(Path(args.config_out), clip, model, names if names.exists() else None,
-                 args.cameras, args.pace_fps, args.batch, Path(args.cache), out, args.pipelines,
+                 args.cameras, args.pace_fps, args.batch, Path(args.cache), out, args.workers,
                  args.http_port)
     times = launch(Path(args.config_out), out, args.cameras, Path(args.log), args.limit_s,
                    args.http_port)
-    layout = f"runtime.pipelines: {args.pipelines}" if args.pipelines else "one pipeline"
+    layout = (f"runtime.workers: {args.workers}" if args.workers
+              else "default workers (runtime.workers not set)")
     print(f"launch ({layout}, {args.cameras} paced camera(s) at {args.pace_fps:g} fps, "
           f"batch {args.batch}, cache {args.cache}):")
     print(f"  model ready at (s after launch, per process): {times.model_ready}")
@@ -262,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--cache", default=str(REPO_ROOT / "assets/engines"))
         if name == "launch":
             sub.add_argument("--cameras", type=int, default=1)
-            sub.add_argument("--pipelines", type=int, default=None)
+            sub.add_argument("--workers", type=int, default=None,
+                             help="runtime.workers (default: not set, the automatic count)")
             sub.add_argument("--pace-fps", type=float, default=30.0)
             sub.add_argument("--clip", default=None)
             sub.add_argument("--config-out", default="/tmp/startup.yaml")

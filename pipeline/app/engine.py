@@ -114,7 +114,14 @@ class Engine:
 
     # -- serve ------------------------------------------------------------------------------
     def listen(self) -> None:
-        """Open the workers' socket (before ``build``: they connect and wait for READY)."""
+        """Open the workers' socket (before ``build``: they connect and wait for READY). A
+        socket file left at the address is removed first: the address is this engine's
+        alone (its supervisor's folder), so one there was left by its predecessor, killed
+        before it could unlink it (``kill -9``), and would make the bind fail."""
+        try:
+            os.unlink(self.link.address)
+        except FileNotFoundError:
+            pass
         self._listener = Listener(self.link.address, "AF_UNIX", authkey=self.link.authkey)
 
     def serve(self) -> None:

@@ -316,6 +316,26 @@ def window_numbers(poller: MetricsPoller, start: float, end: float, cameras: set
     result.busiest = busiest
 
 
+def dropped_between(poller: MetricsPoller, start: float, end: float, cameras: set[str]) -> int:
+    """Frames ``cameras`` dropped between ``start`` and ``end`` (``time.monotonic()``), summed
+    over every host they ran on: per host, its last snapshot seen by ``end`` less its last
+    one seen by ``start`` (a host, or a camera on it, first seen after ``start`` counts from
+    0; a fall, a host restarted under its name, counts as 0). Hosts report once a second, so
+    a drop up to about a second before ``start`` can count too: never one too few."""
+    with poller.lock:
+        histories = {name: list(items) for name, items in poller.history.items()}
+    dropped = 0.0
+    for items in histories.values():
+        before = [sample for seen, sample in items if seen <= start]
+        after = [sample for seen, sample in items if seen <= end]
+        if not after:
+            continue
+        first = before[-1].dropped if before else {}
+        last = after[-1].dropped
+        dropped += sum(max(0.0, last.get(c, 0.0) - first.get(c, 0.0)) for c in cameras)
+    return int(round(dropped))
+
+
 # ---- the child process -------------------------------------------------------------------
 
 
@@ -411,6 +431,48 @@ def wait_delivering(poller: MetricsPoller, process: subprocess.Popen[Any], camer
         time.sleep(0.25)
     raise MeasurementError(f"{len(waiting)} of {len(cameras)} cameras had delivered no frame "
                            f"{limit_s:g} s after the launch (first: {waiting[:3]})")
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every descendant (``/proc/*/stat`` parent links)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo.extend(parents.get(current, []))
+    return tree
+
+
+def device_memory() -> dict[int, float] | None:
+    """Device memory (MiB) per process id, as ``nvidia-smi --query-compute-apps`` lists them
+    (every GPU), or None without ``nvidia-smi``. In a container it may list none: the ids it
+    shows are the host's."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    used: dict[int, float] = {}
+    for line in listed.stdout.splitlines():
+        pid, _, memory = line.partition(",")
+        try:
+            used[int(pid)] = used.get(int(pid), 0.0) + float(memory)
+        except ValueError:
+            continue  # "[N/A]" or a header
+    return used
 
 
 class UtilisationSampler:

@@ -50,7 +50,7 @@ def table_rows(table: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.slow
-def test_small_mode_adds_and_removes_a_camera_while_two_pipelines_run(small_run):
+def test_small_mode_adds_and_removes_a_camera_while_two_workers_run(small_run):
     out, status, table = small_run
     rows = table_rows(table)
     assert status == 0, table
@@ -59,7 +59,7 @@ def test_small_mode_adds_and_removes_a_camera_while_two_pipelines_run(small_run)
     assert rows["dropped"][0].isdigit(), table
     assert rows["p99 latency"][0].startswith(("<=", ">")), table
     assert {name for name in rows if name.startswith("p99 latency ")} == {
-        "p99 latency pipeline0", "p99 latency pipeline1"}  # one row per host
+        "p99 latency worker0", "p99 latency worker1"}  # one row per source worker
     assert rows["POST /api/sources (added)"][0] == "201", table
     assert float(rows["added: first frame"][0].split()[0]) >= 0, table
     assert rows["DELETE /api/sources/added"][0] == "200", table
@@ -84,3 +84,16 @@ def test_the_saved_page_renders_with_its_pictures(small_run, capsys):
     assert render([str(out), "--png", str(png), "--chromium", executable]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "2 of 2 saved pictures shown" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("workers", "runtime_workers"), [(None, "not set"), (2, 2)])
+def test_runtime_workers_is_written_only_when_asked_for(tmp_path, workers, runtime_workers):
+    from benchmarks.live_control import Plan
+
+    plan = Plan(False, 3, workers, 30.0, 1.0, 5.0, "auto", tmp_path / "c.mp4",
+                tmp_path / "m.onnx", tmp_path / "m.names", tmp_path, tmp_path, tmp_path,
+                8080, 9090, 60.0)
+    runtime = plan.config()["runtime"]
+    assert runtime.get("workers", "not set") == runtime_workers
+    assert "pipelines" not in runtime
+    assert runtime["http"] == {"port": 8080} and runtime["metrics_port"] == 9090

@@ -11,10 +11,13 @@ import time
 import pytest
 
 from pipeline.app.measurement import (
+    HostSample,
     MeasurementError,
     MetricsPoller,
     Window,
     bucket_text,
+    device_memory,
+    dropped_between,
     launch,
     parse_metrics,
     percentile_bucket,
@@ -106,6 +109,38 @@ def test_held_is_zero_dropped_p99_within_100_ms_and_95_percent_delivered(dropped
 
 def test_a_window_not_measured_did_not_hold():
     assert not Window().held and Window().why_not_held() == ["not measured"]
+
+
+def drops(**counts: float) -> HostSample:
+    return HostSample(dropped=dict(counts))
+
+
+def test_drops_between_two_times_are_summed_over_the_hosts_a_camera_ran_on():
+    poller = MetricsPoller("http://unused")
+    poller.history = {
+        # cam0 drops 2 on w0 before the window and 3 in it; cam9 is not asked about
+        "w0": [(1.0, drops(cam0=2, cam9=5)), (4.0, drops(cam0=5, cam9=50)),
+               (9.0, drops(cam0=9))],  # after the window: not counted
+        # killed before the window: its last snapshot stays
+        "w1": [(1.0, drops(cam1=4))],
+        # restarted under its name in the window: counters afresh (a fall counts as 0),
+        # cam1 moved onto it and dropped 1 there
+        "w2": [(1.0, drops(cam2=7)), (3.0, drops(cam2=0, cam1=1))],
+    }
+    assert dropped_between(poller, 2.0, 5.0, {"cam0", "cam1", "cam2"}) == 3 + 0 + 1
+    assert dropped_between(poller, 2.0, 5.0, {"cam9"}) == 45
+    assert dropped_between(poller, 0.0, 0.5, {"cam0"}) == 0  # no snapshot by then
+
+
+def test_device_memory_per_process_from_nvidia_smi(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '101, 4000'\necho '102, 300'\necho '101, 10'\n"
+                    "echo '[N/A], [N/A]'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert device_memory() == {101: 4010.0, 102: 300.0}  # two GPUs' entries summed
+    fake.unlink()
+    assert device_memory() is None
 
 
 def test_a_window_needs_two_snapshots_of_every_host():

@@ -1,0 +1,39 @@
+"""pipeline.app.engine: an engine restarted after a kill binds its predecessor's address."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from multiprocessing.connection import Client
+
+from pipeline.app.engine import Engine
+from pipeline.config import parse_config
+from pipeline.engine_link import EngineLink
+
+
+def test_a_socket_left_by_a_killed_engine_does_not_stop_its_successor(samples, tmp_path):
+    address = str(tmp_path / "engine.sock")
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(address)  # what an engine killed with SIGKILL leaves: the file, no listener
+    stale.close()
+    link = EngineLink(address=address, authkey=b"k" * 16, device=None, host_ring="unused",
+                      host_slots=1, slot_bytes=1, host_shares=((0,),), device_share=0)
+    config = parse_config({"sources": [{"name": "cam", "uri": "rtsp://127.0.0.1/x"}],
+                           "model": {"path": str(samples.model)}})
+    engine = Engine(config, link)
+    engine.listen()  # bound (it raised OSError, address already in use)
+    heard = []
+
+    def serve() -> None:  # the authentication needs both ends at once
+        with engine._listener.accept() as served:
+            heard.append(served.recv())
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        with Client(address, "AF_UNIX", authkey=link.authkey) as client:
+            client.send("hello")
+        server.join(10)
+        assert heard == ["hello"]
+    finally:
+        engine._listener.close()
