@@ -1,8 +1,9 @@
 """The live view and source control under load, through the run path users take: N paced
-cameras over ``runtime.pipelines`` host processes with ``runtime.http`` on; one camera added
+cameras over ``runtime.workers`` source worker processes (and their engine) with
+``runtime.http`` on; one camera added
 and removed through the HTTP API while they run; does the paced result still hold?
 
-    python -m benchmarks.live_control [--small] [--cameras 100] [--pipelines 3]
+    python -m benchmarks.live_control [--small] [--cameras 100] [--workers 3]
         [--pace-fps 30] [--warmup-s S] [--seconds S] [--decode auto|cpu|gpu]
         [--engine-cache DIR] [--budget-s S] [--out DIR]
 
@@ -45,8 +46,9 @@ Full mode (the H200): YOLOv8s-fall 640 (``assets/models/yolov8s-fall.onnx``), to
 batch 64, compile cache ``--engine-cache``; every camera plays the 1080p clip of the
 benchmarks (``benchmarks.overlap_benchmark.make_1080p_clip``, under ``assets/cache``,
 repeated long enough for the whole run) as ``{live: true, pace_fps, reconnect: false}`` with
-``decode: auto`` (NVDEC: no video is written); 100 cameras over 3 pipelines at 30 fps.
-``--small`` (CI, no GPU): 2 pipelines, 2 cameras of bikes.mp4 at 2 fps, YOLOv3-tiny on the
+``decode: auto`` (NVDEC: no video is written); 100 cameras over 3 workers at 30 fps
+(``--pipelines``, the name before ``runtime.workers`` replaced ``runtime.pipelines``, still
+works). ``--small`` (CI, no GPU): 2 workers, 2 cameras of bikes.mp4 at 2 fps, YOLOv3-tiny on the
 CPU, a 10 s window.
 """
 
@@ -166,7 +168,7 @@ class Plan:
 
     small: bool
     cameras: int
-    pipelines: int
+    workers: int
     pace_fps: float
     warmup_s: float
     seconds: float
@@ -196,7 +198,7 @@ class Plan:
             "inference": inference,
             "output": {"dir": str(self.records), "video": None,
                        "jsonl": "{source}.jsonl"},
-            "runtime": {"pipelines": self.pipelines, "http": {"port": self.http_port},
+            "runtime": {"workers": self.workers, "http": {"port": self.http_port},
                         "metrics_port": self.metrics_port, "progress": False,
                         "stop_when": "never"},
         }
@@ -421,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="CPU-only mode for CI")
     parser.add_argument("--cameras", type=int, default=None, help="default 100; small: 2")
-    parser.add_argument("--pipelines", type=int, default=None, help="default 3; small: 2")
+    parser.add_argument("--workers", "--pipelines", dest="workers", type=int, default=None,
+                        help="runtime.workers: source worker processes (default 3; small: 2)")
     parser.add_argument("--pace-fps", type=float, default=None, help="default 30; small: 2")
     parser.add_argument("--warmup-s", type=float, default=None, help="default 10; small: 2")
     parser.add_argument("--seconds", type=float, default=None,
@@ -438,14 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     small = args.small
     cameras = args.cameras or (2 if small else 100)
-    pipelines = args.pipelines or (2 if small else 3)
+    workers = args.workers or (2 if small else 3)
     pace_fps = args.pace_fps or (2.0 if small else 30.0)
     warmup_s = args.warmup_s if args.warmup_s is not None else (2.0 if small else 10.0)
     seconds = args.seconds or (10.0 if small else 30.0)
     if seconds < 5:
         parser.error(f"--seconds: at least 5 (hosts report once a second), got {seconds:g}")
-    if cameras < 1 or pipelines < 1:
-        parser.error("--cameras and --pipelines: at least 1")
+    if cameras < 1 or workers < 1:
+        parser.error("--cameras and --workers: at least 1")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     for old in ("index.html", "sources.json", "health.json", "results.md"):
@@ -474,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise BenchmarkError(f"--budget-s {args.budget_s:g}: no time left to start "
                                      f"(warm-up {warmup_s:g} s + window {seconds:g} s + "
                                      f"{AFTER_WINDOW_S:g} s to save and stop)")
-        plan = Plan(small, cameras, pipelines, pace_fps, warmup_s, seconds, args.decode, clip,
+        plan = Plan(small, cameras, workers, pace_fps, warmup_s, seconds, args.decode, clip,
                     model, names, args.engine_cache.resolve(), out, records, free_port(),
                     free_port(), health_s)
         config_path = out / "config.yaml"
@@ -484,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               else sys.argv[1:])
         header = (f"Live control ({me.strip()}): `{shlex.join(['python', *command[1:]])}`; "
                   f"{cameras} paced cameras (live, {pace_fps:g} fps, reconnect off, decode "
-                  f"{args.decode}) over runtime.pipelines {pipelines}, runtime.http on; "
+                  f"{args.decode}) over runtime.workers {workers}, runtime.http on; "
                   f"{what}; clip {clip_text}; outputs: JSONL only. Latency percentiles are "
                   f"histogram buckets (bounds 5, 10, 20, 50, 100, 200, 500 ms, ...).")
         print(f"launching: {shlex.join(['python', *command[1:]])} (log: {out / 'run.log'})",

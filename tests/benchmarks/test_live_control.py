@@ -50,7 +50,7 @@ def table_rows(table: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.slow
-def test_small_mode_adds_and_removes_a_camera_while_two_pipelines_run(small_run):
+def test_small_mode_adds_and_removes_a_camera_while_two_workers_run(small_run):
     out, status, table = small_run
     rows = table_rows(table)
     assert status == 0, table
@@ -59,7 +59,7 @@ def test_small_mode_adds_and_removes_a_camera_while_two_pipelines_run(small_run)
     assert rows["dropped"][0].isdigit(), table
     assert rows["p99 latency"][0].startswith(("<=", ">")), table
     assert {name for name in rows if name.startswith("p99 latency ")} == {
-        "p99 latency pipeline0", "p99 latency pipeline1"}  # one row per host
+        "p99 latency worker0", "p99 latency worker1"}  # one row per host
     assert rows["POST /api/sources (added)"][0] == "201", table
     assert float(rows["added: first frame"][0].split()[0]) >= 0, table
     assert rows["DELETE /api/sources/added"][0] == "200", table
