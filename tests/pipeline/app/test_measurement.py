@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import sys
 import time
 
@@ -15,15 +16,20 @@ from pipeline.app.measurement import (
     MetricsPoller,
     Window,
     bucket_text,
+    gpu_memory,
     launch,
+    parse_compute_apps,
     parse_metrics,
     percentile_bucket,
+    process_tree,
     stop,
     window_numbers,
 )
+from pipeline.app.run_log import EngineWindow
 
 
-def metrics_page(frames: int, fast: int, dropped: int = 0, work: float = 1.0) -> str:
+def metrics_page(frames: int, fast: int, dropped: int = 0, work: float = 1.0,
+                 cam1: str = "running") -> str:
     """A cluster /metrics page: cam0 on host p0 (``fast`` of its ``frames`` within 50 ms,
     the rest within 200 ms), ``added`` on p0 too (ignored), cam1 on p1 (all within 10 ms)."""
     lines = []
@@ -41,6 +47,9 @@ def metrics_page(frames: int, fast: int, dropped: int = 0, work: float = 1.0) ->
                 value = 0 if bound == "0.01" else value
             lines.append(f'pipeline_frame_latency_seconds_bucket{{le="{bound}",pipeline='
                          f'"{host}",source="{source}"}} {value}')
+    for state in ("running", "ended"):
+        lines.append(f'pipeline_source_state{{pipeline="p1",source="cam1",state="{state}"}} '
+                     f'{int(state == cam1)}')
     for host in ("p0", "p1"):
         for stage, seconds in (("infer", work), ("sink:cam0", work / 4), ("sink:cam1", work / 4)):
             lines.append(f'pipeline_stage_work_seconds_total{{pipeline="{host}",'
@@ -84,6 +93,61 @@ def test_window_numbers_count_the_configured_cameras_per_host_and_in_all():
     assert result.stages["sinks"] == pytest.approx((2.0, 0.2))
     assert result.busiest == ("p0", "infer", pytest.approx(100.0))
     assert result.host_cameras == {"p0": 1, "p1": 1}
+    assert result.ended == 0
+
+
+def test_cameras_that_ended_by_the_windows_end_are_counted():
+    poller = MetricsPoller("http://unused")
+    for at, text in ((0.0, metrics_page(100, 100)), (2.0, metrics_page(300, 300, cam1="ended"))):
+        for host, sample in parse_metrics(text).items():
+            poller.history.setdefault(host, []).append((at, sample))
+    result = Window()
+    window_numbers(poller, 0.0, 2.0, {"cam0", "cam1"}, result)
+    assert result.ended == 1
+
+
+@pytest.mark.parametrize(("infer_work", "busiest"), [
+    (1.9, ("engine", "infer", pytest.approx(95.0))),  # the engine's infer: 1.9 s of 2 s
+    (0.5, ("p0", "decode", pytest.approx(60.0))),  # a host's stage is busier
+])
+def test_the_busiest_stage_is_named_among_the_hosts_and_the_engine(infer_work, busiest):
+    window = Window(stages={"decode": (1.2, 0.0)}, busiest=("p0", "decode", 60.0))
+    window.add_engines({7: EngineWindow(7, 10.0, 12.0, {"infer": (infer_work, 0.1, 64),
+                                                         "batch": (0.2, 1.5, 64)})})
+    assert window.busiest == busiest
+    assert window.stage_numbers("engine", "infer") == (infer_work, 0.1)
+    assert window.stage_numbers("p0", "decode") == (1.2, 0.0)
+
+
+def test_several_engines_are_named_by_their_pid():
+    window = Window()
+    window.add_engines({7: EngineWindow(7, 0.0, 10.0, {"infer": (9.0, 0.0, 1)}),
+                        8: EngineWindow(8, 0.0, 10.0, {"infer": (3.0, 0.0, 1)})})
+    assert sorted(window.engines) == ["engine 7", "engine 8"]
+    assert window.busiest == ("engine 7", "infer", pytest.approx(90.0))
+
+
+def test_device_memory_is_the_runs_processes_or_all_when_none_is_the_runs():
+    apps = parse_compute_apps("4242, 2900\n4243, 512\n99, 8000\n4244, [N/A]\n\n")
+    assert apps == {4242: 2900.0, 4243: 512.0, 99: 8000.0}
+    ours = gpu_memory(apps, {1, 4242, 4243})
+    ours.engine_pids = [4242]
+    assert (ours.scope, ours.total_mib, len(ours.by_pid), ours.engine_mib) == (
+        "run", 3412.0, 2, 2900.0)
+    other = gpu_memory(apps, {1})  # another pid namespace: nvidia-smi shows other pids
+    assert (other.scope, other.total_mib, other.engine_mib) == ("all", 11412.0, None)
+    assert gpu_memory(None, {1}) is None  # no nvidia-smi
+    assert gpu_memory({}, {1}).total_mib == 0
+
+
+def test_the_process_tree_holds_the_children():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        tree = process_tree(os.getpid())
+        assert {os.getpid(), child.pid} <= tree and os.getppid() not in tree
+    finally:
+        child.kill()
+        child.wait()
 
 
 
