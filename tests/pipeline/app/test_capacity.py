@@ -1,5 +1,6 @@
-"""pipeline.app.capacity: the search with a fake measurement, the configuration of a run, and
-the table's verdict from a window's numbers (the real runs: tests/e2e/test_capacity.py)."""
+"""pipeline.app.capacity and its report: the search with a fake measurement, the configuration
+of a run, and the table's verdict from a window's numbers (the real runs:
+tests/e2e/test_capacity.py)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.app.capacity import (
-    RunRow,
-    estimate,
-    held_text,
-    largest_held,
-    next_count,
-    parse_counts,
-    run_config,
-    search,
-    table,
-)
+from pipeline.app.capacity import estimate, next_count, parse_counts, run_config, search
+from pipeline.app.capacity_report import RunRow, held_text, largest_held, table
 from pipeline.app.measurement import Window
 from pipeline.config import ConfigError, parse_config
 
