@@ -192,19 +192,27 @@ class MetricsPoller:
     def ends(self, start: float, end: float) -> dict[str, tuple[float, HostSample, float,
                                                                HostSample]]:
         """Per host: (time, snapshot) of its first and of its last snapshot in [start, end].
+        A host whose counters changed less than twice in the window (an idle one: a worker
+        without cameras) but that had a snapshot before it: its snapshot as of ``start`` and
+        as of ``end``, timed at the window's ends.
 
         Raises:
-            MeasurementError: a host has fewer than two snapshots in the window.
+            MeasurementError: a host has fewer than two snapshots in the window and none
+                before it.
         """
         with self.lock:
             histories = {name: list(items) for name, items in self.history.items()}
         found = {}
         for name, items in histories.items():
             inside = [item for item in items if start <= item[0] <= end]
-            if len(inside) < 2:
+            before = [item for item in items if item[0] < start]
+            if len(inside) >= 2:
+                found[name] = (*inside[0], *inside[-1])
+            elif before:
+                found[name] = (start, before[-1][1], end, (inside or before)[-1][1])
+            else:
                 raise MeasurementError(f"host {name}: fewer than two metrics snapshots in the "
                                        f"window (a window of a few seconds at least is needed)")
-            found[name] = (*inside[0], *inside[-1])
         return found
 
     def host_of(self) -> dict[str, str]:

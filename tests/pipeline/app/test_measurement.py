@@ -179,6 +179,19 @@ def test_a_window_needs_two_snapshots_of_every_host():
         window_numbers(poller, 0.0, 2.0, {"cam0"}, Window())
 
 
+def test_an_idle_host_counts_from_its_snapshot_before_the_window():
+    # p1's counters never change (a worker without cameras): one snapshot, before the window
+    poller = MetricsPoller("http://unused")
+    poller.history["p0"] = [(t, parse_metrics(metrics_page(100 * t, 100 * t, work=t))["p0"])
+                            for t in (1.0, 2.0, 3.0)]
+    poller.history["p1"] = [(0.5, parse_metrics(metrics_page(5, 5))["p1"])]
+    result = Window()
+    window_numbers(poller, 1.0, 3.0, {"cam0", "cam1"}, result)
+    assert result.delivered == pytest.approx(100.0)  # cam0: 200 frames in 2 s; cam1: none
+    assert result.stages["infer"][0] == pytest.approx(2.0)  # p0's 2 s; p1's none
+    assert result.host_cameras == {"p0": 1, "p1": 1}
+
+
 def test_the_child_runs_in_its_own_group_and_stops_on_one_sigint(tmp_path):
     """A Ctrl-C at the terminal reaches only the measuring process; ``stop`` sends the
     child one SIGINT, so it stops gracefully (a second would abort run.py)."""
