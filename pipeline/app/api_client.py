@@ -88,14 +88,23 @@ class AddRemove:
         """The DELETE answered 200 (outputs final) and the camera left the list."""
         return self.delete_status == 200 and self.gone_s is not None
 
+    @property
+    def delivered(self) -> bool:
+        """The added camera delivered: a frame seen in ``/api/sources``, or frames in the
+        DELETE's answer (an overloaded run's first frames can reach the sinks late)."""
+        return self.first_frame_s is not None or bool(self.added_frames)
+
     def text(self) -> str:
-        """``add ok (201, first frame 0.4 s), remove ok (200), 12 frames``, or what failed."""
-        added = (f"add {'ok' if self.added_ok else 'FAILED'} ({self.post_status or '-'}"
-                 + (f", first frame {self.first_frame_s:.1f} s" if self.first_frame_s is not None
-                    else "") + ")")
-        removed = f"remove {'ok' if self.removed_ok else 'FAILED'} ({self.delete_status or '-'})"
+        """``POST 201 ok, DELETE 200 ok, added delivered 12 frames (first seen 0.4 s after the
+        POST)``, or what failed."""
+        post = f"POST {self.post_status or '-'} {'ok' if self.post_status == 201 else 'FAILED'}"
+        delete = (f"DELETE {self.delete_status or '-'} "
+                  f"{'ok' if self.removed_ok else 'FAILED'}")
         frames = "-" if self.added_frames is None else f"{self.added_frames:,}"
-        return f"{added}, {removed}, {frames} frames"
+        seen = ("none seen in /api/sources before the DELETE" if self.first_frame_s is None
+                else f"first seen {self.first_frame_s:.1f} s after the POST")
+        return (f"{post}, {delete}, added {'delivered' if self.delivered else 'delivered NO'} "
+                f"frames: {frames} ({seen})")
 
 
 def add_and_remove(base: str, source: dict[str, Any], t0: float, seconds: float,
