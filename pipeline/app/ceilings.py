@@ -169,6 +169,9 @@ class NvdecDecoders:
     stay on the device and are dropped)."""
 
     def __init__(self, clip: Path, decoders: int, device_id: int) -> None:
+        from stages.gpu_decode import GpuDecodeStage  # not installed: raised here, not lost
+
+        self._stage = GpuDecodeStage
         self.clip, self.decoders, self.device_id = clip, decoders, device_id
         self._ended = threading.Event()
         self._counts = [0] * decoders
@@ -177,16 +180,17 @@ class NvdecDecoders:
                          for i in range(decoders)]
 
     def _decode(self, index: int) -> None:
-        from stages.gpu_decode import GpuDecodeStage
-
         source = SourceConfig(name=f"cam{index:03d}", uri=str(self.clip))
-        while not self._ended.is_set():  # from the start again at its end
-            for item in GpuDecodeStage(source, self.device_id).frames(self._ended):
-                if isinstance(item, Frame):
-                    self._counts[index] += 1  # one writer per item: no lock needed
-                elif item.error:
-                    self.failures.append(item.error)
-                    return
+        try:
+            while not self._ended.is_set():  # from the start again at its end
+                for item in self._stage(source, self.device_id).frames(self._ended):
+                    if isinstance(item, Frame):
+                        self._counts[index] += 1  # one writer per item: no lock needed
+                    elif item.error:
+                        self.failures.append(item.error)
+                        return
+        except Exception as error:  # noqa: BLE001 - reported by measure_at_once
+            self.failures.append(f"{type(error).__name__}: {error}")
 
     def start(self) -> None:
         for thread in self._threads:
