@@ -84,11 +84,11 @@ from benchmarks.live_control import (
 from pipeline.app.measurement import (
     MeasurementError,
     MetricsPoller,
-    device_memory,
     dropped_between,
     free_port,
     launch,
     process_tree,
+    query_compute_apps,
     stop,
 )
 
@@ -321,7 +321,7 @@ def ours(pid: int | None, run_pid: int) -> int:
 
 def memory_by_process(run_pid: int, log: Path, result: Result) -> None:
     """Device memory of each process of the run (``nvidia-smi``), largest first."""
-    used = device_memory()
+    used = query_compute_apps()
     if used is None:
         result.notes.append("no nvidia-smi: device memory not read")
         return

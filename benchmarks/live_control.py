@@ -65,14 +65,13 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from pipeline.app.api_client import ADDED, AddRemove, add_and_remove, get_json, request
 from pipeline.app.measurement import (
     DELIVERED_SHARE,
     P99_LIMIT_S,
@@ -92,7 +91,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 HEALTH_TIMEOUT_S = {"full": 420.0, "small": 120.0}  # launch until /api/health says ok
 AFTER_WINDOW_S = 100.0  # --budget-s: what saving and stopping may take after the window
 WATCHED = 6  # cameras whose snapshots the viewer fetches and saves
-ADDED = "added"
 EXIT_MEANING = {0: "every source finished (a live camera stopped by Ctrl-C counts as finished)",
                 1: "a source or stage failed", 2: "bad configuration or command line",
                 3: "stopped early: a file source was cut short (its outputs stay .partial)",
@@ -103,32 +101,7 @@ class BenchmarkError(MeasurementError):
     """A step of the benchmark failed; the message is one line for the user."""
 
 
-# ---- HTTP --------------------------------------------------------------------------------
-
-
-def request(url: str, method: str = "GET", body: Any = None, timeout: float = 60.0
-            ) -> tuple[int, bytes, dict[str, str]]:
-    """(status, body, headers with lower-case names) of one request; an HTTP error status is
-    returned, not raised.
-
-    Raises:
-        OSError: nothing answered.
-    """
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"} if data is not None else {}
-    call = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(call, timeout=timeout) as answer:
-            return answer.status, answer.read(), {k.lower(): v for k, v in answer.headers.items()}
-    except urllib.error.HTTPError as error:
-        return error.code, error.read(), {k.lower(): v for k, v in error.headers.items()}
-
-
-def get_json(url: str) -> Any:
-    status, body, _ = request(url, timeout=10)
-    if status != 200:
-        raise BenchmarkError(f"GET {url}: status {status}")
-    return json.loads(body)
+# ---- the live view -----------------------------------------------------------------------
 
 
 class Viewer:
@@ -242,14 +215,7 @@ class Result(Window):
 
     start_s: float | None = None  # launch until /api/health said ok
     all_s: float | None = None  # launch until every configured camera had delivered a frame
-    post_status: int | None = None
-    post_ms: float | None = None
-    added_host: str | None = None
-    first_frame_s: float | None = None  # POST answered until added's frames > 0
-    added_frames: int | None = None
-    delete_status: int | None = None
-    delete_s: float | None = None  # DELETE sent until it answered
-    gone_s: float | None = None  # DELETE sent until added left /api/sources
+    control: AddRemove = field(default_factory=AddRemove)  # added and removed in the window
     health_end: str | None = None
     watched: list[str] = field(default_factory=list)
     saved_jpegs: list[str] = field(default_factory=list)
@@ -258,16 +224,6 @@ class Result(Window):
     viewer_missing: int = 0
     exit_code: int | None = None
     notes: list[str] = field(default_factory=list)
-
-    @property
-    def added_ok(self) -> bool:
-        """The POST answered 201 and the camera delivered a frame."""
-        return self.post_status == 201 and self.first_frame_s is not None
-
-    @property
-    def removed_ok(self) -> bool:
-        """The DELETE answered 200 (outputs final) and the camera left the list."""
-        return self.delete_status == 200 and self.gone_s is not None
 
 
 def wait_healthy(base: str, process: subprocess.Popen[Any], limit_s: float,
@@ -284,7 +240,7 @@ def wait_healthy(base: str, process: subprocess.Popen[Any], limit_s: float,
                                  f"said ok (last: {last}){said(process)}")
         try:
             last = get_json(f"{base}/api/health").get("status")
-        except (OSError, ValueError, BenchmarkError):
+        except (OSError, ValueError, MeasurementError):
             last = last or "no answer"
         if last == "ok":
             return time.monotonic() - started
@@ -311,56 +267,6 @@ def wait_delivering(base: str, process: subprocess.Popen[Any], limit_s: float,
         time.sleep(0.25)
     raise BenchmarkError(f"{len(waiting)} cameras had delivered no frame {limit_s:g} s after "
                          f"the launch (first: {waiting[:3]}); see run.log")
-
-
-def source_entry(base: str, name: str) -> dict[str, Any] | None:
-    """``name``'s entry of ``/api/sources``, or None when it is not listed."""
-    for entry in get_json(f"{base}/api/sources")["sources"]:
-        if entry["name"] == name:
-            return entry
-    return None
-
-
-def add_and_remove(plan: Plan, base: str, poller: MetricsPoller, t0: float,
-                   result: Result) -> None:
-    """The window's control sequence (module docstring, step 3)."""
-    seconds = plan.seconds
-    time.sleep(max(0.0, t0 + 0.2 * seconds - time.monotonic()))
-    began = time.monotonic()
-    status, body, _ = request(f"{base}/api/sources", "POST", plan.source(ADDED))
-    answered = time.monotonic()
-    result.post_status, result.post_ms = status, 1000 * (answered - began)
-    if status != 201:
-        result.notes.append(f"POST answered {status}: {body.decode(errors='replace')[:200]}")
-        return
-    while time.monotonic() < t0 + 0.9 * seconds:
-        entry = source_entry(base, ADDED)
-        if entry is not None and entry.get("frames", 0) > 0:
-            result.first_frame_s = time.monotonic() - answered
-            result.added_host = entry.get("host")  # the live view names each source's host
-            break
-        time.sleep(0.1)
-    else:
-        result.notes.append(f"{ADDED} delivered no frame within {0.9 * seconds:g} s of the "
-                            f"window")
-    result.added_host = result.added_host or poller.host_of().get(ADDED)
-    time.sleep(max(0.0, t0 + 0.6 * seconds - time.monotonic()))
-    began = time.monotonic()
-    status, body, _ = request(f"{base}/api/sources/{ADDED}", "DELETE", timeout=120)
-    result.delete_status, result.delete_s = status, time.monotonic() - began
-    try:
-        answer = json.loads(body)
-    except ValueError:
-        answer = {}
-    if status == 200:
-        result.added_frames = answer.get("frames")
-    else:
-        result.notes.append(f"DELETE answered {status}: {body.decode(errors='replace')[:200]}")
-    while time.monotonic() - began < 60:
-        if source_entry(base, ADDED) is None:
-            result.gone_s = time.monotonic() - began
-            break
-        time.sleep(0.1)
 
 
 def save_page(base: str, out: Path, viewer: Viewer, result: Result) -> None:
@@ -408,7 +314,9 @@ def measure(plan: Plan, command: list[str], result: Result) -> None:
             t0, p0 = time.monotonic(), time.perf_counter()
             (plan.out / "metrics-start.txt").write_text(poller.scrape())
             viewer.start()
-            add_and_remove(plan, base, poller, t0, result)
+            result.control = add_and_remove(base, plan.source(ADDED), t0, plan.seconds,
+                                            poller.host_of)
+            result.notes += result.control.notes
             time.sleep(max(0.0, t0 + plan.seconds - time.monotonic()))
             (plan.out / "metrics-end.txt").write_text(poller.scrape())
             t1, p1 = time.monotonic(), time.perf_counter()
@@ -452,14 +360,15 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
     ]
     rows += [(f"p99 latency {host}", bucket_text(p99), f"its cameras "
               f"({result.host_cameras.get(host, 0)})") for host, p99 in result.host_p99.items()]
+    control = result.control
     rows += [
-        ("POST /api/sources (added)", num(result.post_status),
-         f"answered in {num(result.post_ms, 0)} ms; placed on {result.added_host or '-'}"),
-        ("added: first frame", f"{num(result.first_frame_s, 2)} s",
+        ("POST /api/sources (added)", num(control.post_status),
+         f"answered in {num(control.post_ms, 0)} ms; placed on {control.added_host or '-'}"),
+        ("added: first frame", f"{num(control.first_frame_s, 2)} s",
          "after the POST answered (its frames > 0 in /api/sources)"),
-        ("DELETE /api/sources/added", num(result.delete_status),
-         f"answered in {num(result.delete_s, 2)} s; {num(result.added_frames)} frames; "
-         f"gone from /api/sources after {num(result.gone_s, 2)} s"),
+        ("DELETE /api/sources/added", num(control.delete_status),
+         f"answered in {num(control.delete_s, 2)} s; {num(control.added_frames)} frames; "
+         f"gone from /api/sources after {num(control.gone_s, 2)} s"),
     ]
     if result.stages:
         window = result.window_s or 1.0
@@ -492,8 +401,8 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
                  f"{bucket_text(result.p99)}, delivered {num(result.delivered)} of "
                  f"{num(result.offered)} fps offered; held = 0 dropped, p99 <= "
                  f"{1000 * P99_LIMIT_S:g} ms, delivered >= {100 * DELIVERED_SHARE:g}%); "
-                 f"add {'ok' if result.added_ok else 'FAILED'}, "
-                 f"remove {'ok' if result.removed_ok else 'FAILED'}")
+                 f"add {'ok' if control.added_ok else 'FAILED'}, "
+                 f"remove {'ok' if control.removed_ok else 'FAILED'}")
     return "\n".join(lines) + "\n"
 
 
@@ -617,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
           f"metrics-end.txt; render the page with: python -m benchmarks.render_page {out}")
     print(table, end="")
     # held or not is the result; a measurement that failed (or add/remove that did) is not
-    worked = result.delivered is not None and result.added_ok and result.removed_ok
+    worked = (result.delivered is not None and result.control.added_ok
+              and result.control.removed_ok)
     return 0 if worked else 1
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from pipeline.app.measurement import device_memory, process_tree
+from pipeline.app.measurement import process_tree, query_compute_apps
 
 PROMETHEUS_P99 = 0.99
 REPO = Path(__file__).resolve().parents[1]
@@ -86,7 +86,7 @@ def host_usage(pids: list[int]) -> tuple[float, int, int]:
 
 def device_usage(pids: list[int]) -> float | None:
     """Device memory (MB) used by ``pids`` according to ``nvidia-smi``, or None without it."""
-    used = device_memory()
+    used = query_compute_apps()
     return None if used is None else sum(used.get(pid, 0.0) for pid in pids)
 
 

@@ -1,25 +1,35 @@
 """How many cameras will this machine hold? ``python run.py capacity --config cams.yaml --clip
 my.mp4 [--fps 30]`` plays the clip as N paced live cameras through the run path users take
 and finds the largest N that holds, beside what decode and the engine reach alone.
+``--unpaced N`` adds a row of N cameras reading as fast as they can (throughput, beside the
+slower of those ceilings); ``--http`` turns the live view on and adds and removes a camera
+through its API in each window; ``--set KEY=VALUE`` changes the user's configuration (its
+``runtime.http`` keys win over the free loopback port given to the live view).
 
     cams.yaml (model, inference, runtime, outputs) ──┐
     my.mp4 (looped by a stream copy when too short) ─┴─> N.yaml: sources = N cameras
         {camNNN: the clip, live: true, pace_fps: FPS, reconnect: false}; outputs into a
         temporary folder (deleted afterwards); Prometheus on a free port of 127.0.0.1
-    for each N the search picks:
+    for each N the search picks (then the unpaced N: pace_fps null, the clip looped longer):
         python -m pipeline.app.cli run --config N.yaml   (a child process, its own group)
         └─ pipeline.app.measurement: every camera delivering, --warmup-s, a --seconds window
-           of Prometheus scrapes -> delivered, dropped, p50/p99, stages' work and blocked s
+           of Prometheus scrapes -> delivered, dropped, p50/p99, stages' work and blocked s;
+           mid-window, on the GPU path, nvidia-smi's device memory per process; with --http
+           POST a camera at 20% of the window, DELETE it at 60% (pipeline.app.api_client);
+           after the run, the engine's stages from its log (pipeline.app.run_log)
     decode alone, engine alone: python -m pipeline.app.ceilings (child processes, first)
+    the rows, the table, results.md and results.json: pipeline.app.capacity_report
 
 Held (``measurement.Window.held``): 0 dropped, p99 capture-to-sink latency <= 100 ms and
-delivered >= 95% of offered, over the window. The search: ``--cameras 50,100,150`` tries those;
-by default it starts at an estimate (half of what the slower of decode alone and engine alone
-could feed at FPS, or ``DEFAULT_START`` without them), doubles while N holds (halves while it
-does not), then bisects between the largest N that held and the smallest above it that did
-not, down to one camera. ``--budget-s`` caps the whole command: a run that would not fit in
-what is left is not started (the table says so). The process that measures never creates a
-CUDA context: every GPU user is a child.
+delivered >= 95% of offered, over the window. A paced row delivering less than that is an
+overload (``capacity_report``): its drops and p99 are reported, against bounded latency.
+The search: ``--cameras 50,100,150`` tries those; by default it starts at an estimate (half
+of what the slower of decode alone and engine alone could feed at FPS, or ``DEFAULT_START``
+without them), doubles while N holds (halves while it does not), then bisects between the
+largest N that held and the smallest above it that did not, down to one camera.
+``--budget-s`` caps the whole command: a run that would not fit in what is left is not
+started (the table says so). The process that measures never creates a CUDA context: every
+GPU user is a child.
 
 Exit status: 0 when at least one N was measured (held or not: the table is the result), 1
 when none could be, 2 for a bad ``--clip``, configuration or option (one line, nothing run),
@@ -37,30 +47,41 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from pipeline.app.api_client import ADDED, AddRemove, add_and_remove
+from pipeline.app.capacity_report import (
+    Options,
+    RunRow,
+    header_text,
+    held_text,
+    plural,
+    report,
+    results_json,
+)
 from pipeline.app.measurement import (
-    DELIVERED_SHARE,
-    P99_LIMIT_S,
     MeasurementError,
     MetricsPoller,
     UtilisationSampler,
     Window,
-    bucket_text,
     child_env,
     free_port,
+    gpu_memory,
     launch,
+    process_tree,
+    query_compute_apps,
     said,
     stop,
     wait_delivering,
     window_numbers,
 )
+from pipeline.app.run_log import engine_lines, engine_windows
 from pipeline.config import ConfigError, apply_overrides, load_config
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -69,58 +90,9 @@ MAX_CAMERAS = 4096  # the search never doubles past this
 START_TIMEOUT_S = 300.0  # launch until every camera delivered (model load, compile, warm-up)
 STOP_S = 30.0  # what stopping a run takes, at most, in the budget's reckoning
 CEILING_TIMEOUT_S = 900.0  # a ceiling child (an engine compiled from a cold cache)
-
-
-@dataclass
-class Options:
-    """What ``capacity`` was asked (the command line's capacity options).
-
-    Attributes:
-        config: the user's YAML; its sources are replaced, the rest kept.
-        overrides: ``--set KEY=VALUE`` applied to it first.
-        clip: the video every camera plays.
-        fps: each camera's frames/s (None: the clip's own rate).
-        cameras: the counts to try, in order (None: search).
-        budget_s: the longest the whole command may take.
-        warmup_s: seconds from every camera delivering to the window.
-        seconds: the window.
-        out: folder for each run's config, log and scrapes and the results (None: a
-            temporary one, deleted afterwards).
-        decoders: decode alone's parallel decoders (None: its default).
-        ceilings: measure decode alone and engine alone.
-    """
-
-    config: Path
-    clip: Path
-    overrides: list[str] = field(default_factory=list)
-    fps: float | None = None
-    cameras: list[int] | None = None
-    budget_s: float = 1800.0
-    warmup_s: float = 10.0
-    seconds: float = 30.0
-    out: Path | None = None
-    decoders: int | None = None
-    ceilings: bool = True
-
-
-@dataclass
-class RunRow:
-    """One N tried: its window (None when it could not be measured: ``error`` says why)."""
-
-    cameras: int
-    fps: float
-    window: Window | None = None
-    error: str | None = None
-    start_s: float | None = None  # launch until every camera delivered
-    took_s: float | None = None  # launch until the child exited
-    exit_code: int | None = None
-
-    @property
-    def held(self) -> bool:
-        return self.window is not None and self.error is None and self.window.held
-
-
-# ---- inputs ------------------------------------------------------------------------------
+# an unpaced camera's clip: long enough for UNPACED_MARGIN x its share of decode alone (as
+# placed; UNPACED_CAMERA_FPS without it) over UNPACED_START_S + the warm-up + the window
+UNPACED_MARGIN, UNPACED_CAMERA_FPS, UNPACED_START_S = 1.5, 250.0, 30.0
 
 
 def check_clip(clip: Path) -> tuple[int, float | None]:
@@ -143,8 +115,10 @@ def check_clip(clip: Path) -> tuple[int, float | None]:
         raise ConfigError(f"--clip: {error}") from None
 
 
-def camera_sources(count: int, clip: Path, fps: float) -> list[dict[str, Any]]:
-    """``count`` paced live cameras playing ``clip``: ``cam000``, ``cam001``, ..."""
+def camera_sources(count: int, clip: Path, fps: float | None) -> list[dict[str, Any]]:
+    """``count`` live cameras playing ``clip``: ``cam000``, ``cam001``, ...; paced at ``fps``,
+    or unpaced (None: each reads as fast as it decodes, and drops what the pipeline cannot
+    take, as a live source does)."""
     return [{"name": f"cam{i:03d}", "uri": str(clip), "live": True, "pace_fps": fps,
              "reconnect": False} for i in range(count)]
 
@@ -164,13 +138,16 @@ def read_user_config(path: Path, overrides: list[str], clip: Path, fps: float
     return apply_overrides(data, overrides)
 
 
-def run_config(user: dict[str, Any], cameras: int, clip: Path, fps: float, records: Path,
-               metrics_port: int) -> dict[str, Any]:
+def run_config(user: dict[str, Any], cameras: int, clip: Path, fps: float | None,
+               records: Path, metrics_port: int, http: bool = False,
+               overrides: list[str] | None = None) -> dict[str, Any]:
     """The configuration of one run: the user's with its sources replaced by ``cameras``
     cameras, its outputs in ``records`` (video only if the user's config names one; no
     MQTT: the cameras are not real), Prometheus on ``metrics_port`` of 127.0.0.1, no
-    progress bar, and no end but SIGINT. The live view, when configured, moves to a free
-    port of 127.0.0.1. Neither ``runtime.pipelines`` nor ``runtime.workers`` is set here."""
+    progress bar, and no end but SIGINT. The live view, when configured or asked for
+    (``http``: without a token, for the API calls), moves to a free port of 127.0.0.1, but
+    for what ``overrides`` (``--set``) say of ``runtime.http``. ``runtime.workers`` is the
+    user's (null: automatic)."""
     data = copy.deepcopy(user)
     data["sources"] = camera_sources(cameras, clip, fps)
     output = dict(data.get("output") or {})
@@ -182,10 +159,13 @@ def run_config(user: dict[str, Any], cameras: int, clip: Path, fps: float, recor
     runtime.pop("metrics_token", None)
     runtime.update(metrics_port=metrics_port, metrics_host="127.0.0.1", progress=False,
                    stop_when="never")
+    if http:
+        runtime["http"] = {k: v for k, v in (runtime.get("http") or {}).items() if k != "token"}
     if runtime.get("http") is not None:
         runtime["http"] = {**runtime["http"], "host": "127.0.0.1", "port": free_port()}
     data["runtime"] = runtime
-    return data
+    mine = [o for o in overrides or () if o.partition("=")[0].strip().startswith("runtime.http")]
+    return apply_overrides(data, mine)
 
 
 def write_config(data: dict[str, Any], path: Path) -> Path:
@@ -213,11 +193,6 @@ def next_count(tried: dict[int, bool], start: int, most: int = MAX_CAMERAS) -> i
     if low == 0:
         return high // 2 if high > 1 else None
     return (low + high) // 2 if high - low > 1 else None
-
-
-def largest_held(rows: list[RunRow]) -> int:
-    """The largest camera count that held (0: none)."""
-    return max((row.cameras for row in rows if row.held), default=0)
 
 
 def estimate(ceilings: dict[str, dict[str, Any]], fps: float) -> int:
@@ -273,11 +248,13 @@ def measure_ceiling(what: str, config_path: Path, log: Path, seconds: float,
     return json.loads(output.strip().splitlines()[-1])
 
 
-def measure_cameras(options: Options, user: dict[str, Any], clip: Path, fps: float,
+def measure_cameras(options: Options, user: dict[str, Any], clip: Path, fps: float | None,
                     cameras: int, folder: Path, start_limit_s: float, gpu: bool) -> RunRow:
-    """One run of ``cameras`` cameras through ``python -m pipeline.app.cli run`` (module
-    docstring); its config, ``run.log`` and the scrapes at the window's ends go to
-    ``folder``.
+    """One run of ``cameras`` cameras (paced at ``fps``; None: unpaced) through ``python -m
+    pipeline.app.cli run`` (module docstring); its config, ``run.log`` and the scrapes at the
+    window's ends go to ``folder``. In the window, on the GPU path, the device memory is
+    sampled once; with ``options.http`` a camera is added and removed through the API. After
+    the run, the engine's stages are read from its log.
 
     Raises:
         UsageError: run.py refused the configuration (exit status 2).
@@ -286,26 +263,39 @@ def measure_cameras(options: Options, user: dict[str, Any], clip: Path, fps: flo
     folder.mkdir(parents=True, exist_ok=True)
     records = Path(tempfile.mkdtemp(prefix="capacity-records-"))
     port = free_port()
-    config = write_config(run_config(user, cameras, clip, fps, records, port),
-                          folder / "config.yaml")
+    data = run_config(user, cameras, clip, fps, records, port, options.http, options.overrides)
+    config = write_config(data, folder / "config.yaml")
+    http = data["runtime"].get("http")
+    base = None if http is None else f"http://127.0.0.1:{http['port']}"
     names = {source["name"] for source in camera_sources(cameras, clip, fps)}
     poller = MetricsPoller(f"http://127.0.0.1:{port}/metrics")
     command = [sys.executable, "-m", "pipeline.app.cli", "run", "--config", str(config),
                "--no-progress"]
     started = time.monotonic()
     process, reader = launch(command, folder / "run.log")
+    apps, tree, span = None, set(), None
     try:
         poller.start()
         row.start_s = wait_delivering(poller, process, names, start_limit_s, started)
         time.sleep(options.warmup_s)
-        window = Window(offered=cameras * fps)
+        window = Window(offered=None if fps is None else cameras * fps)
+        control = None
         with UtilisationSampler(gpu) as sampler:
             t0, p0 = time.monotonic(), time.perf_counter()
             (folder / "metrics-start.txt").write_text(poller.scrape())
-            time.sleep(options.seconds)
+            if options.http and base is not None:
+                control = ControlThread(base, camera_sources(1, clip, fps)[0] | {"name": ADDED},
+                                        t0, options.seconds, poller.host_of)
+            time.sleep(max(0.0, t0 + options.seconds / 2 - time.monotonic()))
+            if gpu:
+                apps, tree = query_compute_apps(), process_tree(process.pid)
+            time.sleep(max(0.0, t0 + options.seconds - time.monotonic()))
             (folder / "metrics-end.txt").write_text(poller.scrape())
             t1, p1 = time.monotonic(), time.perf_counter()
         window.gpu_util, window.window_s = sampler.mean(p0, p1), t1 - t0
+        span = (t0 - started, t1 - started)
+        if control is not None:
+            row.control = control.result()
         if process.poll() is not None:
             raise MeasurementError(f"run.py exited with {process.returncode} in the "
                                    f"window{said(process)}")
@@ -319,6 +309,12 @@ def measure_cameras(options: Options, user: dict[str, Any], clip: Path, fps: flo
         reader.join(10)
         row.took_s = time.monotonic() - started
         shutil.rmtree(records, ignore_errors=True)
+    if row.window is not None and span is not None:
+        engines = engine_windows(engine_lines(folder / "run.log"), *span)
+        row.window.add_engines(engines)
+        row.window.gpu_memory = gpu_memory(apps, tree)
+        if row.window.gpu_memory is not None:
+            row.window.gpu_memory.engine_pids = sorted(p for p in engines if p is not None)
     if note is not None:
         row.error = row.error or note
     if row.exit_code == EXIT_USAGE:
@@ -329,120 +325,25 @@ def measure_cameras(options: Options, user: dict[str, Any], clip: Path, fps: flo
     return row
 
 
-# ---- the report ----------------------------------------------------------------------------
+class ControlThread:
+    """``api_client.add_and_remove`` in a thread, beside the window's own timing."""
 
+    def __init__(self, base: str, source: dict[str, Any], t0: float, seconds: float,
+                 host_of: Callable[[], dict[str, str]]) -> None:
+        self._result: AddRemove | None = None
+        self._thread = threading.Thread(target=self._run, name="add-remove", daemon=True,
+                                        args=(base, source, t0, seconds, host_of))
+        self._thread.start()
 
-def plural(count: int, one: str, many: str | None = None) -> str:
-    return f"{count} {one if count == 1 else (many or one + 's')}"
+    def _run(self, *args: Any) -> None:
+        self._result = add_and_remove(*args)
 
-
-def latency_text(found: tuple[float, float] | None) -> str:
-    return bucket_text(found).split(" (")[0]
-
-
-def busiest_text(window: Window) -> str:
-    """``infer 92% (27.6 s work, 0.3 s blocked)``: the busiest stage of any host, with its
-    work and blocked seconds summed over the hosts."""
-    if window.busiest is None:
-        return "-"
-    host, stage, share = window.busiest
-    work, blocked = window.stages.get(stage, (0.0, 0.0))
-    where = f"{host} " if len(window.hosts) > 1 else ""
-    return f"{where}{stage} {share:.0f}% ({work:,.1f} s work, {blocked:,.1f} s blocked)"
-
-
-def held_text(row: RunRow) -> str:
-    if row.window is None or row.error is not None:
-        return f"no: failed ({row.error})"
-    if row.window.held:
-        return "yes"
-    return "no: " + ", ".join(row.window.why_not_held())
-
-
-def table(rows: list[RunRow]) -> str:
-    """The markdown table, one row per N tried, in camera order."""
-    gpu = any(row.window is not None and row.window.gpu_util is not None for row in rows)
-    head = ["cameras", "offered fps", "delivered fps", "dropped", "p50 latency", "p99 latency",
-            "held", "busiest stage"] + (["GPU"] if gpu else [])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in sorted(rows, key=lambda r: r.cameras):
-        w = row.window or Window(offered=row.cameras * row.fps)
-        cells = [str(row.cameras), f"{w.offered:,.1f}",
-                 "-" if w.delivered is None else f"{w.delivered:,.1f}",
-                 "-" if w.dropped is None else str(w.dropped), latency_text(w.p50),
-                 latency_text(w.p99), held_text(row), busiest_text(w)]
-        if gpu:
-            cells.append("-" if w.gpu_util is None else f"{w.gpu_util:.0f}%")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def ceiling_lines(ceilings: dict[str, Any], fps: float) -> list[str]:
-    lines = []
-    decode = ceilings.get("decode")
-    if isinstance(decode, dict):
-        where = (plural(decode["processes"], "worker process", "worker processes")
-                 if decode["mode"] == "cpu" else "NVDEC")
-        lines.append(f"decode alone: {decode['fps']:,.0f} frames/s ({decode['decoders']} "
-                     f"decoders, {decode['mode']}, {where}): at most "
-                     f"{decode['fps'] / fps:,.0f} cameras at {fps:g} fps")
-    elif decode is not None:
-        lines.append(f"decode alone: failed ({decode})")
-    engine = ceilings.get("engine")
-    if isinstance(engine, dict):
-        lines.append(f"engine alone: {engine['images_s']:,.0f} images/s ({engine['backend']} on "
-                     f"{engine['device']}, batch {engine['batch']}, warm-up "
-                     f"{engine['warmup_s']:.1f} s): at most {engine['images_s'] / fps:,.0f} "
-                     f"cameras at {fps:g} fps")
-    elif engine is not None:
-        lines.append(f"engine alone: failed ({engine})")
-    return lines
-
-
-def stage_lines(row: RunRow) -> str:
-    """Every stage's work and blocked seconds in ``row``'s window, busiest first."""
-    if row.window is None or not row.window.stages:
-        return "-"
-    return "; ".join(f"{stage} {work:,.1f} s work, {blocked:,.1f} s blocked"
-                     for stage, (work, blocked) in sorted(row.window.stages.items(),
-                                                          key=lambda item: -item[1][0]))
-
-
-def report(header: str, rows: list[RunRow], ceilings: dict[str, Any],
-           notes: list[str], fps: float) -> str:
-    """What is printed and saved: the header, the ceilings, the table, the answer."""
-    best = largest_held(rows)
-    lines = [header, "", *ceiling_lines(ceilings, fps), "", table(rows), ""]
-    focus = min((r for r in rows if not r.held and r.window is not None),
-                key=lambda r: r.cameras, default=None)
-    if focus is not None:
-        lines.append(f"Stages at {plural(focus.cameras, 'camera')} (the fewest that did not hold), "
-                     f"summed over the window: {stage_lines(focus)}")
-    lines += [f"Note: {note}" for note in notes]
-    if best:
-        lines.append(f"Largest held: {plural(best, 'camera')} at {fps:g} fps "
-                     f"({best * fps:,.0f} frames/s).")
-    else:
-        lines.append("Largest held: none of the counts tried held.")
-    return "\n".join(lines) + "\n"
-
-
-def results_json(options: Options, rows: list[RunRow], ceilings: dict[str, Any],
-                 notes: list[str], fps: float) -> dict[str, Any]:
-    def window(w: Window | None) -> dict[str, Any] | None:
-        if w is None:
-            return None
-        found = asdict(w)
-        found.update(held=w.held, delivered_pct=w.delivered_pct)
-        return found
-
-    return {"clip": str(options.clip), "config": str(options.config), "fps": fps,
-            "warmup_s": options.warmup_s, "seconds": options.seconds,
-            "held_limits": {"dropped": 0, "p99_s": P99_LIMIT_S,
-                            "delivered_share": DELIVERED_SHARE},
-            "largest_held": largest_held(rows), "ceilings": ceilings, "notes": notes,
-            "runs": [{**{k: v for k, v in asdict(row).items() if k != "window"},
-                      "held": row.held, "window": window(row.window)} for row in rows]}
+    def result(self, wait_s: float = 200.0) -> AddRemove:
+        """Its answers, once it ended (a DELETE may outlast the window), at most ``wait_s``."""
+        self._thread.join(wait_s)
+        if self._result is None:
+            return AddRemove(notes=[f"add/remove still running {wait_s:g} s after the window"])
+        return self._result
 
 
 # ---- the command ---------------------------------------------------------------------------
@@ -476,6 +377,8 @@ def check_options(options: Options) -> None:
         raise ConfigError(f"--budget-s: above 0, got {options.budget_s:g}")
     if options.decoders is not None and options.decoders < 1:
         raise ConfigError(f"--decoders: at least 1, got {options.decoders}")
+    if options.unpaced is not None and options.unpaced < 1:
+        raise ConfigError(f"--unpaced: at least 1 camera, got {options.unpaced}")
 
 
 def progress(text: str) -> None:
@@ -520,6 +423,18 @@ def prepare_inputs(options: Options) -> tuple[Any, dict[str, Any], Path, int, fl
     single = load_config(options.config, [*options.overrides, f"sources={one}"])
     prepare(single, restart=True)  # the model, its classes, the clip's first frame
     return single, user, clip, frames, fps
+
+
+def unpaced_clip(clip: Path, cameras: int, decode: dict[str, Any] | None, options: Options,
+                 folder: Path) -> Path:
+    """``clip``, looped long enough for ``cameras`` unpaced cameras: each reads as fast as it
+    decodes, until the window's end (``UNPACED_MARGIN`` etc.: its share of ``decode``, decode
+    alone as placed). A camera that still reaches its end is counted (``Window.ended``)."""
+    from pipeline.app.clips import clip_for
+
+    share = decode["fps"] / cameras if decode else UNPACED_CAMERA_FPS
+    return clip_for(clip, UNPACED_START_S + options.warmup_s + options.seconds,
+                    UNPACED_MARGIN * share, folder)
 
 
 def measure_ceilings(options: Options, user: dict[str, Any], clip: Path, fps: float,
@@ -590,17 +505,31 @@ def main(options: Options) -> int:
                 return False
             return True
 
-        def measure(count: int) -> bool:
-            folder = out / f"cameras-{count:03d}"
-            progress(f"{plural(count, 'camera')} at {fps:g} fps (log: {folder / 'run.log'})")
-            row = measure_cameras(options, user, played, fps, count, folder,
+        def run_row(count: int, pace: float | None, clip: Path, folder: Path) -> RunRow:
+            progress(f"{plural(count, 'camera')} "
+                     + (f"at {pace:g} fps" if pace is not None else "unpaced")
+                     + f" (log: {folder / 'run.log'})")
+            row = measure_cameras(options, user, clip, pace, count, folder,
                                   min(START_TIMEOUT_S, max(time_left() - needed, 30.0)),
                                   single.inference.device != "cpu")
             rows.append(row)
+            return row
+
+        def measure(count: int) -> bool:
+            row = run_row(count, fps, played, out / f"cameras-{count:03d}")
             progress(f"{plural(count, 'camera')}: held {held_text(row)}")
             return row.held
 
-        search(measure, estimate(measured, fps), options.cameras, fits)
+        if options.cameras is not None or options.unpaced is None:
+            search(measure, estimate(measured, fps), options.cameras, fits)
+        if options.unpaced is not None and fits(options.unpaced):
+            count = options.unpaced
+            fast = unpaced_clip(clip, count, measured.get("decode"), options, work)
+            row = run_row(count, None, fast, out / f"unpaced-{count:03d}")
+            progress(f"{plural(count, 'camera')} unpaced: "
+                     + (f"{row.window.delivered:,.1f} frames/s delivered"
+                        if row.window is not None and row.window.delivered is not None
+                        else f"failed ({row.error})"))
         status = EXIT_OK if any(row.window is not None for row in rows) else EXIT_FAILED
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -618,22 +547,6 @@ def main(options: Options) -> int:
             json.dumps(results_json(options, rows, ceilings, notes, fps), indent=1))
     print(text, end="", flush=True)
     return status
-
-
-def header_text(options: Options, config: Any, clip: Path, played: Path, frames: int,
-                fps: float) -> str:
-    from pipeline.app.clips import clip_frames
-
-    inference = config.inference
-    copies = clip_frames(played) // max(frames, 1) if played != clip else 1
-    looped = f", looped {copies}x" if copies > 1 else ""
-    return (f"Capacity: {clip.name} ({frames:,} frames{looped}) as paced live cameras at "
-            f"{fps:g} fps through `run.py run` with {options.config} (model "
-            f"{Path(config.model.path).name}, inference {inference.backend} on "
-            f"{inference.device}, batch {inference.batch_size}); warm-up {options.warmup_s:g} s,"
-            f" window {options.seconds:g} s. Held: 0 dropped, p99 <= {1000 * P99_LIMIT_S:g} ms,"
-            f" delivered >= {100 * DELIVERED_SHARE:g}% of offered. Latencies are histogram "
-            f"buckets (bounds 5, 10, 20, 50, 100, 200, 500 ms, ...).")
 
 
 def _interrupt(signum: int, _frame: object) -> None:

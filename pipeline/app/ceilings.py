@@ -3,7 +3,9 @@
 - decode alone: a clip decoded as fast as possible by K parallel decoders, nothing else, where
   the pipeline would decode it (``build.decoder_kind``): on the CPU by the pipeline's own
   worker processes and decoder settings (``default_worker_count``, ``decoder_threads``),
-  each frame's slot given back at once; on NVDEC by K ``GpuDecodeStage`` threads. Each
+  each frame's slot given back at once; on NVDEC by K ``GpuDecodeStage`` threads, then, as
+  the GPU path has both kinds of decoder, the CPU's alone (one per usable core) and NVDEC's
+  and the CPU's at once (each kind's frames/s in the same window, and their sum). Each
   decoder starts the clip again at its end, so any clip is long enough.
 - engine alone: the model at the configured batch size, on a batch made from the clip's
   first frames (preprocessed as the CPU path does, ``kernels.preprocess``), the backend made
@@ -47,14 +49,29 @@ CLIP_FRAMES = 16  # engine alone: distinct frames of the clip in its batch (repe
 
 @dataclass
 class DecodeRate:
-    """Decode alone: ``fps`` frames/s of ``decoders`` parallel decoders in ``mode`` (cpu:
-    ``processes`` worker processes, ``cpu_s_per_frame`` their CPU seconds per frame)."""
+    """Decode alone: ``fps`` frames/s of ``decoders`` parallel decoders in ``mode``, where
+    the run decodes its cameras (``build.decoder_kind``: gpu is NVDEC; cpu: ``processes``
+    worker processes, ``cpu_s_per_frame`` their CPU seconds per frame). On the GPU path
+    also the CPU's decoders alone (``cpu_fps``: ``cpu_decoders`` in ``cpu_processes``
+    worker processes) and both kinds at once (``both_nvdec_fps`` + ``both_cpu_fps`` =
+    ``both_fps``: NVDEC and CPU decoders in the same window)."""
 
     fps: float
     decoders: int
     mode: str
     processes: int = 0
     cpu_s_per_frame: float | None = None
+    cpu_fps: float | None = None
+    cpu_decoders: int = 0
+    cpu_processes: int = 0
+    both_nvdec_fps: float | None = None
+    both_cpu_fps: float | None = None
+
+    @property
+    def both_fps(self) -> float | None:
+        if self.both_nvdec_fps is None or self.both_cpu_fps is None:
+            return None
+        return self.both_nvdec_fps + self.both_cpu_fps
 
 
 @dataclass
@@ -72,20 +89,20 @@ class EngineRate:
 # ---- decode alone ----------------------------------------------------------------------
 
 
-def _isolated_worker(clip: str, names: list[str], threads: int, seconds: float,
-                     size: tuple[int, int], counter: Any, start: Any) -> None:
+def _isolated_worker(clip: str, names: list[str], threads: int, size: tuple[int, int],
+                     counter: Any, start: Any, stop: Any) -> None:
     from pipeline.logging import configure_logging
     from pipeline.slots import SlotRing, i420_bytes
     from stages.decode import DecodeStage
 
     configure_logging(level="warning")
-    stop = threading.Event()
+    ended = threading.Event()
     ring = SlotRing(SLOTS_PER_SOURCE * len(names), i420_bytes(*size))
 
     def decode(name: str) -> None:
-        while not stop.is_set():  # from the start again at its end: any clip is long enough
-            stage = DecodeStage(SourceConfig(name=name, uri=clip), ring, stop, 0, threads)
-            for item in stage.frames(stop):
+        while not ended.is_set():  # from the start again at its end: any clip is long enough
+            stage = DecodeStage(SourceConfig(name=name, uri=clip), ring, ended, 0, threads)
+            for item in stage.frames(ended):
                 if isinstance(item, Frame):
                     ring.release([item.slot])
                     with counter.get_lock():
@@ -97,93 +114,146 @@ def _isolated_worker(clip: str, names: list[str], threads: int, seconds: float,
     workers = [threading.Thread(target=decode, args=(name,), daemon=True) for name in names]
     for thread in workers:
         thread.start()
-    time.sleep(seconds)
-    stop.set()
+    stop.wait()
+    ended.set()
     for thread in workers:
         thread.join(10)
 
 
+class CpuDecoders:
+    """``decoders`` sources of ``clip`` decoded on the CPU by the worker processes the pipeline
+    would start for them (``default_worker_count``, sources dealt round-robin,
+    ``decoder_threads`` FFmpeg threads each), each into a private slot ring (the planes
+    copied as in the pipeline), each slot given back at once: nothing crosses a process
+    boundary per frame."""
+
+    def __init__(self, clip: Path, decoders: int) -> None:
+        from pipeline.app.build import probe_frame_size
+        from pipeline.app.workers import default_worker_count
+        from stages.decode import decoder_threads
+
+        context = multiprocessing.get_context("spawn")
+        self.decoders = decoders
+        self.processes = default_worker_count(decoders)
+        self._counter = context.Value("q", 0)
+        self._start, self._stop = context.Event(), context.Event()
+        names = [f"cam{i:03d}" for i in range(decoders)]
+        size = probe_frame_size(str(clip))
+        self._procs = [context.Process(target=_isolated_worker, daemon=True,
+                                       args=(str(clip), names[k::self.processes],
+                                             decoder_threads(decoders), size, self._counter,
+                                             self._start, self._stop))
+                       for k in range(self.processes)]
+        self.cpu_s = 0.0  # CPU s of the children reaped by stop(): its own when run alone
+
+    def start(self) -> None:
+        self._before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        for proc in self._procs:
+            proc.start()
+        self._start.set()
+
+    def frames(self) -> int:
+        return int(self._counter.value)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for proc in self._procs:
+            proc.join(30)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.cpu_s = ((after.ru_utime - self._before.ru_utime)
+                      + (after.ru_stime - self._before.ru_stime))
+
+
+class NvdecDecoders:
+    """``decoders`` threads each decoding ``clip`` on NVDEC (``GpuDecodeStage``; the pictures
+    stay on the device and are dropped)."""
+
+    def __init__(self, clip: Path, decoders: int, device_id: int) -> None:
+        from stages.gpu_decode import GpuDecodeStage  # not installed: raised here, not lost
+
+        self._stage = GpuDecodeStage
+        self.clip, self.decoders, self.device_id = clip, decoders, device_id
+        self._ended = threading.Event()
+        self._counts = [0] * decoders
+        self.failures: list[str] = []
+        self._threads = [threading.Thread(target=self._decode, args=(i,), daemon=True)
+                         for i in range(decoders)]
+
+    def _decode(self, index: int) -> None:
+        source = SourceConfig(name=f"cam{index:03d}", uri=str(self.clip))
+        try:
+            while not self._ended.is_set():  # from the start again at its end
+                for item in self._stage(source, self.device_id).frames(self._ended):
+                    if isinstance(item, Frame):
+                        self._counts[index] += 1  # one writer per item: no lock needed
+                    elif item.error:
+                        self.failures.append(item.error)
+                        return
+        except Exception as error:  # noqa: BLE001 - reported by measure_at_once
+            self.failures.append(f"{type(error).__name__}: {error}")
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def frames(self) -> int:
+        return sum(self._counts)
+
+    def stop(self) -> None:
+        self._ended.set()
+        for thread in self._threads:
+            thread.join(30)
+
+
+def measure_at_once(groups: list[Any], seconds: float) -> list[float]:
+    """Frames/s of each of ``groups`` of decoders (``CpuDecoders``, ``NvdecDecoders``), all
+    decoding at the same time, counted over ``seconds`` after ``START_S``.
+
+    Raises:
+        RuntimeError: an NVDEC decoder failed (its reason).
+    """
+    started = []
+    try:
+        for group in groups:
+            group.start()
+            started.append(group)
+        time.sleep(START_S)
+        first, t0 = [group.frames() for group in groups], time.perf_counter()
+        time.sleep(seconds)
+        last, t1 = [group.frames() for group in groups], time.perf_counter()
+    finally:
+        for group in started:
+            group.stop()
+    for group in groups:
+        if getattr(group, "failures", None):
+            raise RuntimeError(group.failures[0])
+    return [(b - a) / (t1 - t0) for a, b in zip(first, last, strict=True)]
+
+
 def measure_isolated(clip: Path, cameras: int, seconds: float) -> tuple[float, int, float]:
     """(frames/s, worker processes, worker CPU s per frame) of ``cameras`` sources of ``clip``
-    decoded on the CPU by the worker processes the pipeline would start for them
-    (``default_worker_count``, sources dealt round-robin, ``decoder_threads`` FFmpeg threads
-    each), each into a private slot ring (the planes copied as in the pipeline), each slot
-    given back at once: nothing crosses a process boundary per frame. Counted over
-    ``seconds`` after ``START_S``."""
-    from pipeline.app.build import probe_frame_size
-    from pipeline.app.workers import default_worker_count
-    from stages.decode import decoder_threads
-
-    context = multiprocessing.get_context("spawn")
-    processes = default_worker_count(cameras)
-    counter, start = context.Value("q", 0), context.Event()
-    names = [f"cam{i:03d}" for i in range(cameras)]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    procs = [context.Process(target=_isolated_worker, daemon=True,
-                             args=(str(clip), names[k::processes], decoder_threads(cameras),
-                                   seconds + START_S, probe_frame_size(str(clip)), counter,
-                                   start))
-             for k in range(processes)]
-    for proc in procs:
-        proc.start()
-    start.set()
-    time.sleep(START_S)
-    first, t0 = counter.value, time.perf_counter()
-    time.sleep(seconds)
-    frames, t1 = counter.value - first, time.perf_counter()
-    for proc in procs:
-        proc.join(30)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    total = max(counter.value, 1)
-    return frames / (t1 - t0), processes, cpu / total
+    decoded on the CPU alone (``CpuDecoders``), counted over ``seconds`` after ``START_S``."""
+    decoders = CpuDecoders(clip, cameras)
+    (fps,) = measure_at_once([decoders], seconds)
+    return fps, decoders.processes, decoders.cpu_s / max(decoders.frames(), 1)
 
 
 def measure_nvdec(clip: Path, decoders: int, seconds: float, device_id: int) -> float:
-    """Frames/s of ``decoders`` threads each decoding ``clip`` on NVDEC (``GpuDecodeStage``;
-    the pictures stay on the device and are dropped), counted over ``seconds`` after
-    ``START_S``.
+    """Frames/s of ``decoders`` NVDEC decoders alone (``NvdecDecoders``), counted over
+    ``seconds`` after ``START_S``.
 
     Raises:
         RuntimeError: a decoder failed (its reason).
     """
-    from stages.gpu_decode import GpuDecodeStage
-
-    stop = threading.Event()
-    counts = [0] * decoders
-    failures: list[str] = []
-
-    def decode(index: int) -> None:
-        source = SourceConfig(name=f"cam{index:03d}", uri=str(clip))
-        while not stop.is_set():  # from the start again at its end: any clip is long enough
-            for item in GpuDecodeStage(source, device_id).frames(stop):
-                if isinstance(item, Frame):
-                    counts[index] += 1  # one writer per item: no lock needed
-                elif item.error:
-                    failures.append(item.error)
-                    return
-
-    threads = [threading.Thread(target=decode, args=(i,), daemon=True) for i in range(decoders)]
-    for thread in threads:
-        thread.start()
-    try:
-        time.sleep(START_S)
-        first, t0 = sum(counts), time.perf_counter()
-        time.sleep(seconds)
-        frames, t1 = sum(counts) - first, time.perf_counter()
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(30)
-    if failures:
-        raise RuntimeError(failures[0])
-    return frames / (t1 - t0)
+    (fps,) = measure_at_once([NvdecDecoders(clip, decoders, device_id)], seconds)
+    return fps
 
 
 def decode_rate(config: PipelineConfig, decoders: int | None, seconds: float) -> DecodeRate:
     """Decode alone for ``config``'s first source, where the pipeline would decode it, by
     ``decoders`` parallel decoders (None: ``NVDEC_DECODERS`` on NVDEC, one per usable core
-    on the CPU)."""
+    on the CPU); on NVDEC then the CPU's decoders alone (one per usable core) and both at
+    once, each over ``seconds``."""
     from pipeline.app.build import create_gpu_context, decoder_kind
     from stages.decode import usable_cores
 
@@ -192,11 +262,18 @@ def decode_rate(config: PipelineConfig, decoders: int | None, seconds: float) ->
     mode = decoder_kind(config, source, "sources[0]", gpu)
     decoders = decoders or (NVDEC_DECODERS if mode == "gpu" else usable_cores())
     clip = Path(source.uri)
-    if mode == "gpu":
-        return DecodeRate(measure_nvdec(clip, decoders, seconds, config.inference.gpu_id),
-                          decoders, mode)
-    fps, processes, cpu = measure_isolated(clip, decoders, seconds)
-    return DecodeRate(fps, decoders, mode, processes, cpu)
+    if mode == "cpu":
+        fps, processes, cpu = measure_isolated(clip, decoders, seconds)
+        return DecodeRate(fps, decoders, mode, processes, cpu)
+    device = config.inference.gpu_id
+    rate = DecodeRate(measure_nvdec(clip, decoders, seconds, device), decoders, mode)
+    cpu_decoders = usable_cores()
+    rate.cpu_fps, rate.cpu_processes, rate.cpu_s_per_frame = measure_isolated(
+        clip, cpu_decoders, seconds)
+    rate.cpu_decoders = cpu_decoders
+    rate.both_nvdec_fps, rate.both_cpu_fps = measure_at_once(
+        [NvdecDecoders(clip, decoders, device), CpuDecoders(clip, cpu_decoders)], seconds)
+    return rate
 
 
 # ---- engine alone ----------------------------------------------------------------------
@@ -332,7 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # noqa: BLE001 - one line for the user
         print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
-    print(json.dumps(asdict(found)), flush=True)
+    print(json.dumps({**asdict(found), **({"both_fps": found.both_fps}
+                                          if isinstance(found, DecodeRate) else {})}),
+          flush=True)
     return 0
 
 

@@ -75,11 +75,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                "per core on the CPU)")
     capacity.add_argument("--no-ceilings", action="store_true",
                           help="skip decode alone and engine alone")
+    capacity.add_argument("--unpaced", type=int, metavar="N",
+                          help="also measure N cameras reading the clip as fast as they can "
+                               "(live, no pace): delivered frames/s beside the slower ceiling "
+                               "(without --cameras: no paced counts)")
+    capacity.add_argument("--http", action="store_true",
+                          help="the live view on (runtime.http on 127.0.0.1, a free port); a "
+                               "camera added through its API at 20%% of each window and "
+                               "removed at 60%%")
     return parser.parse_args(argv)
 
 
 CAPACITY_OPTIONS = ("clip", "fps", "cameras", "budget_s", "warmup_s", "seconds", "out",
-                    "decoders")
+                    "decoders", "unpaced")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -92,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     given = [f"--{name.replace('_', '-')}" for name in CAPACITY_OPTIONS
-             if getattr(args, name) is not None] + ["--no-ceilings"] * args.no_ceilings
+             if getattr(args, name) is not None] + ["--no-ceilings"] * args.no_ceilings \
+        + ["--http"] * args.http
     if args.command == "capacity":
         return capacity(args)
     if given:
@@ -137,7 +146,8 @@ def capacity(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     options = Options(Path(args.config), args.clip, list(args.overrides), args.fps,
-                      decoders=args.decoders, ceilings=not args.no_ceilings, out=args.out)
+                      decoders=args.decoders, ceilings=not args.no_ceilings, out=args.out,
+                      unpaced=args.unpaced, http=args.http)
     for name in ("budget_s", "warmup_s", "seconds"):
         if getattr(args, name) is not None:
             setattr(options, name, getattr(args, name))

@@ -108,7 +108,7 @@ class Engine:
         self.postprocess = PostprocessStage("postprocess", config.nms, gpu, None, info.layout)
         for stage in (self.batcher, self.infer, self.postprocess):
             stage.open()
-        log.info("engine ready", seconds=round(time.monotonic() - started, 1),
+        log.info("engine ready", seconds=round(time.monotonic() - started, 1), pid=os.getpid(),
                  workers=link.workers, device_ring=self._device_ring is not None,
                  batch_size=inference.batch_size)
 
@@ -141,7 +141,9 @@ class Engine:
             thread.join(5.0)
 
     def log_summary(self) -> None:
-        log.info("engine stages", workers=len(self._conns),
+        """One "engine stages" line: each stage's counters since the engine started (read
+        from the log by ``pipeline.app.run_log``; the pid tells engines and restarts apart)."""
+        log.info("engine stages", pid=os.getpid(), workers=len(self._conns),
                  **{name: m.summary() for name, m in self.metrics.items()})
 
     def close(self) -> None:

@@ -6,9 +6,12 @@ and decide whether the run held. ``capacity`` and ``benchmarks.live_control`` me
     │                  snapshots that changed, each with the time it was first seen)
     │   wait_delivering: every camera counted a frame
     │   warm-up, then the window [t0, t1]
+    │   once in the window: query_compute_apps (nvidia-smi), process_tree(child)
     └── window_numbers(poller, t0, t1, cameras) ──> Window: delivered, dropped, p50/p99,
         stages' work and blocked seconds, the busiest stage, held
     stop(child): SIGINT, its exit status
+    Window.add_engines(run_log.engine_windows(run.log, t0, t1)): the engine's stages, which
+        it logs and does not export; gpu_memory(...): what the run's processes hold
 
 Over the window, for the cameras asked about (others, e.g. one added through the API, are
 left out): delivered frames/s (``pipeline_source_frames_total``), dropped
@@ -21,8 +24,10 @@ percentile is the bucket it falls in: ``<= 100 ms`` means in (50, 100] ms (the b
 100 ms is a bound, so "p99 <= 100 ms" is decided exactly. Each stage's work and blocked
 seconds (``pipeline_stage_work_seconds_total``, ``pipeline_stage_blocked_seconds_total``; the
 per-camera sinks summed as ``sinks``) are summed over the hosts, and the busiest stage of any
-host (work in % of the window) is named: the bottleneck. Held: 0 dropped, p99 <= 100 ms and
-delivered >= 95% of offered.
+host or engine (work in % of the window; an engine's over the span of its log lines around
+the window, ``pipeline.app.run_log``) is named: the bottleneck. Held: 0 dropped, p99 <= 100
+ms and delivered >= 95% of offered. Cameras that ended by the window's end
+(``pipeline_source_state``) are counted: a clip too short for the window.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pipeline.app.run_log import EngineWindow
 
 P99_LIMIT_S = 0.1
 DELIVERED_SHARE = 0.95
@@ -65,6 +72,7 @@ class HostSample:
         buckets: source -> {upper bound in s (inf for +Inf): cumulative count}.
         work: stage -> ``pipeline_stage_work_seconds_total`` (sinks summed as ``sinks``).
         blocked: stage -> ``pipeline_stage_blocked_seconds_total`` (likewise).
+        ended: sources whose ``pipeline_source_state`` is ``ended`` or ``failed``.
     """
 
     frames: dict[str, float] = field(default_factory=dict)
@@ -72,6 +80,7 @@ class HostSample:
     buckets: dict[str, dict[float, float]] = field(default_factory=dict)
     work: dict[str, float] = field(default_factory=dict)
     blocked: dict[str, float] = field(default_factory=dict)
+    ended: set[str] = field(default_factory=set)
 
 
 def parse_metrics(text: str) -> dict[str, HostSample]:
@@ -101,6 +110,9 @@ def parse_metrics(text: str) -> dict[str, HostSample]:
                 add(host.work, stage, sample.value)
             elif sample.name == "pipeline_stage_blocked_seconds_total":
                 add(host.blocked, stage, sample.value)
+            elif (sample.name == "pipeline_source_state" and sample.value == 1
+                  and labels.get("state") in ("ended", "failed")):
+                host.ended.add(source)
     return hosts
 
 
@@ -180,19 +192,27 @@ class MetricsPoller:
     def ends(self, start: float, end: float) -> dict[str, tuple[float, HostSample, float,
                                                                HostSample]]:
         """Per host: (time, snapshot) of its first and of its last snapshot in [start, end].
+        A host whose counters changed less than twice in the window (an idle one: a worker
+        without cameras) but that had a snapshot before it: its snapshot as of ``start`` and
+        as of ``end``, timed at the window's ends.
 
         Raises:
-            MeasurementError: a host has fewer than two snapshots in the window.
+            MeasurementError: a host has fewer than two snapshots in the window and none
+                before it.
         """
         with self.lock:
             histories = {name: list(items) for name, items in self.history.items()}
         found = {}
         for name, items in histories.items():
             inside = [item for item in items if start <= item[0] <= end]
-            if len(inside) < 2:
+            before = [item for item in items if item[0] < start]
+            if len(inside) >= 2:
+                found[name] = (*inside[0], *inside[-1])
+            elif before:
+                found[name] = (start, before[-1][1], end, (inside or before)[-1][1])
+            else:
                 raise MeasurementError(f"host {name}: fewer than two metrics snapshots in the "
                                        f"window (a window of a few seconds at least is needed)")
-            found[name] = (*inside[0], *inside[-1])
         return found
 
     def host_of(self) -> dict[str, str]:
@@ -229,9 +249,15 @@ class Window:
         host_cameras: host -> how many of the cameras it ran.
         hosts: the hosts that ran some of them, in name order.
         stages: stage -> (work s, blocked s) summed over the hosts.
-        busiest: (host, stage, work in % of the window) of the busiest stage of any host
-            (the sinks, many threads, left out).
+        busiest: (host or engine, stage, work in % of the window) of the busiest stage of
+            any process: a host's (the sinks, many threads, left out) or an engine's
+            (``engines``; ``add_engines``).
         gpu_util: the mean GPU utilisation (%) over the window, when sampled.
+        ended: how many of the cameras had ended (or failed) by the window's end.
+        engines: engine name (``engine``; ``engine PID`` when there are several) -> its
+            stages over the span of its log lines around the window
+            (``pipeline.app.run_log``).
+        gpu_memory: device memory held by processes, sampled once in the window.
     """
 
     window_s: float | None = None
@@ -246,6 +272,29 @@ class Window:
     stages: dict[str, tuple[float, float]] = field(default_factory=dict)
     busiest: tuple[str, str, float] | None = None
     gpu_util: float | None = None
+    ended: int | None = None
+    engines: dict[str, EngineWindow] = field(default_factory=dict)
+    gpu_memory: GpuMemory | None = None
+
+    def add_engines(self, engines: dict[int | None, EngineWindow]) -> None:
+        """Add the engines' stages (``run_log.engine_windows``) and name the busiest stage
+        again among the hosts' and theirs."""
+        several = len(engines) > 1
+        for pid, engine in sorted(engines.items(), key=lambda item: str(item[0])):
+            name = f"engine {pid}" if several else "engine"
+            self.engines[name] = engine
+            for stage in engine.stages:
+                share = engine.share(stage)
+                if self.busiest is None or share > self.busiest[2]:
+                    self.busiest = (name, stage, share)
+
+    def stage_numbers(self, where: str, stage: str) -> tuple[float, float]:
+        """(work s, blocked s) of ``stage``: an engine's when ``where`` names one, else
+        summed over the hosts."""
+        if where in self.engines:
+            work, blocked, _ = self.engines[where].stages.get(stage, (0.0, 0.0, 0))
+            return work, blocked
+        return self.stages.get(stage, (0.0, 0.0))
 
     @property
     def delivered_pct(self) -> float | None:
@@ -302,6 +351,7 @@ def window_numbers(poller: MetricsPoller, start: float, end: float, cameras: set
                 total[bound] = total.get(bound, 0.0) + delta
         if mine:
             result.host_p99[host] = percentile_bucket(buckets, 0.99)
+            result.ended = (result.ended or 0) + len(mine & last.ended)
         for stage in set(last.work) | set(last.blocked):
             work = last.work.get(stage, 0.0) - first.work.get(stage, 0.0)
             blocked = last.blocked.get(stage, 0.0) - first.blocked.get(stage, 0.0)
@@ -433,48 +483,6 @@ def wait_delivering(poller: MetricsPoller, process: subprocess.Popen[Any], camer
                            f"{limit_s:g} s after the launch (first: {waiting[:3]})")
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and every descendant (``/proc/*/stat`` parent links)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        parents.setdefault(ppid, []).append(int(entry.name))
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        todo.extend(parents.get(current, []))
-    return tree
-
-
-def device_memory() -> dict[int, float] | None:
-    """Device memory (MiB) per process id, as ``nvidia-smi --query-compute-apps`` lists them
-    (every GPU), or None without ``nvidia-smi``. In a container it may list none: the ids it
-    shows are the host's."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        listed = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    used: dict[int, float] = {}
-    for line in listed.stdout.splitlines():
-        pid, _, memory = line.partition(",")
-        try:
-            used[int(pid)] = used.get(int(pid), 0.0) + float(memory)
-        except ValueError:
-            continue  # "[N/A]" or a header
-    return used
-
-
 class UtilisationSampler:
     """Utilisation (%) of GPU ``index`` every ``interval_s`` in a thread: NVML, else
     ``nvidia-smi`` (neither creates a CUDA context)."""
@@ -522,3 +530,89 @@ class UtilisationSampler:
     def mean(self, start: float, end: float) -> float | None:
         inside = [value for t, value in self.samples if start <= t <= end]
         return statistics.fmean(inside) if inside else None
+
+
+# ---- device memory -------------------------------------------------------------------------
+
+
+@dataclass
+class GpuMemory:
+    """Device memory held by compute processes at one moment (``nvidia-smi
+    --query-compute-apps``; one model copy per GPU: the engine should be the big one).
+
+    Attributes:
+        by_pid: pid -> MiB, for the run's processes (``scope`` "run"), or for every process
+            listed when none of them is the run's (``scope`` "all": nvidia-smi shows pids of
+            another pid namespace, in a container).
+        scope: "run" or "all".
+        engine_pids: the engines' pids (from the log), once known.
+    """
+
+    by_pid: dict[int, float]
+    scope: str
+    engine_pids: list[int] = field(default_factory=list)
+
+    @property
+    def total_mib(self) -> float:
+        return sum(self.by_pid.values())
+
+    @property
+    def engine_mib(self) -> float | None:
+        held = [mib for pid, mib in self.by_pid.items() if pid in self.engine_pids]
+        return sum(held) if held else None
+
+
+def parse_compute_apps(text: str) -> dict[int, float]:
+    """pid -> MiB from ``nvidia-smi --query-compute-apps=pid,used_memory --format=csv,
+    noheader,nounits`` (lines without a number, ``[N/A]``, are left out)."""
+    found: dict[int, float] = {}
+    for line in text.splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        try:
+            found[int(parts[0])] = found.get(int(parts[0]), 0.0) + float(parts[1])
+        except (ValueError, IndexError):
+            continue
+    return found
+
+
+def query_compute_apps() -> dict[int, float] | None:
+    """``parse_compute_apps`` of nvidia-smi now; None without nvidia-smi or when it fails."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        answer = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                 "--format=csv,noheader,nounits"], capture_output=True,
+                                text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_compute_apps(answer.stdout) if answer.returncode == 0 else None
+
+
+def process_tree(root: int) -> set[int]:
+    """``root`` and every process descended from it now (Linux ``/proc``; elsewhere {root})."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name, in parentheses, may hold spaces
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += children.get(pid, [])
+    return found
+
+
+def gpu_memory(apps: dict[int, float] | None, tree: set[int]) -> GpuMemory | None:
+    """The device memory of the processes in ``tree`` among ``apps`` (``query_compute_apps``),
+    or of all of them when none is in it; None when nothing was queried."""
+    if apps is None:
+        return None
+    ours = {pid: mib for pid, mib in apps.items() if pid in tree}
+    return GpuMemory(ours, "run") if ours or not apps else GpuMemory(dict(apps), "all")

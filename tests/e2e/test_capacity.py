@@ -1,5 +1,7 @@
 """``run.py capacity`` as users run it: a small real search on the CPU path (the sample clip
-as paced cameras through run.py), Ctrl-C while a run is measured, and bad inputs."""
+as paced cameras through run.py, an engine and two workers) with an overloaded count and an
+unpaced row, the live view's add and remove (--http), Ctrl-C while a run is measured, and bad
+inputs."""
 
 from __future__ import annotations
 
@@ -35,12 +37,14 @@ def capacity(repo_root: Path, *args: str, **popen) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
-def table_rows(text: str) -> dict[int, list[str]]:
-    """cameras -> the cells of its table row."""
-    rows = {}
+def table_rows(text: str, head: str = "| cameras |") -> dict[int, list[str]]:
+    """cameras -> the cells of its row in the table whose header starts with ``head``."""
+    rows: dict[int, list[str]] = {}
+    inside = False
     for line in text.splitlines():
+        inside = line.startswith(head) or (inside and line.startswith("|"))
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and cells[0].isdigit():
+        if inside and cells[0].isdigit():
             rows[int(cells[0])] = cells
     return rows
 
@@ -48,7 +52,8 @@ def table_rows(text: str) -> dict[int, list[str]]:
 @pytest.fixture(scope="module")
 def small_search(samples, repo_root, tmp_path_factory):
     """``--cameras 1,N`` at 5 fps, N cameras offering three times what the engine alone
-    does on this machine (so N cannot hold): (N, exit status, stdout, stderr, --out)."""
+    does on this machine (so N cannot hold: an overload), then 2 unpaced cameras; an engine
+    process and two workers: (N, exit status, stdout, stderr, --out)."""
     from pipeline.app.ceilings import engine_rate
     from pipeline.config import load_config
 
@@ -59,19 +64,20 @@ def small_search(samples, repo_root, tmp_path_factory):
     out = tmp / "out"
     process = capacity(repo_root, "--config", str(config), "--clip", str(samples.bikes),
                        "--fps", f"{FPS:g}", "--cameras", f"1,{too_many}", "--seconds", "6",
-                       "--warmup-s", "1", "--out", str(out))
-    stdout, stderr = process.communicate(timeout=300)
+                       "--warmup-s", "1", "--unpaced", "2", "--set", "runtime.workers=2",
+                       "--out", str(out))
+    stdout, stderr = process.communicate(timeout=400)
     return too_many, process.returncode, stdout, stderr, out
 
 
-@pytest.mark.slow  # two paced runs through run.py and both ceilings: about 40 s
+@pytest.mark.slow  # three runs through run.py and both ceilings: about 60 s
 def test_a_small_search_prints_a_row_per_count_held_decided_from_the_numbers(small_search):
     too_many, status, stdout, stderr, out = small_search
     assert status == 0, stderr
     rows = table_rows(stdout)
     assert sorted(rows) == [1, too_many], stdout
     results = json.loads((out / "results.json").read_text())
-    runs = {run["cameras"]: run for run in results["runs"]}
+    runs = {run["cameras"]: run for run in results["runs"] if run["paced"]}
     for cameras, cells in rows.items():
         run, window = runs[cameras], runs[cameras]["window"]
         assert run["exit_code"] == 0 and run["error"] is None, run  # run.py stopped cleanly
@@ -83,9 +89,16 @@ def test_a_small_search_prints_a_row_per_count_held_decided_from_the_numbers(sma
                 and window["delivered"] >= 0.95 * window["offered"])
         assert run["held"] is held and cells[6].startswith("yes" if held else "no: "), cells
         assert " s work, " in cells[7] and " s blocked)" in cells[7], cells
-    # three times what the engine alone does cannot be delivered: measured, not held
-    assert rows[too_many][6].startswith("no: ") and "delivered" in rows[too_many][6], stdout
-    assert runs[too_many]["window"]["delivered"] < 0.95 * too_many * FPS
+    # three times what the engine alone does cannot be delivered: an overload, its drops and
+    # p99 the result; the engine's infer (read from its JSON log lines) is the bottleneck
+    window = runs[too_many]["window"]
+    assert window["delivered"] < 0.95 * too_many * FPS and runs[too_many]["overloaded"]
+    p99 = stdout_latency(window["p99"])
+    assert rows[too_many][6] == (f"no: overload: p99 {p99}, dropped {window['dropped']:,} "
+                                 f"(bounded latency wanted: p99 <= 1 s)"), stdout
+    assert rows[too_many][7].startswith("engine infer "), stdout
+    assert window["engines"]["engine"]["stages"]["infer"][0] > 0
+    assert f"{too_many} cameras at {FPS:g} fps: overload: p99 {p99}" in stdout
     best = 1 if runs[1]["held"] else 0
     assert results["largest_held"] == best
     assert stdout.splitlines()[-1].startswith("Largest held: " + (f"1 camera at {FPS:g} fps" if best
@@ -104,6 +117,61 @@ def test_a_small_search_prints_a_row_per_count_held_decided_from_the_numbers(sma
         generated = yaml.safe_load((folder / "config.yaml").read_text())
         assert len(generated["sources"]) == cameras
         assert not Path(generated["output"]["dir"]).exists()  # the records are deleted
+
+
+def stdout_latency(bucket: list[float] | None) -> str:
+    from pipeline.app.capacity_report import latency_text
+
+    return latency_text(None if bucket is None else tuple(bucket))
+
+
+@pytest.mark.slow  # the same command as the search above
+def test_the_unpaced_row_is_throughput_beside_the_slower_ceiling(small_search):
+    _, status, stdout, stderr, out = small_search
+    assert status == 0, stderr
+    results = json.loads((out / "results.json").read_text())
+    (run,) = [run for run in results["runs"] if not run["paced"]]
+    window, ceilings = run["window"], results["ceilings"]
+    assert run["cameras"] == 2 and run["error"] is None and run["exit_code"] == 0, run
+    assert window["delivered"] > 0 and window["offered"] is None and not run["held"]
+    assert window["ended"] == 0  # the looped clip outlasted the window
+    slower = min(ceilings["decode"]["fps"], ceilings["engine"]["images_s"])
+    assert run["ceiling_ratio"] == pytest.approx(window["delivered"] / slower)
+    (cells,) = table_rows(stdout, "| unpaced cameras |").values()
+    assert cells[:4] == ["2", f"{window['delivered']:,.1f}", f"{run['ceiling_ratio']:.2f}x",
+                         str(window["dropped"])], stdout
+    assert (f"Unpaced 2 cameras (live: true, pace_fps: null): {window['delivered']:,.0f} "
+            f"frames/s delivered over the window, {run['ceiling_ratio']:.2f}x the slower of "
+            f"decode alone and engine alone") in stdout
+    generated = yaml.safe_load((out / "unpaced-002" / "config.yaml").read_text())
+    assert [(s["live"], s["pace_fps"]) for s in generated["sources"]] == [(True, None)] * 2
+
+
+@pytest.mark.slow  # one paced run with the live view: about 15 s
+def test_http_adds_and_removes_a_camera_in_the_window(samples, repo_root, tmp_path):
+    from pipeline.app.measurement import free_port
+
+    out, port = tmp_path / "out", free_port()
+    process = capacity(repo_root, "--config", str(user_config(samples, tmp_path / "c.yaml")),
+                       "--clip", str(samples.bikes), "--fps", "2", "--cameras", "1",
+                       "--seconds", "8", "--warmup-s", "1", "--no-ceilings", "--http",
+                       "--set", f"runtime.http.port={port}", "--out", str(out))
+    stdout, stderr = process.communicate(timeout=180)
+    assert process.returncode == 0, stderr
+    generated = yaml.safe_load((out / "cameras-001" / "config.yaml").read_text())
+    assert generated["runtime"]["http"] == {"host": "127.0.0.1", "port": port}  # --set wins
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    control = run["control"]
+    assert (control["post_status"], control["delete_status"]) == (201, 200), control
+    assert control["added_ok"] and control["removed_ok"] and control["added_frames"] > 0
+    assert run["window"]["delivered"] > 0 and run["error"] is None  # added is not counted
+    assert table_rows(stdout)[1][-1].startswith("POST 201 ok, DELETE 200 ok, added "
+                                                "delivered frames: "), stdout
+    assert "| held | busiest stage | live view (--http) |" in stdout
+    log = (out / "cameras-001" / "run.log").read_text()
+    ended = [line for line in log.splitlines() if '"event": "source ended"' in line
+             and '"source": "added"' in line]
+    assert len(ended) == 1, log  # its outputs finalised once, while the others ran on
 
 
 def test_ctrl_c_stops_the_measured_run_cleanly_and_prints_what_was_measured(samples,

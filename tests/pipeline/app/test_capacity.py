@@ -1,5 +1,6 @@
-"""pipeline.app.capacity: the search with a fake measurement, the configuration of a run, and
-the table's verdict from a window's numbers (the real runs: tests/e2e/test_capacity.py)."""
+"""pipeline.app.capacity and its report: the search with a fake measurement, the configuration
+of a run, and the table's verdict from a window's numbers (the real runs:
+tests/e2e/test_capacity.py)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,29 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.app.api_client import AddRemove
 from pipeline.app.capacity import (
-    RunRow,
+    camera_sources,
     estimate,
-    held_text,
-    largest_held,
     next_count,
     parse_counts,
     run_config,
     search,
-    table,
 )
-from pipeline.app.measurement import Window
+from pipeline.app.capacity_report import (
+    RunRow,
+    ceiling_lines,
+    ceiling_ratio,
+    held_text,
+    largest_held,
+    overload_verdict,
+    report,
+    table,
+    unpaced_table,
+    unpaced_verdict,
+)
+from pipeline.app.measurement import GpuMemory, Window
+from pipeline.app.run_log import EngineWindow
 from pipeline.config import ConfigError, parse_config
 
 
@@ -141,3 +153,137 @@ def test_the_table_has_a_row_per_count_in_order_with_the_verdict_and_the_bottlen
 def test_a_run_with_an_error_did_not_hold_whatever_its_numbers():
     row = RunRow(5, 2.0, window(0, (0.05, 0.1), 100.0), error="killed")
     assert not row.held and held_text(row) == "no: failed (killed)"
+
+
+@pytest.mark.parametrize(("dropped", "p99", "delivered", "held", "verdict"), [
+    (36120, (0.2, 0.5), 48.0, "no: overload: p99 <= 500 ms, dropped 36,120 (bounded latency "
+     "wanted: p99 <= 1 s)", "12 cameras at 8.33333 fps: overload: p99 <= 500 ms, dropped "
+     "36,120 (bounded latency wanted: p99 <= 1 s): bounded; delivered 48 of 100 frames/s "
+     "offered (48%)."),
+    (945, (5.0, 10.0), 19.2, "no: overload: p99 <= 10000 ms, dropped 945 (bounded latency "
+     "wanted: p99 <= 1 s)", "12 cameras at 8.33333 fps: overload: p99 <= 10000 ms, dropped "
+     "945 (bounded latency wanted: p99 <= 1 s): NOT bounded; delivered 19 of 100 frames/s "
+     "offered (19%)."),
+    (0, (0.5, 1.0), 94.0, "no: overload: p99 <= 1000 ms, dropped 0 (bounded latency wanted: "
+     "p99 <= 1 s)", "12 cameras at 8.33333 fps: overload: p99 <= 1000 ms, dropped 0 (bounded "
+     "latency wanted: p99 <= 1 s): bounded; delivered 94 of 100 frames/s offered (94%)."),
+    (3, (0.1, 0.2), 99.0, "no: 3 dropped, p99 <= 200 ms", None),  # delivered: no overload
+])
+def test_a_paced_row_delivering_less_than_offered_is_an_overload_not_an_error(
+        dropped, p99, delivered, held, verdict):
+    row = RunRow(12, 100 / 12, window(dropped, p99, delivered))
+    assert held_text(row) == held
+    assert row.overloaded is (verdict is not None)
+    if verdict is not None:
+        assert overload_verdict(row) == verdict
+        assert verdict in report("H", [row], {}, [], 8.0)
+
+
+GPU_DECODE = {"fps": 4580.0, "decoders": 16, "mode": "gpu", "processes": 0,
+              "cpu_s_per_frame": 0.007, "cpu_fps": 1990.0, "cpu_decoders": 16,
+              "cpu_processes": 14, "both_nvdec_fps": 4200.0, "both_cpu_fps": 1800.0,
+              "both_fps": 6000.0}
+ENGINE = {"images_s": 7300.0, "batch": 64, "backend": "torch", "device": "cuda:0",
+          "warmup_s": 12.0}
+
+
+def test_decode_alone_on_the_gpu_path_shows_nvdec_the_cpu_and_both_at_once():
+    (decode, engine) = ceiling_lines({"decode": GPU_DECODE, "engine": ENGINE}, 30.0)
+    assert decode == ("decode alone: 4,580 frames/s (16 decoders, gpu, NVDEC): at most 153 "
+                      "cameras at 30 fps; the CPU's decoders alone: 1,990 frames/s (16 "
+                      "decoders, 14 worker processes); NVDEC and the CPU at once: 6,000 "
+                      "frames/s (NVDEC 4,200 + CPU 1,800; decode: auto places every camera on "
+                      "NVDEC, so the run's decode ceiling is NVDEC alone)")
+    assert engine.startswith("engine alone: 7,300 images/s (torch on cuda:0, batch 64")
+
+
+def unpaced_row(delivered: float | None, ended: int = 0, error: str | None = None) -> RunRow:
+    engine = EngineWindow(4242, 20.0, 50.0, {"infer": (28.5, 0.2, 150000)})
+    w = Window(delivered=delivered, dropped=1200, p50=(0.02, 0.05), p99=(0.1, 0.2),
+               hosts=["worker0", "worker1"], ended=ended, gpu_util=97.0,
+               gpu_memory=GpuMemory({4242: 2900.0, 4243: 512.0}, "run", [4242]))
+    w.add_engines({4242: engine})
+    return RunRow(100, None, None if error else w, error=error)
+
+
+@pytest.mark.parametrize(("ceilings", "ratio", "words"), [
+    ({"decode": GPU_DECODE, "engine": ENGINE}, 5100 / 4580, "1.11x the slower of decode "
+     "alone and engine alone: decode alone (4,580 frames/s as placed: every camera on NVDEC)"),
+    ({"decode": "failed", "engine": ENGINE}, 5100 / 7300, "0.70x the slower of decode alone "
+     "and engine alone: engine alone (7,300 images/s)"),
+    ({}, None, "no ceiling measured"),
+])
+def test_the_unpaced_row_is_throughput_beside_the_slower_ceiling(ceilings, ratio, words):
+    row = unpaced_row(5100.0)
+    assert not row.paced and not row.held and not row.overloaded
+    assert ceiling_ratio(row, ceilings) == (None if ratio is None else pytest.approx(ratio))
+    assert unpaced_verdict(row, ceilings) == (
+        f"Unpaced 100 cameras (live: true, pace_fps: null): 5,100 frames/s delivered over the "
+        f"window, {words}; 1,200 dropped (a live camera drops what the engine does not take).")
+    head, _, cells = unpaced_table([row], ceilings).splitlines()
+    assert head == ("| unpaced cameras | delivered fps | x slower ceiling | dropped | p50 latency "
+                    "| p99 latency | busiest stage | GPU | GPU memory |")
+    assert cells == (f"| 100 | 5,100.0 | {'-' if ratio is None else f'{ratio:.2f}x'} | 1200 | "
+                     f"<= 50 ms | <= 200 ms | engine infer 95% (28.5 s work, 0.2 s blocked) | "
+                     f"97% | 3,412 MiB in 2 processes, engine 2,900 |")
+
+
+def test_an_unpaced_camera_that_reached_the_clips_end_or_a_failed_run_is_said():
+    assert "1 camera reached the clip's end in the window" in unpaced_verdict(
+        unpaced_row(5100.0, ended=1), {})
+    assert unpaced_verdict(unpaced_row(None, error="run.py exited with 1"), {}) == (
+        "Unpaced 100 cameras (live: true, pace_fps: null): failed (run.py exited with 1)")
+
+
+def test_a_report_of_paced_and_unpaced_rows_has_both_tables_and_ends_with_the_answer():
+    rows = [RunRow(50, 2.0, window(0, (0.05, 0.1), 99.0)), unpaced_row(5100.0)]
+    text = report("Header", rows, {"decode": GPU_DECODE, "engine": ENGINE}, ["a note"], 2.0)
+    lines = text.splitlines()
+    assert lines[0] == "Header" and lines[2].startswith("decode alone: ")
+    assert "| 50 | 100.0 | 99.0 | 0 |" in text and "| 100 | 5,100.0 | 1.11x |" in text
+    assert "| 100 | 0.0 |" not in text  # the unpaced row is not in the paced table
+    assert lines[-2:] == ["Note: a note", "Largest held: 50 cameras at 2 fps (100 frames/s)."]
+    only = report("Header", [unpaced_row(5100.0)], {}, [], 2.0)
+    assert "Largest held" not in only and "| cameras |" not in only
+    assert only.splitlines()[-1].startswith("Unpaced 100 cameras")
+
+
+def test_unpaced_cameras_are_live_without_a_pace():
+    assert camera_sources(2, Path("c.mp4"), None)[1] == {
+        "name": "cam001", "uri": "c.mp4", "live": True, "pace_fps": None, "reconnect": False}
+
+
+@pytest.mark.parametrize(("user_http", "overrides", "port"), [
+    (None, [], None),  # --http: on, a free loopback port
+    ({"host": "0.0.0.0", "port": 80, "token": "${T}", "preview_fps": 2}, [], None),
+    (None, ["runtime.http.port=8080", "inference.batch_size=2"], 8080),  # --set wins
+])
+def test_http_turns_the_live_view_on_at_loopback_without_a_token_but_set_keys_win(
+        user_http, overrides, port):
+    user = {"runtime": {"http": user_http}, "inference": {"batch_size": 4}}
+    data = run_config(user, 2, Path("c.mp4"), 5.0, Path("/tmp/r"), 1, http=True,
+                      overrides=overrides)
+    http = data["runtime"]["http"]
+    assert http["host"] == "127.0.0.1" and "token" not in http
+    assert http["port"] == port if port is not None else http["port"] not in (80, 8080, 1)
+    assert data["inference"] == {"batch_size": 4}  # only runtime.http keys are applied again
+    if user_http is not None:
+        assert http["preview_fps"] == 2
+    plain = run_config(user, 2, Path("c.mp4"), 5.0, Path("/tmp/r"), 1)
+    assert plain["runtime"]["http"] == (None if user_http is None else
+                                        {**user_http, "host": "127.0.0.1",
+                                         "port": plain["runtime"]["http"]["port"]})
+
+
+@pytest.mark.parametrize(("control", "text"), [
+    (AddRemove(201, 12.0, None, 0.4, 12, 200, 0.3, 0.5),
+     "POST 201 ok, DELETE 200 ok, added delivered frames: 12 (first seen 0.4 s after the "
+     "POST)"),
+    (AddRemove(201, 12.0, None, None, 18, 200, 0.3, 0.5),  # overloaded: its frames came late
+     "POST 201 ok, DELETE 200 ok, added delivered frames: 18 (none seen in /api/sources "
+     "before the DELETE)"),
+    (AddRemove(409, 3.0), "POST 409 FAILED, DELETE - FAILED, added delivered NO frames: - "
+     "(none seen in /api/sources before the DELETE)"),
+])
+def test_the_live_views_add_and_remove_in_words(control, text):
+    assert control.text() == text

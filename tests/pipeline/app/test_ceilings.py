@@ -10,7 +10,14 @@ import sys
 import numpy as np
 import yaml
 
-from pipeline.app.ceilings import clip_batch, decode_rate, engine_rate
+from pipeline.app.ceilings import (
+    CpuDecoders,
+    DecodeRate,
+    clip_batch,
+    decode_rate,
+    engine_rate,
+    measure_at_once,
+)
 from pipeline.config import parse_config
 
 PAD = np.float32(114 / 255)
@@ -46,6 +53,17 @@ def test_decode_alone_restarts_a_short_clip_and_decodes_where_the_pipeline_would
     rate = decode_rate(config, 2, 1.0)
     assert (rate.mode, rate.decoders) == ("cpu", 2)
     assert rate.fps > 120 and rate.processes >= 1
+
+
+def test_groups_of_decoders_are_counted_in_the_same_window_each_on_its_own(samples):
+    # what decode alone does with NVDEC's and the CPU's decoders on the GPU path; here two
+    # groups of CPU decoders stand in for them
+    one, two = CpuDecoders(samples.carphone, 1), CpuDecoders(samples.carphone, 2)
+    rates = measure_at_once([one, two], 1.0)
+    assert len(rates) == 2 and min(rates) > 0, rates
+    assert one.cpu_s > 0 and two.cpu_s > 0
+    both = DecodeRate(4580.0, 16, "gpu", both_nvdec_fps=4100.0, both_cpu_fps=1700.0)
+    assert both.both_fps == 5800.0 and DecodeRate(1.0, 1, "cpu").both_fps is None
 
 
 def test_the_child_prints_one_json_line_or_one_error_line(samples, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import sys
 import time
 
@@ -16,17 +17,22 @@ from pipeline.app.measurement import (
     MetricsPoller,
     Window,
     bucket_text,
-    device_memory,
     dropped_between,
+    gpu_memory,
     launch,
+    parse_compute_apps,
     parse_metrics,
     percentile_bucket,
+    process_tree,
+    query_compute_apps,
     stop,
     window_numbers,
 )
+from pipeline.app.run_log import EngineWindow
 
 
-def metrics_page(frames: int, fast: int, dropped: int = 0, work: float = 1.0) -> str:
+def metrics_page(frames: int, fast: int, dropped: int = 0, work: float = 1.0,
+                 cam1: str = "running") -> str:
     """A cluster /metrics page: cam0 on host p0 (``fast`` of its ``frames`` within 50 ms,
     the rest within 200 ms), ``added`` on p0 too (ignored), cam1 on p1 (all within 10 ms)."""
     lines = []
@@ -44,6 +50,9 @@ def metrics_page(frames: int, fast: int, dropped: int = 0, work: float = 1.0) ->
                 value = 0 if bound == "0.01" else value
             lines.append(f'pipeline_frame_latency_seconds_bucket{{le="{bound}",pipeline='
                          f'"{host}",source="{source}"}} {value}')
+    for state in ("running", "ended"):
+        lines.append(f'pipeline_source_state{{pipeline="p1",source="cam1",state="{state}"}} '
+                     f'{int(state == cam1)}')
     for host in ("p0", "p1"):
         for stage, seconds in (("infer", work), ("sink:cam0", work / 4), ("sink:cam1", work / 4)):
             lines.append(f'pipeline_stage_work_seconds_total{{pipeline="{host}",'
@@ -87,6 +96,61 @@ def test_window_numbers_count_the_configured_cameras_per_host_and_in_all():
     assert result.stages["sinks"] == pytest.approx((2.0, 0.2))
     assert result.busiest == ("p0", "infer", pytest.approx(100.0))
     assert result.host_cameras == {"p0": 1, "p1": 1}
+    assert result.ended == 0
+
+
+def test_cameras_that_ended_by_the_windows_end_are_counted():
+    poller = MetricsPoller("http://unused")
+    for at, text in ((0.0, metrics_page(100, 100)), (2.0, metrics_page(300, 300, cam1="ended"))):
+        for host, sample in parse_metrics(text).items():
+            poller.history.setdefault(host, []).append((at, sample))
+    result = Window()
+    window_numbers(poller, 0.0, 2.0, {"cam0", "cam1"}, result)
+    assert result.ended == 1
+
+
+@pytest.mark.parametrize(("infer_work", "busiest"), [
+    (1.9, ("engine", "infer", pytest.approx(95.0))),  # the engine's infer: 1.9 s of 2 s
+    (0.5, ("p0", "decode", pytest.approx(60.0))),  # a host's stage is busier
+])
+def test_the_busiest_stage_is_named_among_the_hosts_and_the_engine(infer_work, busiest):
+    window = Window(stages={"decode": (1.2, 0.0)}, busiest=("p0", "decode", 60.0))
+    window.add_engines({7: EngineWindow(7, 10.0, 12.0, {"infer": (infer_work, 0.1, 64),
+                                                         "batch": (0.2, 1.5, 64)})})
+    assert window.busiest == busiest
+    assert window.stage_numbers("engine", "infer") == (infer_work, 0.1)
+    assert window.stage_numbers("p0", "decode") == (1.2, 0.0)
+
+
+def test_several_engines_are_named_by_their_pid():
+    window = Window()
+    window.add_engines({7: EngineWindow(7, 0.0, 10.0, {"infer": (9.0, 0.0, 1)}),
+                        8: EngineWindow(8, 0.0, 10.0, {"infer": (3.0, 0.0, 1)})})
+    assert sorted(window.engines) == ["engine 7", "engine 8"]
+    assert window.busiest == ("engine 7", "infer", pytest.approx(90.0))
+
+
+def test_gpu_memory_is_the_runs_processes_or_all_when_none_is_the_runs():
+    apps = parse_compute_apps("4242, 2900\n4243, 512\n99, 8000\n4244, [N/A]\n\n")
+    assert apps == {4242: 2900.0, 4243: 512.0, 99: 8000.0}
+    ours = gpu_memory(apps, {1, 4242, 4243})
+    ours.engine_pids = [4242]
+    assert (ours.scope, ours.total_mib, len(ours.by_pid), ours.engine_mib) == (
+        "run", 3412.0, 2, 2900.0)
+    other = gpu_memory(apps, {1})  # another pid namespace: nvidia-smi shows other pids
+    assert (other.scope, other.total_mib, other.engine_mib) == ("all", 11412.0, None)
+    assert gpu_memory(None, {1}) is None  # no nvidia-smi
+    assert gpu_memory({}, {1}).total_mib == 0
+
+
+def test_the_process_tree_holds_the_children():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        tree = process_tree(os.getpid())
+        assert {os.getpid(), child.pid} <= tree and os.getppid() not in tree
+    finally:
+        child.kill()
+        child.wait()
 
 
 
@@ -132,15 +196,15 @@ def test_drops_between_two_times_are_summed_over_the_hosts_a_camera_ran_on():
     assert dropped_between(poller, 0.0, 0.5, {"cam0"}) == 0  # no snapshot by then
 
 
-def test_device_memory_per_process_from_nvidia_smi(tmp_path, monkeypatch):
+def test_query_compute_apps_per_process_from_nvidia_smi(tmp_path, monkeypatch):
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\necho '101, 4000'\necho '102, 300'\necho '101, 10'\n"
                     "echo '[N/A], [N/A]'\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert device_memory() == {101: 4010.0, 102: 300.0}  # two GPUs' entries summed
+    assert query_compute_apps() == {101: 4010.0, 102: 300.0}  # two GPUs' entries summed
     fake.unlink()
-    assert device_memory() is None
+    assert query_compute_apps() is None
 
 
 def test_a_window_needs_two_snapshots_of_every_host():
@@ -148,6 +212,19 @@ def test_a_window_needs_two_snapshots_of_every_host():
     poller.history["p0"] = [(1.0, parse_metrics(metrics_page(1, 1))["p0"])]
     with pytest.raises(MeasurementError, match="host p0: fewer than two metrics snapshots"):
         window_numbers(poller, 0.0, 2.0, {"cam0"}, Window())
+
+
+def test_an_idle_host_counts_from_its_snapshot_before_the_window():
+    # p1's counters never change (a worker without cameras): one snapshot, before the window
+    poller = MetricsPoller("http://unused")
+    poller.history["p0"] = [(t, parse_metrics(metrics_page(100 * t, 100 * t, work=t))["p0"])
+                            for t in (1.0, 2.0, 3.0)]
+    poller.history["p1"] = [(0.5, parse_metrics(metrics_page(5, 5))["p1"])]
+    result = Window()
+    window_numbers(poller, 1.0, 3.0, {"cam0", "cam1"}, result)
+    assert result.delivered == pytest.approx(100.0)  # cam0: 200 frames in 2 s; cam1: none
+    assert result.stages["infer"][0] == pytest.approx(2.0)  # p0's 2 s; p1's none
+    assert result.host_cameras == {"p0": 1, "p1": 1}
 
 
 def test_the_child_runs_in_its_own_group_and_stops_on_one_sigint(tmp_path):

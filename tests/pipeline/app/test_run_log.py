@@ -1,0 +1,102 @@
+"""pipeline.app.run_log: the engine's "engine stages" lines as the engine writes them (its own
+``log_summary``, in both log formats), read back from a run.log and turned into a window's
+numbers."""
+
+from __future__ import annotations
+
+import pytest
+import structlog
+
+from pipeline.app.engine import Engine
+from pipeline.app.run_log import EngineWindow, engine_lines, engine_windows, parse_line
+from pipeline.logging import configure_logging
+
+PID = 4242
+
+
+def logged(capsys, fmt: str, steps: list[tuple[float, str, dict[str, tuple[int, float, float]]]]
+           ) -> list[str]:
+    """run.log lines as ``measurement.launch`` writes them (each prefixed with its second since
+    the launch): for each (second, what, counters) an engine's "engine ready" line or its
+    "engine stages" line after recording ``counters`` (stage -> frames, work s, blocked s)."""
+    configure_logging(fmt, "info")
+    engine = Engine(None, None)  # only its counters and its summary line are used
+    lines = []
+    for second, what, counters in steps:
+        if what == "ready":  # as Engine.build logs it
+            structlog.get_logger("engine").info("engine ready", seconds=1.5, pid=PID,
+                                                workers=2, device_ring=False, batch_size=4)
+        else:
+            for stage, (frames, work, blocked) in counters.items():
+                engine.metrics[stage].record(frames, work, blocked)
+            engine.log_summary()
+        for line in capsys.readouterr().err.splitlines():
+            lines.append(f"{second:8.2f} {line}")
+    return lines
+
+
+@pytest.fixture(params=["console", "json"])
+def run_log(request, capsys, monkeypatch):
+    """An engine's lines in a run.log: ready at 4 s, stages at 14, 24 and 34 s."""
+    monkeypatch.setattr("os.getpid", lambda: PID)
+    return logged(capsys, request.param, [
+        (4.0, "ready", {}),
+        (14.0, "stages", {"batch": (40, 0.5, 1.0), "infer": (40, 6.0, 0.2)}),
+        (24.0, "stages", {"batch": (40, 0.5, 1.0), "infer": (40, 8.0, 0.2),
+                          "postprocess": (40, 0.4, 0.0)}),
+        (34.0, "stages", {"infer": (40, 9.0, 0.1)}),
+    ])
+
+
+def test_the_engines_own_lines_are_read_back_in_either_format(run_log):
+    lines = engine_lines(run_log)
+    assert [(line.second, line.event) for line in lines] == [
+        (4.0, "engine ready"), (14.0, "engine stages"), (24.0, "engine stages"),
+        (34.0, "engine stages")]
+    last = lines[-1].fields
+    assert last["pid"] == PID and last["workers"] == 0
+    assert last["infer"]["work_s"] == pytest.approx(23.0)  # counters since the start
+    assert last["batch"]["blocked_s"] == pytest.approx(2.0)
+    assert last["postprocess"]["frames"] == 40
+
+
+@pytest.mark.parametrize(("start", "end", "span", "infer_work", "batch_blocked"), [
+    (15.0, 30.0, (14.0, 24.0), 8.0, 1.0),  # the lines around the window
+    (14.0, 40.0, (14.0, 34.0), 17.0, 1.0),  # a line at the window's start counts
+    (5.0, 12.0, (4.0, 14.0), 6.0, 1.0),  # no stages before: from "engine ready" (zeros)
+    (25.0, 27.0, (24.0, 34.0), 9.0, 0.0),  # no line inside: the first after the end
+])
+def test_a_window_takes_the_counters_between_the_engines_lines_around_it(run_log, start, end,
+                                                                         span, infer_work,
+                                                                         batch_blocked):
+    (found,) = engine_windows(engine_lines(run_log), start, end).values()
+    assert (found.pid, (found.start_s, found.end_s)) == (PID, span)
+    assert found.stages["infer"][0] == pytest.approx(infer_work)
+    assert found.stages["batch"][1] == pytest.approx(batch_blocked)
+    assert found.share("infer") == pytest.approx(100 * infer_work / (span[1] - span[0]))
+
+
+def test_a_window_after_the_last_line_has_no_engine_numbers(run_log):
+    assert engine_windows(engine_lines(run_log), 35.0, 40.0) == {}
+
+
+def test_a_restarted_engine_is_counted_from_its_own_start():
+    lines = engine_lines([
+        '   10.00 {"pid": 1, "infer": {"work_s": 5.0, "blocked_s": 0, "frames": 9}, '
+        '"event": "engine stages"}',
+        '   12.00 {"pid": 2, "batch_size": 4, "event": "engine ready"}',
+        '   22.00 {"pid": 2, "infer": {"work_s": 2.0, "blocked_s": 0, "frames": 3}, '
+        '"event": "engine stages"}'])
+    found = engine_windows(lines, 11.0, 22.0)
+    assert found == {2: EngineWindow(2, 12.0, 22.0, {"infer": (2.0, 0.0, 3)})}
+
+
+@pytest.mark.parametrize("text", [
+    "not a log line",
+    "   3.00 2026-12-01T21:07:21 [info     ] engine connected   device_ring=False epoch=0",
+    '   3.00 {"event": "source opened", "source": "cam000"}',
+    '   3.00 {"event": "engine stages", "pid": ',  # cut short
+    "   3.00 ",
+])
+def test_other_lines_are_not_engine_lines(text):
+    assert parse_line(text) is None
