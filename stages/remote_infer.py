@@ -6,20 +6,21 @@ the order the frames came, so the stages after it (filter, track, analytics, ann
 sinks) run as in any pipeline.
 
 ```
-frames --process--> [frame waits in ``outstanding`` (submit order)]
-          NVDEC frame: its planes copied into one of our device-ring slots
-          every frame the detector runs on: one SUBMIT row; rows go in one message per flush
+frames --process--> an entry each, kept in submit order until it leaves
+        --flush (at FLUSH_ROWS frames, or when the inbox is empty)--> NVDEC frames' planes
+          copied into our device-ring slots (one wait), one SUBMIT message of rows
 engine --RESULTS (one message per engine batch)--> receiver thread: results into their
           entries, device slots freed
-on_idle / process --> the done prefix of ``outstanding`` as one BatchDetections (and the
+on_idle / process --> the done prefix of the entries as one BatchDetections (and the
           EndOfStream markers in their place); their host slots freed unless a later stage
           reads the images (the sinks free them then)
 ```
 
 A frame the detector skips (``detect_every``/``detect_fps``) is not sent: it waits in order
-and leaves with no detections of its own. Backpressure: a file frame waits for a free
-device slot (its host slot was taken by the decoder, which waits too); a live frame that
-finds none is dropped (counted), so a camera's frames stay fresh.
+and leaves with no detections of its own. Backpressure: when no device slot is free, the
+frames ready so far are sent first (their results free slots), then a file frame waits for
+one (its host slot was taken by the decoder, which waits too) and a live frame is dropped
+(counted), so a camera's frames stay fresh.
 
 **The engine going away** (it died; the supervisor restarts it): the receiver reconnects
 with backoff. Meanwhile live frames are dropped (counted) and file sources wait. Once the

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -81,12 +83,23 @@ PROBE_TIMEOUT_S = 20.0  # the longest a start waits for the files' first frames
 
 def probe_frame_size(uri: str) -> tuple[int, int]:
     """Open a video file and decode its first frame: (width, height) of that frame, rounded
-    down to even.
+    down to even. A file probed before in this process, unchanged since (size and
+    modification time), is not opened again (a run's checks and its engine both ask).
 
     Raises:
         ConfigError: the file cannot be opened, has no video stream, or no frame of it
             decodes (the message says which, in FFmpeg's words).
     """
+    try:
+        stat = os.stat(uri)
+        return _probed_size(uri, stat.st_size, stat.st_mtime_ns)
+    except OSError:
+        return _probed_size(uri, -1, -1)  # av.open says what is wrong with it
+
+
+@functools.lru_cache(maxsize=1024)
+def _probed_size(uri: str, size: int, mtime_ns: int) -> tuple[int, int]:
+    """``probe_frame_size`` of a file as it is (``size``, ``mtime_ns``: the cache key)."""
     try:
         with av.open(uri) as container:
             if not container.streams.video:
@@ -237,7 +250,9 @@ def build_graph(config: PipelineConfig,
     check_extras(config)
     model = model_setup(config)
     info, class_names = model.info, model.class_names
-    frame_sizes = probe_file_sources(config)
+    # A source worker's files were probed and checked by its supervisor (``run.prepare``); it
+    # probes a file when the file is placed on it (``SourceControl``), not every file of the run.
+    frame_sizes = probe_file_sources(config) if engine is None else {}
     filtered, tracked, with_regions = check_sources(config, model, frame_sizes)
     stop = threading.Event()
     video = config.output.video is not None

@@ -143,7 +143,9 @@ class Engine:
     def log_summary(self) -> None:
         """One "engine stages" line: each stage's counters since the engine started (read
         from the log by ``pipeline.app.run_log``; the pid tells engines and restarts apart)."""
+        infer = self.metrics["infer"]
         log.info("engine stages", pid=os.getpid(), workers=len(self._conns),
+                 batches=infer.calls, mean_batch=round(infer.frames / max(1, infer.calls), 1),
                  **{name: m.summary() for name, m in self.metrics.items()})
 
     def close(self) -> None:
