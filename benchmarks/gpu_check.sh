@@ -8,11 +8,11 @@
 #   # throughput alone in about 5 minutes (compile cache in assets/engines already warm):
 #   BUDGET_S=285 THROUGHPUT_RESERVE_S=0 SECONDS_PER_RUN=3 bash benchmarks/gpu_check.sh throughput
 #
-# Steps: tests (pytest -m gpu), nms, preprocess, overlap, startup, throughput, and multigpu (not in the
-# default set: needs 2 GPUs, e.g. nvidia-h200-x2), livecontrol and failover (not in the default
-# set either: each takes a call of its own). Needs CuPy, Numba,
-# torch, torchvision, onnx2torch, PyAV and the assets (python -m samples.fetch, and
-# python -m samples.yolov8 for throughput) on that machine.
+# Steps: tests (pytest -m gpu), nms, preprocess, overlap, startup, throughput, and livecontrol
+# and failover (not in the default set: each takes a call of its own). Several GPUs are
+# measured with `python run.py capacity ... --set runtime.gpus=[0,1]` (e.g. on
+# nvidia-h200-x2). Needs CuPy, Numba, torch, torchvision, onnx2torch, PyAV and the assets
+# (python -m samples.fetch, and python -m samples.yolov8 for throughput) on that machine.
 #
 # Time: the whole script keeps within BUDGET_S seconds (default 570: the device allows 600 s
 # per command). Every step runs under `timeout` with the time left; while throughput is still
@@ -36,12 +36,6 @@
 # empty: not set, the default config's automatic count of source workers).
 # Each start's log, with seconds since its launch, is written under $OUT. The runtime.http start
 # needs starlette and uvicorn there (not on the H200's image: carry their wheels).
-#
-# multigpu: benchmarks.multi_gpu, the same runs on 1 and on 2 GPUs (runtime.gpus, one process
-# per GPU): MULTI_GPUS (layouts, default 1,2; 1x3: three processes on one GPU), MULTI_CAMERAS
-# (unpaced, default 100), MULTI_PACED (paced counts, default 16,32,64), SECONDS_PER_RUN,
-# MULTI_ARGS (more flags, e.g. "--decode gpu"). It gets the time left as --budget-s:
-#   BUDGET_S=570 bash benchmarks/gpu_check.sh multigpu
 #
 # livecontrol: benchmarks.live_control, issue 24's acceptance run through run.py: LIVE_CAMERAS
 # (default 100) paced cameras at LIVE_PACE_FPS (default 30) in the default config (one engine,
@@ -135,13 +129,6 @@ for step in "${steps[@]}"; do
                 python3 -m benchmarks.startup launch --cache '$cache' --log '$OUT/start-many.log' \
                     --cameras ${STARTUP_CAMERAS:-100} \
                     ${STARTUP_WORKERS:+--workers $STARTUP_WORKERS}" ;;
-        multigpu)
-            limit=$(( $(left) - 15 ))
-            # shellcheck disable=SC2086
-            run_step multigpu "$limit" python3 -m benchmarks.multi_gpu --gpus "${MULTI_GPUS:-1,2}" \
-                --cameras "${MULTI_CAMERAS:-100}" --paced "${MULTI_PACED:-16,32,64}" \
-                --seconds "${SECONDS_PER_RUN:-5}" --budget-s "$((limit - 20))" \
-                --out "$OUT/multigpu.md" ${MULTI_ARGS:-} ;;
         livecontrol)
             limit=$(( $(left) - 15 ))
             # The benchmark plans with 20 s less than its hard limit, to print its table.
@@ -165,7 +152,7 @@ for step in "${steps[@]}"; do
     [ "$step" = tests ] && { grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed" \
         "$OUT/tests.log" | tail -n 40; continue; }
     echo "---- $step"
-    if [ "$step" = throughput ] || [ "$step" = multigpu ] && [ -s "$OUT/$step.md" ]; then
+    if [ "$step" = throughput ] && [ -s "$OUT/$step.md" ]; then
         cat "$OUT/$step.md"
     elif [ "$step" = livecontrol ] && [ -s "$OUT/livecontrol/results.md" ]; then
         cat "$OUT/livecontrol/results.md"
