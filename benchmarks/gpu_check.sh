@@ -4,29 +4,30 @@
 #
 #   bash benchmarks/gpu_check.sh                      # all steps
 #   bash benchmarks/gpu_check.sh nms preprocess       # some steps
-#   CAMERAS=1,8 THROUGHPUT_ARGS="--decode cpu" bash benchmarks/gpu_check.sh throughput
-#   # throughput alone in about 5 minutes (compile cache in assets/engines already warm):
-#   BUDGET_S=285 THROUGHPUT_RESERVE_S=0 SECONDS_PER_RUN=3 bash benchmarks/gpu_check.sh throughput
+#   CAP_CAMERAS=50,100 CAP_UNPACED= bash benchmarks/gpu_check.sh capacity
+#   # two GPUs (nvidia-h200-x2):
+#   CAP_CAMERAS=200,300 CAP_ARGS="--set runtime.gpus=[0,1]" bash benchmarks/gpu_check.sh capacity
 #
-# Steps: tests (pytest -m gpu), nms, preprocess, overlap, startup, throughput, and multigpu (not in the
-# default set: needs 2 GPUs, e.g. nvidia-h200-x2), livecontrol and failover (not in the default
-# set either: each takes a call of its own). Needs CuPy, Numba,
+# Steps: tests (pytest -m gpu), nms, preprocess, overlap, startup, capacity, and livecontrol
+# and failover (not in the default set: each takes a call of its own). Needs CuPy, Numba,
 # torch, torchvision, onnx2torch, PyAV and the assets (python -m samples.fetch, and
-# python -m samples.yolov8 for throughput) on that machine.
+# python -m samples.yolov8 for capacity, livecontrol and failover) on that machine.
 #
 # Time: the whole script keeps within BUDGET_S seconds (default 570: the device allows 600 s
-# per command). Every step runs under `timeout` with the time left; while throughput is still
-# to come, the steps before it leave it THROUGHPUT_RESERVE_S (default 300) of that. The
-# throughput benchmark itself gets its time left as --budget-s: it starts no measurement that
-# would not end in time and always prints its tables (rows it skipped say so); each row is
-# also printed to its log as soon as it is measured. Its order: inference alone, the paced
-# runs, the naive pipeline, then the unpaced rows count by count, so a short budget loses the
-# largest unpaced camera counts first.
+# per command). Every step runs under `timeout` with the time left; while capacity is still
+# to come, the steps before it leave it CAPACITY_RESERVE_S (default 330) of that.
 #
-# Throughput settings: CAMERAS (unpaced camera counts, default 1,8,32,64,100), PACED (paced
-# camera counts, each camera live at 30 frames/s; default 32,64,100; "none" for none),
-# SECONDS_PER_RUN (each measurement's window, default 4), THROUGHPUT_ARGS (more flags, e.g.
-# "--decode cpu,gpu,cpu-threads --decode-workers 8 --no-naive").
+# capacity: `python run.py capacity` (how many paced cameras this GPU holds, beside decode
+# alone and engine alone) with the YOLOv8s of livecontrol and failover (torch FP16, batch 64,
+# compile cache assets/engines, no video) on their 1080p clip; a first row, capsetup, makes
+# both when missing and writes the config to $OUT/capacity.yaml. CAP_CAMERAS: paced camera
+# counts (default 100,150; empty: capacity's own search) at CAP_FPS (default 30); CAP_UNPACED:
+# cameras reading as fast as they can, measured after them (default 100; empty for none);
+# CAP_SECONDS: each run's window (default 20, after capacity's 10 s warm-up); CAP_ARGS: more
+# flags (--http; "--set runtime.gpus=[0,1]" for two GPUs; "--set runtime.workers=4"). It gets
+# the time left as --budget-s: a run that would not end in time is not started (its row says
+# so) and the table is always printed; the table, each run's config and log go under
+# $OUT/capacity.
 #
 # startup: benchmarks.startup, in this order: a cold start (a fresh compile cache, STARTUP_CACHE,
 # default /tmp/startup-cache), a warm start (the same cache), both one paced camera through
@@ -36,12 +37,6 @@
 # empty: not set, the default config's automatic count of source workers).
 # Each start's log, with seconds since its launch, is written under $OUT. The runtime.http start
 # needs starlette and uvicorn there (not on the H200's image: carry their wheels).
-#
-# multigpu: benchmarks.multi_gpu, the same runs on 1 and on 2 GPUs (runtime.gpus, one process
-# per GPU): MULTI_GPUS (layouts, default 1,2; 1x3: three processes on one GPU), MULTI_CAMERAS
-# (unpaced, default 100), MULTI_PACED (paced counts, default 16,32,64), SECONDS_PER_RUN,
-# MULTI_ARGS (more flags, e.g. "--decode gpu"). It gets the time left as --budget-s:
-#   BUDGET_S=570 bash benchmarks/gpu_check.sh multigpu
 #
 # livecontrol: benchmarks.live_control, issue 24's acceptance run through run.py: LIVE_CAMERAS
 # (default 100) paced cameras at LIVE_PACE_FPS (default 30) in the default config (one engine,
@@ -69,14 +64,14 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 BUDGET_S=${BUDGET_S:-570}
-THROUGHPUT_RESERVE_S=${THROUGHPUT_RESERVE_S:-300}
+CAPACITY_RESERVE_S=${CAPACITY_RESERVE_S:-330}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests nms preprocess overlap startup throughput)
+[ ${#steps[@]} -eq 0 ] && steps=(tests nms preprocess overlap startup capacity)
 rows=()
-throughput_pending=0
-for step in "${steps[@]}"; do [ "$step" = throughput ] && throughput_pending=1; done
+capacity_pending=0
+for step in "${steps[@]}"; do [ "$step" = capacity ] && capacity_pending=1; done
 
 left() { echo $((BUDGET_S - SECONDS)); }
 
@@ -96,10 +91,10 @@ run_step() {
         "$(grep -v '^\s*$' "$OUT/$name.log" | tail -n 1 | cut -c1-90)")")
 }
 
-# The time a step before throughput may take: what is left, less throughput's reserve.
+# The time a step before capacity may take: what is left, less capacity's reserve.
 step_limit() {
     local limit=$(( $(left) - 15 ))
-    [ "$throughput_pending" = 1 ] && limit=$((limit - THROUGHPUT_RESERVE_S))
+    [ "$capacity_pending" = 1 ] && limit=$((limit - CAPACITY_RESERVE_S))
     echo "$limit"
 }
 
@@ -115,15 +110,6 @@ for step in "${steps[@]}"; do
         nms) run_step nms "$(step_limit)" python3 -m benchmarks.nms_benchmark ;;
         preprocess) run_step preprocess "$(step_limit)" python3 -m benchmarks.preprocess_benchmark ;;
         overlap) run_step overlap "$(step_limit)" python3 -m benchmarks.overlap_benchmark ;;
-        throughput)
-            throughput_pending=0
-            limit=$(( $(left) - 15 ))
-            # The benchmark plans with 20 s less than its hard limit, to print its table.
-            # shellcheck disable=SC2086
-            run_step throughput "$limit" python3 -m benchmarks.throughput \
-                --cameras "${CAMERAS:-1,8,32,64,100}" --paced "${PACED:-32,64,100}" \
-                --seconds "${SECONDS_PER_RUN:-4}" \
-                --budget-s "$((limit - 20))" --out "$OUT/throughput.md" ${THROUGHPUT_ARGS:-} ;;
         startup)
             cache=${STARTUP_CACHE:-/tmp/startup-cache}; rm -rf "$cache"
             run_step startup "$(step_limit)" bash -c "
@@ -135,13 +121,37 @@ for step in "${steps[@]}"; do
                 python3 -m benchmarks.startup launch --cache '$cache' --log '$OUT/start-many.log' \
                     --cameras ${STARTUP_CAMERAS:-100} \
                     ${STARTUP_WORKERS:+--workers $STARTUP_WORKERS}" ;;
-        multigpu)
+        capacity)
+            capacity_pending=0
+            # The clip and the model of livecontrol and failover (made when missing) and a
+            # config of their settings; capacity replaces its sources by the cameras.
+            run_step capsetup "$(( $(left) - 15 ))" python3 - "$OUT/capacity.yaml" <<'EOF'
+import sys
+from pathlib import Path
+
+import yaml
+
+from benchmarks.live_control import camera_clip
+from samples.yolov8 import ensure_yolov8
+
+assets = Path("assets").resolve()
+model, names = ensure_yolov8(assets, log=print)
+Path(sys.argv[1]).write_text(yaml.safe_dump({
+    "model": {"path": str(model), "class_names": str(names)},
+    "inference": {"device": "cuda", "backend": "torch", "precision": "fp16",
+                  "batch_size": 64, "engine_cache": str(assets / "engines")},
+    "output": {"video": None, "jsonl": "{source}.jsonl"}}, sort_keys=False))
+print(camera_clip(False, assets))  # the last line: the clip
+EOF
             limit=$(( $(left) - 15 ))
+            cameras=${CAP_CAMERAS-100,150} unpaced=${CAP_UNPACED-100}
+            # capacity plans with 20 s less than its hard limit, to print its table.
             # shellcheck disable=SC2086
-            run_step multigpu "$limit" python3 -m benchmarks.multi_gpu --gpus "${MULTI_GPUS:-1,2}" \
-                --cameras "${MULTI_CAMERAS:-100}" --paced "${MULTI_PACED:-16,32,64}" \
-                --seconds "${SECONDS_PER_RUN:-5}" --budget-s "$((limit - 20))" \
-                --out "$OUT/multigpu.md" ${MULTI_ARGS:-} ;;
+            run_step capacity "$limit" python3 run.py capacity --config "$OUT/capacity.yaml" \
+                --clip "$(tail -n 1 "$OUT/capsetup.log")" --fps "${CAP_FPS:-30}" \
+                ${cameras:+--cameras "$cameras"} ${unpaced:+--unpaced "$unpaced"} \
+                --seconds "${CAP_SECONDS:-20}" --budget-s "$((limit - 20))" \
+                --out "$OUT/capacity" ${CAP_ARGS:-} ;;
         livecontrol)
             limit=$(( $(left) - 15 ))
             # The benchmark plans with 20 s less than its hard limit, to print its table.
@@ -165,8 +175,8 @@ for step in "${steps[@]}"; do
     [ "$step" = tests ] && { grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed" \
         "$OUT/tests.log" | tail -n 40; continue; }
     echo "---- $step"
-    if [ "$step" = throughput ] || [ "$step" = multigpu ] && [ -s "$OUT/$step.md" ]; then
-        cat "$OUT/$step.md"
+    if [ "$step" = capacity ] && [ -s "$OUT/capacity/results.md" ]; then
+        cat "$OUT/capacity/results.md"
     elif [ "$step" = livecontrol ] && [ -s "$OUT/livecontrol/results.md" ]; then
         cat "$OUT/livecontrol/results.md"
     elif [ "$step" = failover ] && [ -s "$OUT/failover/results.md" ]; then

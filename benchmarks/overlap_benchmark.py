@@ -4,7 +4,7 @@
         [--compile | --no-compile] [--engine-cache DIR]
 
 Makes (once, cached under ``assets/cache``) a 1080p H.264 clip from bikes.mp4 (natural
-footage at a camera-like 4 Mbps, the clip the throughput benchmark uses), then runs the real
+footage at a camera-like 4 Mbps, the clip the other GPU benchmarks use), then runs the real
 pipeline on ``--sources`` file sources of it (CPU decode into the pinned slot ring -> batcher:
 one H2D per frame on the copy stream, one event per batch -> fused preprocess, torch, NMS on
 the compute stream -> JSONL sinks, no video encoding), with the GPU timeline on: the batcher
@@ -40,7 +40,7 @@ from pipeline.gpu import hidden_fraction
 from samples.fetch import ensure_samples
 
 CLIP_BITRATE = 4_000_000
-CLIP_NAME = "bikes_1080p_4mbps_25fps.mp4"  # under assets/cache; shared with benchmarks.throughput
+CLIP_NAME = "bikes_1080p_4mbps_25fps.mp4"  # under assets/cache; the other benchmarks' too
 WARMUP_SHARE = 0.2  # the first 20% of the batches are start-up
 
 
