@@ -610,10 +610,12 @@ class RuntimeConfig:
                       "metrics_host is not a loopback address. Use ${VAR}. Never logged."))
     decode_workers: int | None = field(
         default=None,
-        metadata=_doc("Processes that decode the CPU-decoded sources, each owning a share of "
-                      "them; frames reach the pipeline through shared memory. null: one per "
-                      "source, at most the core count less 2, at least 1 (logged). 0: decode "
-                      "in threads of the pipeline process.", min=0),
+        metadata=_doc("The whole pipeline in one process (runtime.workers: 1): processes that "
+                      "decode the CPU-decoded sources, each owning a share of them; frames "
+                      "reach the pipeline through shared memory. null: one per source, at most "
+                      "the core count less 2, at least 1 (logged). 0: decode in threads of the "
+                      "pipeline process. Source workers (runtime.workers > 1) decode in threads "
+                      "of their own process.", min=0),
     )
     http: HttpConfig | None = field(
         default=None,

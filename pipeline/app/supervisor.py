@@ -4,10 +4,11 @@ API read it.
 
 ```
 run.py / Python API / --ray  ──>  Supervisor (this process)           hosts: one long-lived graph each
-                                    places sources by load  ──add/remove──>  in this process (one
-  HTTP API + live view  ───────>    (pipeline.app.placement)                pipeline), spawned
-  Prometheus ──────────────────>    watches every host      <──HostReport─  processes (runtime.gpus,
-                                    restarts what dies                      runtime.pipelines) or
+                                    places sources by load  ──add/remove──>  in this process (the
+  HTTP API + live view  ───────>    (pipeline.app.placement)                whole pipeline), source
+  Prometheus ──────────────────>    watches every host      <──HostReport─  worker processes with
+                                    restarts what dies                      one engine per GPU
+                                                                            (runtime.workers), or
                                                                             Ray actors (--ray)
 ```
 
