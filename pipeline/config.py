@@ -796,8 +796,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
 # Keys of earlier versions, with what replaced them (the message a config using one gets).
 RENAMED_KEYS = {
     "runtime.pipelines": "replaced by runtime.workers: one engine per GPU holds the model "
-                         "and source worker processes feed it (null: as many as the cores "
-                         "and sources call for)",
+                         "and source worker processes feed it; leave runtime.workers out for "
+                         "the automatic count, or set it (1: the whole pipeline in one "
+                         "process)",
 }
 
 

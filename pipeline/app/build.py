@@ -268,9 +268,10 @@ def build_graph(config: PipelineConfig,
                                list(link.host_shares[worker]))
         kinds = [decoder_kind(config, source, f"sources[{i}]", gpu)
                  for i, source in enumerate(config.sources)]
-        threads = decoder_threads(kinds.count("cpu") * (expected_sources or 1)
-                                  // max(1, len(config.sources)) or 1, cores)
-        remote = RemoteInferStage("infer", link, worker, ring, size, keep_images, stop,
+        expected = len(config.sources) if expected_sources is None else expected_sources
+        on_cpu = math.ceil(kinds.count("cpu") * expected / max(1, len(config.sources)))
+        threads = decoder_threads(max(1, on_cpu), cores)  # its CPU-decoded share, in threads
+        remote = RemoteInferStage("remote_infer", link, worker, ring, size, keep_images, stop,
                                   on_drop=lambda frame: None)
         chain: list[Stage] = [remote]
     else:

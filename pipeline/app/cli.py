@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import structlog
@@ -123,10 +123,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_format or runtime.log_format, args.log_level or runtime.log_level)
     if args.no_progress:
         runtime.progress = False
+    if args.command == "build-engine":
+        return one_line_errors(lambda: build_engine(config))
+    return one_line_errors(lambda: run(config, args.ray, restart=args.restart))
+
+
+def one_line_errors(command: Callable[[], int]) -> int:
+    """``command()``'s exit status; Ctrl-C or an unexpected error as one line (the traceback
+    at debug level) and its exit status, never a traceback on the terminal."""
     try:
-        if args.command == "build-engine":
-            return build_engine(config)
-        return run(config, args.ray, restart=args.restart)
+        return command()
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -145,6 +151,10 @@ def capacity(args: argparse.Namespace) -> int:
         print("error: capacity: --clip is required (the video every camera plays)",
               file=sys.stderr)
         return EXIT_USAGE
+    if args.ray is not None or args.restart:
+        print("error: capacity: --ray and --restart are options of run, not of capacity",
+              file=sys.stderr)
+        return EXIT_USAGE
     options = Options(Path(args.config), args.clip, list(args.overrides), args.fps,
                       decoders=args.decoders, ceilings=not args.no_ceilings, out=args.out,
                       unpaced=args.unpaced, http=args.http)
@@ -154,17 +164,18 @@ def capacity(args: argparse.Namespace) -> int:
     try:
         if args.cameras is not None:
             options.cameras = parse_counts(args.cameras)
-        return main(options)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as error:  # noqa: BLE001 - one line for the user, details at debug
-        log.debug("traceback", text=traceback.format_exc())
-        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
-        return EXIT_FAILED
+
+    def measure() -> int:
+        try:
+            return main(options)
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return EXIT_USAGE
+
+    return one_line_errors(measure)
 
 
 def build_engine(config: PipelineConfig) -> int:

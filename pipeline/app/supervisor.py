@@ -531,7 +531,7 @@ class Supervisor:
             state.restart_at = now + backoff_s(state.restarts)
         else:
             state.gone = True
-        log.error("pipeline host died: its sources move to the others",
+        log.error("source worker died: its sources move to the others",
                   host=self.executor.names[host], reason=reason, sources=sorted(moved),
                   restart_in_s=None if state.gone else round(state.restart_at - now, 2))
 
@@ -546,11 +546,11 @@ class Supervisor:
                 state.alive, state.restart_at, state.attempts = True, None, 0
                 state.finished = state.ready = False
                 state.rebalance = True  # once it is ready
-                log.info("pipeline host restarted: the loads are evened onto it once it is "
+                log.info("source worker restarted: the loads are evened onto it once it is "
                          "ready", host=self.executor.names[host], restarts=state.restarts)
             elif back is None or state.attempts >= MAX_RESTART_ATTEMPTS:
                 state.gone = True
-                log.error("pipeline host gone for good", host=self.executor.names[host])
+                log.error("source worker gone for good", host=self.executor.names[host])
             else:  # not back yet (Ray still restarting it): ask again
                 state.attempts += 1
                 state.restart_at = now + backoff_s(state.attempts)

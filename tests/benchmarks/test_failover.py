@@ -55,15 +55,16 @@ def small_run(tmp_path_factory):
     return status, json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
 
 
-@pytest.mark.slow  # about 40 s: a real run, two kills
+@pytest.mark.slow  # about 70 s: a real run, two kills, files playing through both
 def test_small_mode_kills_a_worker_and_the_engine_and_everything_comes_back(small_run):
     status, results, table = small_run
     assert status == 0, table
     worker, engine = results["worker"], results["engine"]
     # the killed worker's cameras came back, moved after the supervisor's backoff: a frame
-    # seen sooner would be one from before the kill
+    # seen sooner would be one from before the kill. (How soon is the benchmark's result, on
+    # the H200: on a loaded 2-core CI machine it took 1.2 s once and 11 s another time.)
     assert worker["cameras"] and worker["missing"] == [], table
-    assert all(RESTART_INITIAL_S <= s <= 10.0 for s in worker["recovered_s"].values()), table
+    assert all(RESTART_INITIAL_S <= s <= 30.0 for s in worker["recovered_s"].values()), table
     assert set(worker["cameras"]) | set(worker["others"]) == {f"cam{i:03d}" for i in range(4)}
     assert isinstance(worker["others_dropped"], int) and worker["others_dropped"] >= 0, table
     assert worker["new_pid"] not in (None, worker["pid"]), table  # worker1 restarted

@@ -63,7 +63,7 @@ def test_small_mode_adds_and_removes_a_camera_while_two_workers_run(small_run):
     assert rows["POST /api/sources (added)"][0] == "201", table
     assert float(rows["added: first frame"][0].split()[0]) >= 0, table
     assert rows["DELETE /api/sources/added"][0] == "200", table
-    assert "stage infer" in rows and "busiest stage" in rows, table
+    assert "stage remote_infer" in rows and "busiest stage" in rows, table
     assert rows["exit status after SIGINT"][0] == "0", table
     assert table.splitlines()[-1].startswith("Verdict: "), table
     assert "add ok, remove ok" in table.splitlines()[-1], table
