@@ -106,7 +106,7 @@ class SourceControl:
         self._lock = threading.Lock()  # one change at a time
         stages = {type(stage): stage for stage in graph.chain}
         # the stage frames enter: the batcher, or a source worker's remote inference
-        self._batcher: BatcherStage | RemoteInferStage = graph.chain[0]  # type: ignore[assignment]
+        self._first_stage: BatcherStage | RemoteInferStage = graph.chain[0]  # type: ignore[assignment]
         self._filter = stages.get(DetectionFilterStage)
         self._tracker = stages.get(TrackerStage)
         self._analytics = stages.get(AnalyticsStage)
@@ -173,9 +173,9 @@ class SourceControl:
                                   bool(parts["regions"]))
             if resume and source.start_frame > 0:  # appends to the records (see SinkStage)
                 sink.resume_from = source.start_frame
-            assigned = self._batcher.add_source(source.name, source.detect_every,
+            assigned = self._first_stage.add_source(source.name, source.detect_every,
                                                 source.detect_fps, source.is_live)
-            if assigned != index:  # the batcher numbers sources as this list does
+            if assigned != index:  # the first stage numbers sources as this list does
                 raise RuntimeError(f"source id {assigned} != {index}: out of step")
             self.sources.append(source)
             if output_number is not None:
