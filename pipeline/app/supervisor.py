@@ -490,7 +490,11 @@ class Supervisor:
         run.resume = True  # a later start continues its records
         if run.moving:
             run.moving = False
-            return  # placed already: it starts on its new host
+            if run.config.is_live or not ended.complete or ended.error is not None:
+                return  # placed already: it starts on its new host
+            # A file that reached its end before the cut: it is done, not moved (started
+            # again on its new host it would find no partial records and start over).
+            self.placement.pop(name, None)
         if ended.error is not None:
             self.results[name] = ended.error
             log.error("source failed", source=name, host=self.executor.names[host],

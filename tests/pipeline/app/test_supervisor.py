@@ -181,6 +181,46 @@ def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restar
     assert results == {name: None for name in "abcd"}
 
 
+class FinishingExecutor(ScriptedExecutor):
+    """A host whose file reaches its end before a cut to move it takes effect: ``remove``
+    of a source in ``finish_first`` ends it complete (its outputs final), not cut short."""
+
+    def __init__(self, hosts: int, finish_first: set[str]) -> None:
+        super().__init__(hosts)
+        self.finish_first = finish_first
+
+    def call(self, host: int, method: str, *args) -> None:
+        if method == "remove" and args[0] in self.finish_first and args[0] in self.running:
+            with self.lock:
+                self.calls.append((host, method, args))
+                self._end(args[0], complete=True)
+            return
+        super().call(host, method, *args)
+
+
+def test_a_file_that_ends_before_its_move_is_done_not_started_over(config):
+    """Rebalancing onto a restarted host cuts a file where it runs; when the file reached its
+    end first (complete, its records final), it is done: starting it on the new host would
+    find no partial records and write them all again (seen in CI)."""
+    executor = FinishingExecutor(2, finish_first=set("abcd"))
+    supervisor, thread, results = start(config, executor, max_restarts=1)
+    wait_for(lambda: len(executor.running) == 4, "four sources started")
+    executor.die(1)
+    wait_for(lambda: sorted(executor.on(0)) == list("abcd"), "the moved sources on host 0")
+    wait_for(lambda: executor.removed(), "a source cut to move it onto the restarted host 1")
+    cut = [name for _, name in executor.removed()]
+    time.sleep(0.5)  # several supervisor turns
+    assert not set(cut) & set(executor.on(1)), "a file that had ended was started again"
+    assert all(results.get(name) is None for name in cut)
+    for name in list(executor.on(0)) + list(executor.on(1)):
+        executor.finish(name)
+    thread.join(5)
+    assert results == {name: None for name in "abcd"}
+    adds = [args[0].source.name for host, method, args in executor.calls
+            if method == "add" and host == 1]
+    assert not set(cut) & set(adds[2:])  # host 1's adds after its restart: none of the cut
+
+
 def test_every_host_dead_for_good_fails_the_remaining_sources(config):
     executor = ScriptedExecutor(1)
     supervisor, thread, results = start(config, executor, max_restarts=0)
