@@ -162,7 +162,7 @@ class SourceConfig:
                       "the pipeline takes them.", min=0.1),
     )
     max_lag_ms: float | None = field(
-        default=1000.0,
+        default=500.0,
         metadata=_doc("Live sources: when decoding falls this many milliseconds behind the "
                       "source's real time (a paced source: its frame's due time; a stream: its "
                       "own clock), stop decoding and skip to the next keyframe at which it is "
@@ -616,6 +616,20 @@ class RuntimeConfig:
                       "the core count less 2, at least 1 (logged). 0: decode in threads of the "
                       "pipeline process. Source workers (runtime.workers > 1) decode in threads "
                       "of their own process.", min=0),
+    )
+    nvdec_fps: float = field(
+        default=4500.0,
+        metadata=_doc("1080p frames/s one GPU's NVDEC decodes (H.264 through PyAV; the H200 "
+                      "measured 4,580: run.py capacity prints yours as decode alone). On the "
+                      "GPU path, decode: auto sources fill NVDEC up to 80% of this, then go "
+                      "to CPU decode (runtime.cpu_decode_fps); past both, they are shared in "
+                      "proportion to the two; unpaced files always are (logged).", min=1.0),
+    )
+    cpu_decode_fps: float | None = field(
+        default=None,
+        metadata=_doc("1080p frames/s CPU decode gives on this machine's usable cores (see "
+                      "runtime.nvdec_fps). null: 120 per core (the H200 host's 16 cores "
+                      "measured 1,977).", min=1.0),
     )
     http: HttpConfig | None = field(
         default=None,

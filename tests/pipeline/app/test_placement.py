@@ -8,9 +8,11 @@ import pytest
 from pipeline.app.placement import (
     CAMERA_FPS,
     CAMERA_SIZE,
+    NVDEC_FILL,
     SourceLoad,
     assign,
     host_loads,
+    plan_cpu_decode,
     probe_load,
     rebalance,
 )
@@ -105,3 +107,63 @@ def test_probe_load_reads_a_files_size_and_rate(samples):
     assert paced.fps == 5.0 and paced.load == 640 * 272 * 5
     camera = probe_load(SourceConfig(name="cam", uri="rtsp://10.0.0.1/stream"))
     assert (camera.width, camera.height, camera.fps) == (*CAMERA_SIZE, CAMERA_FPS)
+    assert not camera.cpu_decode
+    assert probe_load(SourceConfig(name="c", uri="rtsp://h/s", decode="cpu")).cpu_decode
+
+
+def test_cpu_decoded_sources_are_spread_evenly_over_the_workers():
+    # Every third source decoded on the CPU: by load and name alone they would all land on
+    # one of three workers; placed first, they go one to each.
+    loads = [SourceLoad(f"cam{i:02d}", 1920, 1080, 30, cpu_decode=i % 3 == 2) for i in range(9)]
+    placed = assign(loads, [0, 1, 2])
+    on_cpu = [placed[item.name] for item in loads if item.cpu_decode]
+    assert sorted(on_cpu) == [0, 1, 2]
+    assert sorted(placed.values()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def cameras(count: int, fps: float = 30, **keys) -> tuple[list[SourceConfig], list[SourceLoad]]:
+    """``count`` paced 1080p cameras at ``fps`` (``keys``: more of each source's keys)."""
+    sources = [SourceConfig(name=f"cam{i:03d}", uri=f"rtsp://h/{i}", pace_fps=fps, **keys)
+               for i in range(count)]
+    return sources, [SourceLoad(s.name, 1920, 1080, fps, s.decode == "cpu") for s in sources]
+
+
+def test_paced_cameras_stay_on_nvdec_until_it_is_80_percent_full():
+    assert plan_cpu_decode(*cameras(100), nvdec_fps=4500, cpu_fps=1900) == []  # 3,000 < 3,600
+    sources, loads = cameras(150)  # 4,500 frames/s: 900 past 80% of NVDEC go to the CPU
+    chosen = plan_cpu_decode(sources, loads, nvdec_fps=4500, cpu_fps=1900)
+    assert len(chosen) == 30
+    on_nvdec = (150 - len(chosen)) * 30
+    assert on_nvdec <= NVDEC_FILL * 4500 < on_nvdec + 30
+    # evenly spaced in config order: no run of more than 5 NVDEC sources between two CPU ones
+    picked = [int(name[3:]) for name in chosen]
+    assert max(b - a for a, b in zip(picked, picked[1:])) <= 6
+    # and the same on every run
+    assert plan_cpu_decode(sources, loads, nvdec_fps=4500, cpu_fps=1900) == chosen
+
+
+def test_past_both_decoders_cameras_are_shared_in_proportion_to_them():
+    chosen = plan_cpu_decode(*cameras(300), nvdec_fps=4000, cpu_fps=2000)  # 9,000 > 6,000
+    assert len(chosen) == 100  # a third: 2,000 of 6,000
+
+
+def test_unpaced_files_are_always_shared_in_proportion_and_pins_are_kept():
+    files = [SourceConfig(name=f"f{i}", uri=f"/v/{i}.mp4") for i in range(9)]
+    pinned = [SourceConfig(name="g", uri="/v/g.mp4", decode="gpu"),
+              SourceConfig(name="c", uri="/v/c.mp4", decode="cpu")]
+    sources = [*files, *pinned]
+    loads = [SourceLoad(s.name, 1920, 1080, 25) for s in sources]
+    chosen = plan_cpu_decode(sources, loads, nvdec_fps=4000, cpu_fps=2000)
+    assert len(chosen) == 3 and not {"g", "c"} & set(chosen)
+    # a camera pinned to NVDEC counts against its capacity
+    cams, cam_loads = cameras(100)
+    pin = [SourceConfig(name="big", uri="rtsp://h/big", decode="gpu", pace_fps=60)]
+    heavy = [SourceLoad("big", 7680, 4320, 60)]  # 16 x 1080p at 60: 960 frames/s
+    # 3,000 + 960 = 3,960: 360 past 3,600, 12 cameras to the CPU
+    assert len(plan_cpu_decode(cams + pin, cam_loads + heavy, 4500, 1900)) == 12
+
+
+@pytest.mark.parametrize("nvdec, cpu", [(0, 1), (1, 0)])
+def test_plan_cpu_decode_rejects_a_capacity_that_is_not_positive(nvdec, cpu):
+    with pytest.raises(ValueError, match="must be > 0"):
+        plan_cpu_decode(*cameras(2), nvdec_fps=nvdec, cpu_fps=cpu)

@@ -1,0 +1,41 @@
+"""pipeline.app.run: what is settled before the run starts (both decoders for decode: auto)."""
+
+from __future__ import annotations
+
+from pipeline.app.run import place_decoders
+from pipeline.config import parse_config
+
+
+def cameras_config(samples, tmp_path, **sections):
+    """Three paced cameras of bikes.mp4 (640x272 at 25 frames/s), ``decode: auto``."""
+    data = {"model": {"path": str(samples.model)},
+            "sources": [{"name": f"cam{i}", "uri": str(samples.bikes), "live": True,
+                         "pace_fps": 25} for i in range(3)],
+            "output": {"dir": str(tmp_path), "video": None},
+            "runtime": {"nvdec_fps": 1.0, "cpu_decode_fps": 1000.0}}
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return parse_config(data)
+
+
+def test_auto_sources_past_nvdecs_capacity_are_decoded_on_the_cpu(samples, tmp_path):
+    config = cameras_config(samples, tmp_path)
+    asked = []
+    place_decoders(config, 1, lambda: asked.append(1) or True)
+    # each camera is 25 x 640 x 272 / 1080p = 2.1 frames/s of 1080p; NVDEC takes 0.8
+    assert [s.decode for s in config.sources] == ["cpu", "cpu", "cpu"] and asked == [1]
+    roomy = cameras_config(samples, tmp_path, runtime={"nvdec_fps": 100.0})
+    place_decoders(roomy, 1, lambda: True)
+    assert [s.decode for s in roomy.sources] == ["auto"] * 3
+
+
+def test_decoders_are_left_alone_off_the_gpu_path(samples, tmp_path):
+    config = cameras_config(samples, tmp_path)
+    place_decoders(config, 1, lambda: False)  # no GPU here
+    assert [s.decode for s in config.sources] == ["auto"] * 3
+    on_cpu = cameras_config(samples, tmp_path, inference={"device": "cpu"})
+    place_decoders(on_cpu, 1, lambda: True)
+    assert [s.decode for s in on_cpu.sources] == ["auto"] * 3
+    video = cameras_config(samples, tmp_path, output={"video": "{source}.mp4"})
+    place_decoders(video, 1, lambda: True)  # frames go to the host for the video anyway
+    assert [s.decode for s in video.sources] == ["auto"] * 3
