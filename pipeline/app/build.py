@@ -46,6 +46,7 @@ log = structlog.get_logger("build")
 DEFAULT_FRAME_SIZE = (1920, 1080)  # staging slot size when no source announces a larger one
 TRACK_GONE_MARGIN_S = 0.5  # analytics: a track unseen this long past tracker_lost_s is gone
 BATCH_SETS = 3  # batch sets: one being copied in, one on the GPU, one being read back
+DECODE_NICE = 10  # a GPU-path source worker's CPU decode processes yield the CPU to the rest
 
 
 class DeviceUnavailable(ConfigError):
@@ -270,7 +271,18 @@ def build_graph(config: PipelineConfig,
                  for i, source in enumerate(config.sources)]
         expected = len(config.sources) if expected_sources is None else expected_sources
         on_cpu = math.ceil(kinds.count("cpu") * expected / max(1, len(config.sources)))
-        threads = decoder_threads(max(1, on_cpu), cores)  # its CPU-decoded share, in threads
+        threads = decoder_threads(max(1, on_cpu), cores)
+        # On the GPU path its CPU-decoded share decodes in processes of lower priority: in
+        # threads here, FFmpeg's threads took the cores (and the GIL) that NVDEC's feeding
+        # and this worker's own stages need (150 cameras on the H200 collapsed to 382
+        # frames/s, results-h200.md); on the CPU path, in threads of this process.
+        count = config.runtime.decode_workers
+        count = min(on_cpu, default_worker_count(on_cpu, cores) if count is None else count)
+        if gpu is not None and count > 0:
+            pool = DecodeWorkerPool(config, ring, count, threads, nice=DECODE_NICE)
+            log.info("decoding in worker processes", workers=count, sources=on_cpu, nice=DECODE_NICE,
+                     setting="auto" if config.runtime.decode_workers is None
+                     else "runtime.decode_workers")
         remote = RemoteInferStage("remote_infer", link, worker, ring, size, keep_images, stop,
                                   on_drop=lambda frame: None)
         chain: list[Stage] = [remote]

@@ -92,7 +92,7 @@ def name_this_process(name: str) -> None:
 
 def worker_main(worker: int, sources: list[tuple[int, SourceConfig, int]], shm_name: str,
                 slots: int, slot_bytes: int, free: list[int], conn: Connection,
-                log_format: str, log_level: str, threads_per_source: int) -> None:
+                log_format: str, log_level: str, threads_per_source: int, nice: int = 0) -> None:
     """A decode worker's process: decode its sources into its slots until they end or it is
     told to stop (or the pipeline's end of the pipe closes).
 
@@ -103,11 +103,15 @@ def worker_main(worker: int, sources: list[tuple[int, SourceConfig, int]], shm_n
         free: its slots that are free now.
         conn: its end of the pipe to the pipeline.
         threads_per_source: FFmpeg decoding threads per source (``decoder_threads``).
+        nice: added to its scheduling niceness (FFmpeg's threads inherit it): > 0 lets it
+            use only the CPU time the processes beside it leave.
     """
     from pipeline.logging import configure_logging
     from stages.decode import DecodeStage
 
     name_this_process(f"streamdet-w{worker}")
+    if nice:
+        os.nice(nice)
     # Ctrl-C, or a SIGTERM sent to the whole group, reaches the pipeline, which stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -271,16 +275,18 @@ class DecodeWorkerPool:
         sources: (source id, config) of sources to decode from the start (more come with
             ``add_source``, before or after ``start``); source ``i`` of them goes to worker
             ``i % workers``.
+        nice: the workers' added niceness (``worker_main``; 0: as this process).
     """
 
     def __init__(self, config: PipelineConfig, ring: SlotRing, workers: int,
                  threads_per_source: int = 1,
-                 sources: list[tuple[int, SourceConfig]] = ()) -> None:  # type: ignore[assignment]
+                 sources: list[tuple[int, SourceConfig]] = (),  # type: ignore[assignment]
+                 nice: int = 0) -> None:
         from stages.decode import probe_frame_count
 
         if workers < 1:
             raise ValueError(f"DecodeWorkerPool: expected at least one worker, got {workers}")
-        self.threads_per_source = threads_per_source
+        self.threads_per_source, self.nice = threads_per_source, nice
         self.config, self.ring = config, ring
         self.names = {source_id: cfg.name for source_id, cfg in sources}
         self.configs = dict(sources)
@@ -424,7 +430,7 @@ class DecodeWorkerPool:
                 target=worker_main, name=f"streamdet-decode-{worker.number}", daemon=True,
                 args=(worker.number, sources, self.ring.shm_name, self.ring.slots,
                       self.ring.slot_bytes, free, theirs, runtime.log_format,
-                      runtime.log_level, self.threads_per_source))
+                      runtime.log_level, self.threads_per_source, self.nice))
             process.start()
             theirs.close()
             worker.process, worker.conn, worker.restart_at = process, ours, None
