@@ -625,11 +625,14 @@ class RuntimeConfig:
                       "to CPU decode (runtime.cpu_decode_fps); past both, they are shared in "
                       "proportion to the two; unpaced files always are (logged).", min=1.0),
     )
-    cpu_decode_fps: float | None = field(
-        default=None,
-        metadata=_doc("1080p frames/s CPU decode gives on this machine's usable cores (see "
-                      "runtime.nvdec_fps). null: 120 per core (the H200 host's 16 cores "
-                      "measured 1,977).", min=1.0),
+    cpu_decode_fps: float = field(
+        default=0.0,
+        metadata=_doc("1080p frames/s CPU decode adds beside NVDEC on this machine (see "
+                      "runtime.nvdec_fps); 0 (the default): decode: auto never places a "
+                      "source on CPU decode. Set it from run.py capacity's 'NVDEC and the CPU "
+                      "at once' only where that beats NVDEC alone: on the H200's 16-core host "
+                      "it did not (3,163 against 4,185 frames/s: NVDEC's feeding through PyAV "
+                      "needs those cores too).", min=0.0),
     )
     http: HttpConfig | None = field(
         default=None,

@@ -30,7 +30,6 @@ import structlog
 from pipeline.config import ConfigError, PipelineConfig, is_stream_url
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-CPU_DECODE_FPS_PER_CORE = 120.0  # 1080p H.264 (the H200 host: 1,977 frames/s on 16 cores)
 
 log = structlog.get_logger("run")
 
@@ -106,20 +105,20 @@ def make_executor(config: PipelineConfig, ray_address: str | None = None, metric
 
 
 def place_decoders(config: PipelineConfig, gpus: int, on_gpu: Callable[[], bool]) -> None:
-    """Both decoders for ``decode: auto``: the sources ``placement.plan_cpu_decode`` picks
-    are set to ``decode: cpu`` in ``config`` (on the GPU path, ``on_gpu()``, with no
-    annotated video: else every auto source decodes on the CPU anyway), and the plan is
-    logged. Sources added while the run goes on keep ``auto`` (NVDEC where usable)."""
+    """Both decoders for ``decode: auto`` where ``runtime.cpu_decode_fps`` is set: the
+    sources ``placement.plan_cpu_decode`` picks are set to ``decode: cpu`` in ``config`` (on
+    the GPU path, ``on_gpu()``, with no annotated video: else every auto source decodes on
+    the CPU anyway), and the plan is logged. Sources added while the run goes on keep
+    ``auto`` (NVDEC where usable)."""
     from pipeline.app.placement import plan_cpu_decode, source_loads
-    from pipeline.app.supervisor import usable_cores
 
     runtime = config.runtime
-    if (len(config.sources) < 2 or config.output.video is not None
+    if (len(config.sources) < 2 or not runtime.cpu_decode_fps or config.output.video is not None
             or not any(s.decode == "auto" for s in config.sources)
             or config.inference.device == "cpu"):
         return
     nvdec_fps = runtime.nvdec_fps * max(1, gpus)
-    cpu_fps = runtime.cpu_decode_fps or CPU_DECODE_FPS_PER_CORE * usable_cores()
+    cpu_fps = runtime.cpu_decode_fps
     chosen = set(plan_cpu_decode(config.sources, source_loads(config), nvdec_fps, cpu_fps))
     if not chosen or not on_gpu():
         return

@@ -39,3 +39,6 @@ def test_decoders_are_left_alone_off_the_gpu_path(samples, tmp_path):
     video = cameras_config(samples, tmp_path, output={"video": "{source}.mp4"})
     place_decoders(video, 1, lambda: True)  # frames go to the host for the video anyway
     assert [s.decode for s in video.sources] == ["auto"] * 3
+    default = cameras_config(samples, tmp_path, runtime={"cpu_decode_fps": 0.0})
+    place_decoders(default, 1, lambda: True)  # the default: NVDEC only
+    assert [s.decode for s in default.sources] == ["auto"] * 3
