@@ -148,8 +148,8 @@ class SourceConfig:
         default=None,
         metadata=_doc(
             "Live sources drop the oldest waiting frame when the pipeline falls behind; file "
-            "sources block and never lose a frame. Default: true for stream URLs, false for "
-            "files."
+            "sources block and never lose a frame. Default: true for stream URLs and looped "
+            "files (loop), false for other files."
         ),
     )
     rtsp_transport: Literal["tcp", "udp"] = field(
@@ -160,6 +160,16 @@ class SourceConfig:
         metadata=_doc("Deliver the frames at this rate in real time, like a camera (a file "
                       "played as a simulated camera, with live: true), or null for as fast as "
                       "the pipeline takes them.", min=0.1),
+    )
+    loop: bool = field(
+        default=False,
+        metadata=_doc("Files only: play the file again from its start whenever it ends, "
+                      "forever: a simulated camera (with pace_fps) that ends only when stopped "
+                      "or removed. A looped file is live (live: false is refused): its frame "
+                      "numbers keep rising across passes, its pts go on from the previous "
+                      "pass's last (each pass later by the file's duration), a paced one keeps "
+                      "its schedule across the wrap, and start_frame numbers its frames from "
+                      "there as for a stream (playing from the file's start)."),
     )
     max_lag_ms: float | None = field(
         default=500.0,
@@ -245,15 +255,15 @@ class SourceConfig:
     start_frame: int = field(
         default=0,
         metadata=_doc("Resume at this frame: a file decodes and skips the frames before it "
-                      "(their numbers are kept, nothing before it is written), a stream numbers "
-                      "its frames from it. The cluster supervisor sets it when it moves a source "
-                      "(runtime.gpus, runtime.workers, --ray): the frame after the source's "
-                      "last written record.", min=0),
+                      "(their numbers are kept, nothing before it is written), a stream or a "
+                      "looped file numbers its frames from it. The cluster supervisor sets it "
+                      "when it moves a source (runtime.gpus, runtime.workers, --ray): the frame "
+                      "after the source's last written record.", min=0),
     )
 
     @property
     def is_live(self) -> bool:
-        return self.live if self.live is not None else is_stream_url(self.uri)
+        return self.live if self.live is not None else (is_stream_url(self.uri) or self.loop)
 
     @property
     def should_reconnect(self) -> bool:
@@ -290,7 +300,13 @@ class SourceConfig:
                 raise ConfigError(f"{where}: file not found: {self.uri!r}")
             if self.reconnect:
                 raise ConfigError(f"{key}.reconnect: files never reconnect; only stream URLs can")
+            if self.loop and self.live is False:
+                raise ConfigError(f"{key}.live: a looped file never ends, so it is live; drop "
+                                  "live: false (or loop: true)")
             return
+        if self.loop:
+            raise ConfigError(f"{key}.loop: only a file loops; {redact_url(self.uri)!r} is a "
+                              "stream URL (it reconnects instead: reconnect)")
         shown = redact_url(self.uri)
         parts = urlsplit(self.uri)
         if parts.scheme not in STREAM_SCHEMES:

@@ -8,11 +8,17 @@ index keeps counting across reconnections. Every attempt that fails is reported 
 (``DecodeStage.link``, and ``on_link`` for a decode worker to pass on), before any first
 connection too. A file is read once: its undecodable packets are
 skipped, and a file that ends early (truncated) yields every decodable frame and a warning.
+A looped file (``loop``, live) is read again from its start at each end, until the run stops:
+a seek to its start in the open container (no reopening: a GPU decoder keeps its context), its
+frame numbers counting on and its pacing schedule (``Pacer``) running on across the wrap; a
+pass that reads no frame ends it with an error, rather than spin.
 
 Every frame has a pts, in seconds (float): a file's own presentation times (a frame without
 one: the previous one's plus a frame period); a camera's from 0.0 at its first frame, on its
 stream's clock, and increasing across reconnections: a new session goes on from the last pts
-plus the wall-clock time the camera was away (at least a frame period).
+plus the wall-clock time the camera was away (at least a frame period); a looped file's from
+0.0, each pass going on a frame period of the file after the previous pass's last pts (later
+by the file's duration each pass).
 
 A live source that falls more than ``max_lag_ms`` behind real time catches up: it stops
 decoding, reads packets without decoding them up to the next keyframe at which it is back
@@ -31,6 +37,7 @@ packets ──lag <= max──> decode ──> frames
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import threading
@@ -281,8 +288,8 @@ class DecodeStage(SourceStage):
         abort: the graph's abort event (stops a wait for a free slot).
         first_index: resume here (a decode worker restarted after a crash; at least
             ``source.start_frame``, where a moved source resumes): a file skips
-            the frames before it (decoded, not sent); a live stream numbers its frames on
-            from it.
+            the frames before it (decoded, not sent); a live stream, and a looped file
+            (played from its start), numbers its frames on from it.
         decoder_threads: FFmpeg decoding threads for this source, or 0 for FFmpeg's default
             (one per core): with many sources, the default would start cores x sources
             threads and starve the pipeline's own threads of CPU.
@@ -306,6 +313,7 @@ class DecodeStage(SourceStage):
         self.live = source.is_live
         self.display_uri = redact_url(source.uri)
         self.is_file = not is_stream_url(source.uri)
+        self.loop = source.loop and self.is_file  # plays again from its start at its end
         self.reconnects = 0
         self.link: LinkStatus | None = LinkStatus() if self.live else None
         self.on_link: Callable[[LinkStatus], None] | None = None
@@ -313,6 +321,7 @@ class DecodeStage(SourceStage):
         self._last_pts_at = 0.0  # time.monotonic() of it
         self._shift: float | None = None  # this session: pts = picture time + shift
         self._session_pts: float | None = None  # this session's first pts, None before it
+        self._pass_pts: float | None = None  # a looped file's next pass: its first pts
         self._cropped = False  # the odd-size warning was given
         # Catching up (module docstring): the lag allowed, None for never skipping.
         self.max_lag_s = (source.max_lag_ms / 1000.0
@@ -325,7 +334,7 @@ class DecodeStage(SourceStage):
             self.expected_frames = probe_frame_count(source)
 
     def frames(self, stop_reading: threading.Event) -> Iterator[Frame | EndOfStream]:
-        index = 0 if self.is_file else self.first_index
+        index = 0 if self.is_file and not self.loop else self.first_index
         attempt, lost_at = 0, None
         pace = Pacer(self.source.pace_fps, stop_reading)
         while True:
@@ -400,13 +409,16 @@ class DecodeStage(SourceStage):
         period = 1.0 / float(rate) if rate else DEFAULT_PERIOD_S
         now = time.monotonic()
         last = self._last_pts
-        if not self.live:
+        if not self.live and not self.loop:
             pts = picture_time if picture_time is not None else (
                 0.0 if last is None else last + period)
         else:
-            if self._session_pts is None:  # a session's first frame
-                self._session_pts = 0.0 if last is None else last + max(period,
-                                                                        now - self._last_pts_at)
+            if self._session_pts is None:  # a session's (or a looped file's pass's) first frame
+                if self._pass_pts is not None:
+                    self._session_pts, self._pass_pts = self._pass_pts, None
+                else:
+                    self._session_pts = 0.0 if last is None else last + max(
+                        period, now - self._last_pts_at)
                 pts = self._session_pts
             elif picture_time is None or self._shift is None:
                 pts = last + period if last is not None else 0.0
@@ -497,49 +509,63 @@ class DecodeStage(SourceStage):
             if self.decoder_threads:
                 stream.codec_context.thread_count = self.decoder_threads
             rate = stream.average_rate or stream.guessed_rate
-            rate = Fraction(rate) if rate else None
+            rate = native = Fraction(rate) if rate else None
             log.info("source opened", source=self.name, uri=self.display_uri, live=self.live,
                      codec=stream.codec_context.name, size=f"{stream.width}x{stream.height}",
                      fps=float(rate) if rate else None, frames=self.expected_frames,
-                     streams=len(container.streams))
+                     streams=len(container.streams), loop=self.loop)
             if self.source.pace_fps:  # delivered at this rate: its frames' times (the video)
                 rate = Fraction(self.source.pace_fps).limit_denominator(1001)
             decoded = bad = bad_in_a_row = 0
             catch_up = CatchUp(self.max_lag_s) if self.max_lag_s is not None else None
             clock = StreamClock() if catch_up is not None and not pace.period else None
-            for packet in container.demux(stream):
-                if stop_reading.is_set():
-                    return
-                if catch_up is not None and packet.size:  # not the final (flush) packet
-                    if catch_up.skips(packet.is_keyframe, self._lag_s(packet, pace, clock)):
-                        pace.skip()
-                        yield SKIPPED, rate
-                        continue
-                    if catch_up.ended is not None:
-                        self._log_skip(*catch_up.ended)
-                try:
-                    pictures = packet.decode()
-                except av.InvalidDataError as error:
-                    bad, bad_in_a_row = bad + 1, bad_in_a_row + 1
-                    if bad == 1:
-                        log.warning("skipping undecodable packets", source=self.name,
-                                    error=error_text(error))
-                    if self.live and bad_in_a_row >= MAX_BAD_PACKETS_IN_A_ROW:
-                        raise SourceError(f"{bad_in_a_row} undecodable packets in a row") from None
-                    pictures = []
-                else:
-                    bad_in_a_row = 0
-                for picture in pictures:
-                    decoded += 1
-                    yield picture, rate
-                waiting_since = time.monotonic()
+            for passes in itertools.count():  # a file read once, or a looped file's passes
+                read = 0  # frames of this pass read (decoded or skipped)
+                for packet in container.demux(stream):
+                    if stop_reading.is_set():
+                        return
+                    if catch_up is not None and packet.size:  # not the final (flush) packet
+                        if catch_up.skips(packet.is_keyframe, self._lag_s(packet, pace, clock)):
+                            pace.skip()
+                            read += 1
+                            yield SKIPPED, rate
+                            continue
+                        if catch_up.ended is not None:
+                            self._log_skip(*catch_up.ended)
+                    try:
+                        pictures = packet.decode()
+                    except av.InvalidDataError as error:
+                        bad, bad_in_a_row = bad + 1, bad_in_a_row + 1
+                        if bad == 1:
+                            log.warning("skipping undecodable packets", source=self.name,
+                                        error=error_text(error))
+                        if self.live and bad_in_a_row >= MAX_BAD_PACKETS_IN_A_ROW:
+                            raise SourceError(f"{bad_in_a_row} undecodable packets in a "
+                                              "row") from None
+                        pictures = []
+                    else:
+                        bad_in_a_row = 0
+                    for picture in pictures:
+                        decoded += 1
+                        read += 1
+                        yield picture, rate
+                    waiting_since = time.monotonic()
+                if passes == 0:  # a looped file's later passes are the same: said once
+                    if bad:
+                        log.warning("skipped undecodable packets", source=self.name, packets=bad)
+                    if self.expected_frames and decoded < self.expected_frames:
+                        log.warning("file ended early (truncated or corrupt): kept every "
+                                    "decodable frame", source=self.name, frames=decoded,
+                                    expected=self.expected_frames)
+                if not self.loop or stop_reading.is_set():
+                    break
+                if not read:  # nothing to loop: it would spin
+                    raise SourceError(f"{self.display_uri}: no frame to loop (a pass of the "
+                                      "file read none)")
+                self._next_pass(container, native)
+                log.debug("looped to the file's start", source=self.name, passes=passes + 1)
             if catch_up is not None and catch_up.lag_at_start is not None:  # ended skipping
                 self._log_skip(catch_up.lag_at_start, catch_up.skipped)
-            if bad:
-                log.warning("skipped undecodable packets", source=self.name, packets=bad)
-            if self.expected_frames and decoded < self.expected_frames:
-                log.warning("file ended early (truncated or corrupt): kept every decodable frame",
-                            source=self.name, frames=decoded, expected=self.expected_frames)
         except av.FFmpegError as error:
             if isinstance(error, av.ExitError) or (
                     not self.is_file and time.monotonic() - waiting_since >= source.read_timeout_s):
@@ -548,6 +574,17 @@ class DecodeStage(SourceStage):
             raise
         finally:
             self.close()
+
+    def _next_pass(self, container: av.container.InputContainer, rate: Fraction | None) -> None:
+        """A looped file reached its end: seek back to its start (which flushes the decoder)
+        and go on with the next pass's pts one frame period of the file (``rate``, its own;
+        None: ``DEFAULT_PERIOD_S``) after this pass's last pts: each pass's pts are the
+        previous pass's later by the file's duration. The frame numbers and the pacing
+        schedule simply go on."""
+        container.seek(0)
+        self._shift = self._session_pts = None
+        if self._last_pts is not None:
+            self._pass_pts = self._last_pts + (1.0 / float(rate) if rate else DEFAULT_PERIOD_S)
 
     @staticmethod
     def _lag_s(packet: av.Packet, pace: Pacer, clock: StreamClock | None) -> float | None:

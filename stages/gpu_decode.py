@@ -1,9 +1,11 @@
 """GPU decode: NVDEC through PyAV's hardware acceleration; the frames stay on the device.
 
-``GpuDecodeStage`` reads a source like ``DecodeStage`` (same reconnection, timeouts and error
-contract) but decodes with ``HWAccel(device_type="cuda", is_hw_owned=True)``: FFmpeg's CUDA
-decoder writes each picture as NV12 into a surface of its frame pool, in device memory, and
-PyAV hands that surface over without downloading it. Each ``Frame`` then carries
+``GpuDecodeStage`` reads a source like ``DecodeStage`` (same reconnection, timeouts, error
+contract, pacing, catching up and looping: it inherits ``frames`` and ``_pictures``, so a
+looped file seeks back to its start in the same container and NVDEC context) but decodes
+with ``HWAccel(device_type="cuda", is_hw_owned=True)``: FFmpeg's CUDA decoder writes each
+picture as NV12 into a surface of its frame pool, in device memory, and PyAV hands that
+surface over without downloading it. Each ``Frame`` then carries
 ``device_planes`` (Y and interleaved UV CuPy views, imported through DLPack: no copy) and
 ``pixel_format="nv12"`` instead of a host image; the batcher (``stages.batcher``) packs them
 into the batch's device frame rows, one kernel launch per batch (``kernels.pack_cuda``).

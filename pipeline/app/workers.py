@@ -20,8 +20,9 @@ drops its oldest frame and hands its slot back, so a live camera's frames stay f
 **Isolation.** A worker that dies (a decoder crash, an OOM kill, ``kill -9``) is seen at once
 (its process sentinel is in the receiver's wait list); its sources are logged and restarted
 in a new worker process with the same slots, after a backoff with jitter. A file source
-resumes at the first frame not yet delivered (no frame twice, none lost); a live one numbers
-its frames on. The other workers' sources never wait for it.
+resumes at the first frame not yet delivered (no frame twice, none lost); a live one (a looped
+file too: from the file's start) numbers its frames on. The other workers' sources never wait
+for it.
 
 **Shutdown.** A graceful stop sends every worker ``("stop",)``: each ends its sources (an
 ``EndOfStream`` each) and exits. ``close()`` joins them, killing any that hang. Workers

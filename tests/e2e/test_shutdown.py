@@ -1,5 +1,6 @@
 """Ctrl-C and SIGTERM during a file run: the first drains and closes every output (a file cut
-short keeps its ``.partial`` names), the second stops at once."""
+short keeps its ``.partial`` names; a looped file, live, gets its final names), the second
+stops at once."""
 
 from __future__ import annotations
 
@@ -78,3 +79,32 @@ def test_a_killed_pipeline_leaves_a_file_source_s_video_playable(samples, tmp_pa
     assert 50 <= decoded < 250
     lines = records(tmp_path / "bikes.partial.jsonl")
     assert [r["frame"] for r in lines] == list(range(len(lines)))  # a file drops no frame
+
+
+def test_a_looped_file_plays_on_past_its_end_until_ctrl_c_then_ends_like_a_camera(
+        samples, make_clip, tmp_path: Path, run_pipeline) -> None:
+    """``loop: true`` (a simulated camera, decoded in a decode worker process): the records
+    go on past the clip's length, frame numbers and pts rising; Ctrl-C stops it, the outputs
+    get their final names (a live source has no end to be cut short of) and the run exits 0."""
+    clip_frames = 12
+    clip = make_clip("bikes", clip_frames, (320, 136))  # 25 fps, played at 40: 0.3 s a pass
+    config = pipeline_config(samples, tmp_path, [{"name": "loop", "uri": str(clip), "loop": True,
+                                                  "pace_fps": 40}],
+                             output={"video": "{source}.mp4"},
+                             runtime={"workers": 1, "decode_workers": 1})
+    run = run_pipeline(config, tmp_path)
+    wait_for(lambda: any(r["frame"] >= 2 * clip_frames + 5
+                         for r in records(tmp_path / "loop.partial.jsonl")),
+             "a third pass of the looped clip", 90, run)
+    run.signal()
+    assert run.wait() == 0, run.stderr()[-3000:]
+
+    assert {p.name for p in tmp_path.glob("loop*")} == {"loop.mp4", "loop.jsonl"}
+    lines = records(tmp_path / "loop.jsonl")
+    frames, pts = [r["frame"] for r in lines], [r["pts"] for r in lines]
+    assert frames[0] == 0 and frames[-1] >= 2 * clip_frames + 5
+    assert all(b > a for a, b in zip(frames, frames[1:]))  # a live source may drop: gaps
+    assert all(b > a for a, b in zip(pts, pts[1:]))
+    assert min(p for f, p in zip(frames, pts) if f >= 2 * clip_frames) >= 2 * clip_frames / 25
+    assert len(read_frames(tmp_path / "loop.mp4")) == len(lines)
+    assert run.events("decode workers started") and "Traceback" not in run.stderr()

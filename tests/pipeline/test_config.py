@@ -100,6 +100,7 @@ BAD = [
     ("sources.0.open_timeout_s", "10s", "sources[0].open_timeout_s: expected a number, got '10s'"),
     ("sources.0.name", "my cam", "sources[0].name: expected letters, digits"),
     ("sources.0.live", "yes", "sources[0].live: expected true or false or null, got 'yes'"),
+    ("sources.0.loop", "yes", "sources[0].loop: expected true or false, got 'yes'"),
     ("sources.0.rtsp_transport", "http", "sources[0].rtsp_transport: expected one of 'tcp', 'udp'"),
     ("sources.0.max_lag_ms", 0, "sources[0].max_lag_ms: expected a value >= 1.0, got 0"),
     ("sources.0.max_lag_ms", -250, "sources[0].max_lag_ms: expected a value >= 1.0, got -250"),
@@ -191,6 +192,30 @@ def test_schema_documents_every_section() -> None:
     text = "\n".join(describe_schema())
     for key in ("sources[]", "uri", "inference.batch_size", "nms.iou_threshold", "output.video"):
         assert key in text
+
+
+@pytest.mark.parametrize(("source", "live", "message"), [
+    ({"loop": True}, True, None),  # a looped file is live: it never ends
+    ({"loop": True, "live": True, "pace_fps": 25, "start_frame": 100}, True, None),
+    ({"loop": False}, False, None),
+    ({"loop": True, "live": False}, None,
+     "sources[0].live: a looped file never ends, so it is live; drop live: false (or loop: true)"),
+    ({"loop": True, "uri": "rtsp://user:pw@cam/x"}, None,
+     "sources[0].loop: only a file loops; 'rtsp://***@cam/x' is a stream URL (it reconnects "
+     "instead: reconnect)"),
+    ({"loop": True, "uri": "udp://cam:5000"}, None, "sources[0].loop: only a file loops"),
+    ({"loop": True, "reconnect": True}, None, "sources[0].reconnect: files never reconnect"),
+])
+def test_a_looped_file_is_live_and_only_files_loop(files: Path, source: dict, live: bool | None,
+                                                   message: str | None) -> None:
+    data = base()
+    data["sources"][0].update(source)
+    if message is None:
+        assert parse_config(data).sources[0].is_live is live
+        return
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize(("uri", "live", "reconnect", "expected"), [

@@ -150,6 +150,83 @@ def test_a_live_source_drops_frames_rather_than_wait_for_a_slot(defect_clips: di
     assert decoder.dropped == 38
 
 
+# -- looping: a file played again from its start, forever (a simulated camera) ---------------
+
+CLEAN_FRAMES, CLEAN_S = 40, 40 / 25  # the clean clip: 40 frames at 25 fps, 1.6 s
+
+
+def read_looped(stage: DecodeStage, frames: int) -> tuple[list[Frame], EndOfStream, list[dict]]:
+    """The first ``frames`` frames of a looped source, its end marker once stopped right
+    after them, and the log events on the way."""
+    stop, got = threading.Event(), []
+    with capture_logs() as logs:
+        for item in stage.frames(stop):
+            if isinstance(item, EndOfStream):
+                return got, item, logs
+            got.append(item)
+            if len(got) == frames:
+                stop.set()
+    raise AssertionError("no end marker")
+
+
+def test_a_looped_file_plays_again_from_its_start_until_stopped(defect_clips: dict[str, Path]
+                                                                ) -> None:
+    """Frame numbers rise on across the passes; each pass is the file's pictures, its pts
+    later by the file's duration; a stop ends it cleanly."""
+    once, _, _ = read_all(SourceConfig(name="clip", uri=str(defect_clips["clean"])))
+    source = SourceConfig(name="loop", uri=str(defect_clips["clean"]), loop=True)
+    frames, end, logs = read_looped(DecodeStage(source), 2 * CLEAN_FRAMES + 20)
+    assert source.is_live and end == EndOfStream("loop", 100)
+    assert [f.index for f in frames] == list(range(100))
+    assert all(b.pts > a.pts for a, b in zip(frames, frames[1:]))
+    for frame in frames:
+        played = once[frame.index % CLEAN_FRAMES]
+        assert frame.pts == pytest.approx(played.pts + frame.index // CLEAN_FRAMES * CLEAN_S)
+        np.testing.assert_array_equal(frame.image, played.image)
+    assert events(logs, "debug").count("looped to the file's start") == 2
+    assert not events(logs, "warning") and not events(logs, "error")
+
+
+def test_a_paced_looped_file_keeps_its_schedule_across_the_wrap(defect_clips: dict[str, Path]
+                                                                ) -> None:
+    """Each frame is due a period after the one before it, the first of a pass too (a frame
+    skipped to catch up on a loaded machine keeps its place: its number and due time)."""
+    source = SourceConfig(name="cam", uri=str(defect_clips["clean"]), loop=True, pace_fps=200)
+    frames, end, _ = read_looped(DecodeStage(source), CLEAN_FRAMES + 20)
+    assert frames[-1].index >= CLEAN_FRAMES + 19 and end.error is None
+    for a, b in zip(frames, frames[1:]):
+        assert (b.capture_time - a.capture_time) * 200 == pytest.approx(b.index - a.index, abs=0.2)
+        assert b.pts > a.pts and b.rate == Fraction(200)
+
+
+@pytest.mark.parametrize("resumed_by", ["start_frame", "first_index"])
+def test_a_looped_file_resumed_numbers_on_from_there_like_a_camera(
+        defect_clips: dict[str, Path], resumed_by: str) -> None:
+    """A moved source (``start_frame``) or a restarted decode worker (``first_index``) plays
+    the file from its start and numbers its frames on from the resume point."""
+    once, _, _ = read_all(SourceConfig(name="clip", uri=str(defect_clips["clean"])))
+    source = SourceConfig(name="loop", uri=str(defect_clips["clean"]), loop=True,
+                          start_frame=1000 if resumed_by == "start_frame" else 0)
+    stage = DecodeStage(source, first_index=1000 if resumed_by == "first_index" else 0)
+    frames, end, _ = read_looped(stage, CLEAN_FRAMES + 5)
+    assert [f.index for f in frames] == list(range(1000, 1045)) and end.frames == 1045
+    np.testing.assert_array_equal(frames[0].image, once[0].image)
+    np.testing.assert_array_equal(frames[CLEAN_FRAMES].image, once[0].image)
+    assert frames[0].pts == 0.0 and frames[CLEAN_FRAMES].pts == pytest.approx(CLEAN_S)
+
+
+def test_a_looped_truncated_file_loops_its_decodable_frames_and_warns_once(
+        defect_clips: dict[str, Path]) -> None:
+    frames, end, logs = read_looped(
+        DecodeStage(SourceConfig(name="cut", uri=str(defect_clips["truncated"]), loop=True)), 100)
+    assert [f.index for f in frames] == list(range(100)) and end.error is None
+    assert all(b.pts > a.pts for a, b in zip(frames, frames[1:]))
+    assert events(logs, "debug").count("looped to the file's start") >= 2
+    assert events(logs, "warning") == [  # as for a file read once: not again at each pass
+        "skipping undecodable packets", "skipped undecodable packets",
+        "file ended early (truncated or corrupt): kept every decodable frame"]
+
+
 # -- catching up: a live source behind real time skips to a keyframe ----------------------
 
 GOP = 10  # the catch-up clips' keyframe interval, frames

@@ -216,6 +216,39 @@ def test_gpu_decode_reads_a_whole_file_and_reports_a_missing_one(samples, tmp_pa
 
 
 @pytest.mark.gpu
+def test_a_looped_file_on_nvdec_plays_past_its_end_as_on_the_cpu(make_clip):
+    """``loop: true`` on NVDEC (the CPU path's seek back, inherited): frame numbers rise on
+    across the passes, pts the same as the CPU decoder's, each pass the file's pictures."""
+    if reason := gpu_reason():
+        pytest.skip(f"GPU decode unavailable: {reason}")
+    import numpy as np
+
+    from pipeline.records import Frame
+    from stages.decode import DecodeStage
+    from stages.gpu_decode import GpuDecodeStage
+
+    source = SourceConfig(name="loop", uri=str(make_clip("bikes", 12, (320, 136))), loop=True)
+    stop = threading.Event()
+    host = DecodeStage(source).frames(stop)
+    first: list = []
+    for index, item in enumerate(GpuDecodeStage(source).frames(stop)):
+        if isinstance(item, EndOfStream):
+            break
+        on_cpu = next(host)
+        assert isinstance(item, Frame) and item.index == on_cpu.index == index
+        assert item.pts == pytest.approx(on_cpu.pts)
+        luma = item.device_planes[0].get()
+        np.testing.assert_array_equal(luma, on_cpu.image[:item.height])  # bit-exact H.264
+        if item.index < 12:
+            first.append(luma)
+        else:
+            np.testing.assert_array_equal(luma, first[item.index % 12])
+        if item.index == 30:
+            stop.set()
+    assert item == EndOfStream("loop", 31)
+
+
+@pytest.mark.gpu
 def test_a_watched_gpu_source_hands_its_pictures_to_the_live_view(samples, monkeypatch):
     """Nothing is downloaded without a viewer; with one, a frame's NV12 download is the CPU
     decode of the same frame, and the hub keeps it with that frame's detections."""
