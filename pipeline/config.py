@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import re
 import types
@@ -488,6 +489,11 @@ class OutputConfig:
         default=None,
         metadata=_doc("Publish the analytics events and counts to an MQTT broker, or null."),
     )
+    webhooks: list[WebhookConfig] | None = field(
+        default=None,
+        metadata=_doc("POST each analytics event (the JSON of its events file line) to these "
+                      "HTTP endpoints, in order, retried while one is down; or null."),
+    )
     segment_s: float | None = field(
         default=None,
         metadata=_doc("Live sources: start new files (video, detections and events together) "
@@ -509,7 +515,14 @@ class OutputConfig:
 
     def check(self) -> None:
         """Raise ConfigError unless ``keep_hours`` comes with ``segment_s`` and keeps at
-        least one segment."""
+        least one segment, and every webhook is well formed, each URL once."""
+        urls: dict[str, int] = {}
+        for i, webhook in enumerate(self.webhooks or ()):
+            webhook.check(f"output.webhooks[{i}]")
+            if (first := urls.setdefault(webhook.url, i)) != i:
+                raise ConfigError(f"output.webhooks[{i}].url: the same URL as "
+                                  f"output.webhooks[{first}] (one entry per URL: list both "
+                                  f"entries' events in one)")
         if self.keep_hours is None:
             return
         if self.segment_s is None:
@@ -546,6 +559,68 @@ class MqttConfig:
         metadata=_doc("Messages kept while the broker is away; beyond that the oldest are "
                       "dropped and counted.", min=1))
     keepalive_s: int = field(default=30, metadata=_doc("MQTT keepalive in seconds.", min=5))
+
+
+WEBHOOK_SCHEMES = ("http", "https")
+
+
+@dataclass
+class WebhookConfig:
+    """An HTTP endpoint every analytics event is POSTed to (``pipeline/app/webhooks.py``)."""
+
+    url: str = field(
+        metadata=_doc("http:// or https:// URL the events are POSTed to (a JSON body each, "
+                      "Content-Type application/json); use ${VAR} for a secret in it. Shown "
+                      "in logs and metrics with credentials hidden."))
+    events: list[str] | None = field(
+        default=None,
+        metadata=_doc("The kinds of event sent: enter, exit (zones), cross_in, cross_out "
+                      "(lines); null for all."))
+    headers: dict[str, str] | None = field(
+        default=None, repr=False,
+        metadata=_doc("Extra request headers ({Authorization: \"Bearer ${TOKEN}\"}), or null. "
+                      "Never logged."))
+    timeout_s: float = field(
+        default=5.0,
+        metadata=_doc("Seconds one request may take (connect, send, answer); a request that "
+                      "takes longer is sent again (same Idempotency-Key)."))
+    queue_size: int = field(
+        default=10000,
+        metadata=_doc("Events kept while the endpoint is down; beyond that the oldest are "
+                      "dropped and counted.", min=1))
+
+    def check(self, key: str) -> None:
+        """Raise ConfigError unless the URL, the event kinds, the headers and the timeout
+        can work (``key``: where it sits, ``output.webhooks[0]``)."""
+        from pipeline.records import EVENT_KINDS
+
+        parts = urlsplit(self.url)
+        if parts.scheme.lower() not in WEBHOOK_SCHEMES or not parts.hostname:
+            raise ConfigError(f"{key}.url: expected an http:// or https:// URL with a host, got "
+                              f"{redact_url(self.url)!r}")
+        if any(c.isspace() for c in self.url):
+            raise ConfigError(f"{key}.url: expected a URL without spaces, got "
+                              f"{redact_url(self.url)!r}")
+        if self.events is not None:
+            if not self.events:
+                raise ConfigError(f"{key}.events: expected event kinds ({', '.join(EVENT_KINDS)}),"
+                                  " or null for all, got an empty list")
+            for i, kind in enumerate(self.events):
+                if kind not in EVENT_KINDS:
+                    raise ConfigError(f"{key}.events[{i}]: unknown event kind {kind!r}; expected "
+                                      f"one of {', '.join(EVENT_KINDS)}")
+        for name, value in (self.headers or {}).items():
+            if not _HEADER_NAME.match(name):
+                raise ConfigError(f"{key}.headers: {name!r} is not an HTTP header name")
+            if any(c in value for c in "\r\n\0"):
+                raise ConfigError(f"{key}.headers.{name}: a header value cannot hold a line "
+                                  "break or NUL")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ConfigError(f"{key}.timeout_s: expected a number of seconds > 0, got "
+                              f"{self.timeout_s!r}")
+
+
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
 
 
 @dataclass
@@ -770,10 +845,10 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if origin is list:
         return "a list"
+    if origin is dict or dataclasses.is_dataclass(tp):
+        return "a mapping"
     if tp is type(None):
         return "null"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[tp]
 
 
@@ -781,7 +856,8 @@ def _same_shape(value: Any, tp: Any) -> bool:
     """Whether ``value`` is a list and ``tp`` a list type, or a mapping and ``tp`` a section."""
     if isinstance(value, list):
         return typing.get_origin(tp) is list
-    return isinstance(value, dict) and dataclasses.is_dataclass(tp)
+    return isinstance(value, dict) and (dataclasses.is_dataclass(tp)
+                                        or typing.get_origin(tp) is dict)
 
 
 def _convert(value: Any, tp: Any, key: str) -> Any:
@@ -805,6 +881,11 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, list):
             (item_type,) = typing.get_args(tp)
             return [_convert(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict):
+            key_type, value_type = typing.get_args(tp)
+            return {_convert(k, key_type, key): _convert(v, value_type, f"{key}.{k}")
+                    for k, v in value.items()}
     elif dataclasses.is_dataclass(tp):
         if isinstance(value, dict):
             return _build(tp, value, key)

@@ -4,7 +4,7 @@ Runs after the tracker stage, once per batch, frame by frame in batch order (a s
 frames come in frame order). Each source's zones and lines (``sources[i].analytics``) see
 that source's tracked detections and emit ``AnalyticsEvent`` records, which travel on with
 the batch (``BatchDetections.events``) to the annotate stage (counts on the video) and the
-sinks (``output.events``), and go to MQTT when it is configured.
+sinks (``output.events``), and go to MQTT and webhooks when they are configured.
 
 Rules, the same for zones and lines:
 
@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -314,7 +314,8 @@ def class_key(class_id: int, class_names: list[str] | None) -> str:
 
 
 class EventPublisher(Protocol):
-    """Where events and counts go besides the batch (``pipeline.app.mqtt.MqttPublisher``)."""
+    """Where events and counts go besides the batch (``pipeline.app.mqtt.MqttPublisher``,
+    ``pipeline.app.webhooks.WebhookPublisher``)."""
 
     def publish_event(self, source: str, event: dict) -> None: ...
 
@@ -427,15 +428,15 @@ class AnalyticsStage(Stage[BatchDetections, BatchDetections]):
         regions: source name -> its zones and lines, for the sources with analytics.
         class_names: names indexed by class id, or None.
         forget_s: source name -> stream seconds after which an unseen track is gone.
-        publisher: gets every event and, after a batch that changed a source's counts, that
-            source's counts (MQTT); None for none.
+        publishers: each gets every event and, after a batch that changed a source's
+            counts, that source's counts (MQTT, webhooks); none by default.
     """
 
     def __init__(self, name: str, regions: dict[str, list[Region]],
                  class_names: list[str] | None, forget_s: dict[str, float],
-                 publisher: EventPublisher | None = None) -> None:
+                 publishers: Sequence[EventPublisher] = ()) -> None:
         super().__init__(name)
-        self.publisher = publisher
+        self.publishers = tuple(publishers)
         self._sources = {source: SourceAnalytics(source, list(found), class_names,
                                                  forget_s[source])
                          for source, found in regions.items()}
@@ -490,13 +491,16 @@ class AnalyticsStage(Stage[BatchDetections, BatchDetections]):
             with self._lock:
                 for event in events:
                     self._counts[event.source].apply(event)
-        if self.publisher is not None:
+        if self.publishers:
             for event in events:
-                self.publisher.publish_event(event.source, event.to_json())
+                record = event.to_json()  # one dict for all: publishers only read it
+                for publisher in self.publishers:
+                    publisher.publish_event(event.source, record)
             for source in sorted(changed):
                 with self._lock:
                     counts = self._counts[source].to_json()
-                self.publisher.publish_counts(source, counts)
+                for publisher in self.publishers:
+                    publisher.publish_counts(source, counts)
         if not events:
             return (item,)
         return (dataclasses.replace(item, events=(*item.events, *events)),)

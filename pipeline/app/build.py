@@ -40,6 +40,7 @@ from stages.tracking import TrackerSettings, TrackerStage
 
 if TYPE_CHECKING:
     from pipeline.app.mqtt import MqttPublisher
+    from pipeline.app.webhooks import WebhookPublisher
 
 log = structlog.get_logger("build")
 
@@ -294,9 +295,10 @@ def build_graph(config: PipelineConfig,
         chain.append(DetectionFilterStage("filter", {}))
     if tracked:
         chain.append(TrackerStage("track", {}))
-    publisher = create_publisher(config, with_regions)
+    publishers = [p for p in (create_publisher(config, with_regions),
+                              create_webhooks(config, with_regions)) if p is not None]
     if with_regions:
-        chain.append(AnalyticsStage("analytics", {}, class_names, {}, publisher))
+        chain.append(AnalyticsStage("analytics", {}, class_names, {}, publishers))
     if video:
         chain.append(AnnotateStage("annotate", class_names, {}))
     graph = Graph([], chain, {}, config.runtime.queue_size, on_batch_done, stop=stop,
@@ -307,7 +309,7 @@ def build_graph(config: PipelineConfig,
         graph.add_service(lambda: None, ring.close_view)
     else:
         graph.add_service(lambda: None, ring.close)
-    if publisher is not None:
+    for publisher in publishers:
         graph.add_service(publisher.start, publisher.close)
     if pool is not None:
         graph.add_service(pool.start, pool.close, with_sources=True)
@@ -452,6 +454,20 @@ def create_publisher(config: PipelineConfig, sources: list[str]) -> MqttPublishe
     return MqttPublisher(config.output.mqtt, sources)
 
 
+def create_webhooks(config: PipelineConfig, sources: list[str]) -> WebhookPublisher | None:
+    """The publisher of the analytics events to ``output.webhooks`` when any is set and
+    ``sources`` (those with analytics) is not empty, else None. Not started:
+    ``graph.add_service`` starts it."""
+    if not config.output.webhooks:
+        return None
+    if not sources:
+        log.warning("output.webhooks is set but no source has analytics: nothing to send")
+        return None
+    from pipeline.app.webhooks import WebhookPublisher
+
+    return WebhookPublisher(config.output.webhooks)
+
+
 def check_extras(config: PipelineConfig) -> None:
     """Raise ``ConfigError`` (one line) when a feature the config asks for needs a package of
     an extra that is not installed: the base install is what the CPU demo needs."""
@@ -463,6 +479,8 @@ def check_extras(config: PipelineConfig) -> None:
               for i, s in enumerate(config.sources) if s.analytics]
     if config.output.mqtt is not None:
         wants.append(("output.mqtt", "paho", "analytics"))
+    if config.output.webhooks:
+        wants.append(("output.webhooks", "httpx", "analytics"))
     if config.runtime.http is not None:
         wants += [("runtime.http", "starlette", "live"), ("runtime.http", "uvicorn", "live")]
     for key, module, extra in wants:

@@ -50,11 +50,23 @@ pipeline_line_crossings_total              counter  source, line, class, directi
 pipeline_zone_events_total                 counter  source, zone, class, kind (enter, exit):
                                                     entries into and exits from a zone
 pipeline_zone_objects                      gauge    source, zone, class: objects inside now
+pipeline_webhook_delivered_total           counter  url: events an ``output.webhooks``
+                                                    endpoint answered with a 2xx
+pipeline_webhook_failed_total              counter  url: attempts that got no 2xx and were
+                                                    sent again (no answer, 5xx, 408, 429)
+pipeline_webhook_rejected_total            counter  url: events the endpoint refused (3xx,
+                                                    other 4xx), not sent again
+pipeline_webhook_dropped_total             counter  url: events dropped unsent (its queue
+                                                    was full: the oldest)
+pipeline_webhook_waiting                   gauge    url: events not delivered yet
+pipeline_webhook_failing                   gauge    url: 1 while its last attempt got no 2xx
 =========================================  =======  =========================================
 
 The analytics metrics are the counts of the graph's ``AnalyticsStage`` (a running sum of the
 events it emitted, the same numbers as the events file and MQTT); a zone's or line's
 configured classes appear from the start, with zeros, other classes from their first event.
+The webhook metrics are the counters of ``pipeline.app.webhooks`` (URLs with credentials
+hidden), one series per endpoint from the start.
 """
 
 from __future__ import annotations
@@ -75,6 +87,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from pipeline.app.webhooks import WebhookPublisher, WebhookStats
 from pipeline.config import is_loopback
 from pipeline.metrics import SOURCE_STATES
 from stages.analytics import AnalyticsStage
@@ -222,9 +235,15 @@ class GraphCollector(Collector):
         if self.latency is not None:
             yield self.latency.family(list(graph.source_metrics))
 
+        webhooks: list[WebhookStats] = []
         for stage in getattr(graph, "chain", ()):
             if isinstance(stage, AnalyticsStage):
                 yield from analytics_families(stage.counts())
+                webhooks += [stats for publisher in stage.publishers
+                             if isinstance(publisher, WebhookPublisher)
+                             for stats in publisher.stats()]
+        if webhooks:
+            yield from webhook_families(webhooks)
 
 
     def _rate(self, name: str, frames: int, now: float) -> float:
@@ -261,6 +280,26 @@ def analytics_families(counts: dict[str, dict[str, Any]]) -> list[Metric]:
             for cls, value in kinds["inside"].items():
                 inside.add_metric([source, zone, cls], value)
     return [crossings, zone_events, inside]
+
+
+def webhook_families(stats: list[WebhookStats]) -> list[Metric]:
+    """The webhook metrics (module docstring) of every endpoint's ``stats``."""
+    counters = {name: CounterMetricFamily(f"pipeline_webhook_{name}", doc, labels=["url"])
+                for name, doc in (
+                    ("delivered", "Events the webhook endpoint answered with a 2xx."),
+                    ("failed", "Attempts that got no 2xx and were sent again."),
+                    ("rejected", "Events the endpoint refused (3xx, other 4xx): not sent again."),
+                    ("dropped", "Events dropped unsent: the endpoint's queue was full."))}
+    waiting = GaugeMetricFamily("pipeline_webhook_waiting", "Events not delivered yet.",
+                                labels=["url"])
+    failing = GaugeMetricFamily("pipeline_webhook_failing",
+                                "1 while the endpoint's last attempt got no 2xx.", labels=["url"])
+    for endpoint in stats:
+        for name, family in counters.items():
+            family.add_metric([endpoint.url], getattr(endpoint, name))
+        waiting.add_metric([endpoint.url], endpoint.waiting)
+        failing.add_metric([endpoint.url], 0.0 if endpoint.failing_for_s is None else 1.0)
+    return [*counters.values(), waiting, failing]
 
 
 def check_bind(addr: str, token: str | None) -> None:

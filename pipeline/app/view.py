@@ -28,9 +28,10 @@ processes report each attempt as it happens.
 or stalled (each named, with why: the attempt, the next try and the last error), or a queue
 was full in every sample for ``FULL_FOR_S`` while the graph has a live source (the pipeline
 is not keeping up: a live source's frames are being dropped; a queue full for an instant is
-a burst, and with files only a full queue is back-pressure, by design). Until the graph has
-opened its stages (``graph.ready``: the model warming up) a report says ``ready: False`` and
-gives no reasons.
+a burst, and with files only a full queue is back-pressure, by design), or a webhook
+endpoint's last attempt got no 2xx (``WebhookPublisher.reasons``: for how long, why, the
+events waiting and dropped). Until the graph has opened its stages (``graph.ready``: the
+model warming up) a report says ``ready: False`` and gives no reasons.
 
 A pipeline host (``pipeline.app.host``) sends its view's reports to the supervisor, which
 feeds the board (``pipeline.app.board``); tests join the two in one process with
@@ -50,6 +51,7 @@ import structlog
 
 from pipeline.app.board import ViewReport
 from pipeline.app.preview import PreviewHub
+from pipeline.app.webhooks import WebhookPublisher
 from pipeline.config import PipelineConfig, SourceConfig, redact_url
 from pipeline.metrics import STALE_AFTER_S, source_state
 from stages.analytics import AnalyticsStage
@@ -265,6 +267,11 @@ class SourceMonitor:
             for queue, since in full.items():
                 reasons.append(f"queue {queue} has been full for {now - since:.0f} s "
                                f"({self._capacity[queue]} items)")
+        for stage in self.graph.chain:
+            if isinstance(stage, AnalyticsStage):
+                for publisher in stage.publishers:
+                    if isinstance(publisher, WebhookPublisher):
+                        reasons += publisher.reasons()
         return reasons
 
     def health(self) -> dict[str, Any]:

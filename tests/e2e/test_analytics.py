@@ -1,7 +1,7 @@
 """Tracking and analytics end to end on bikes.mp4 with the real model (CPU): track ids are
 stable against a reference built here from the boxes alone, the events file agrees with the
-final counts and the Prometheus metrics, and frames the detector skips carry the tracks'
-predictions."""
+final counts and the Prometheus metrics, frames the detector skips carry the tracks'
+predictions, and the events reach MQTT and webhooks (real receivers on loopback)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from pipeline.config import parse_config
 from stages.analytics import AnalyticsStage
 from tests.e2e.conftest import pipeline_config, records
 from tests.support.metrics import HostMetrics, value
+from tests.support.webhook_receiver import WebhookReceiver
 
 WIDTH, HEIGHT = 640, 272  # bikes.mp4
 ANALYTICS = [
@@ -98,12 +99,15 @@ def analytics_run(samples, tmp_path_factory) -> dict[str, Any]:
     """bikes.mp4 with tracking, a line and two zones, built and run in this process, its
     metrics served as a run serves them (``tests.support.metrics.HostMetrics``: the host's
     snapshot, with the latency fed per batch as the host feeds it, on a ``ClusterExporter``)
-    and scraped once the run ended; ``output.mqtt`` goes to a ``FakePublisher``."""
+    and scraped once the run ended; ``output.mqtt`` goes to a ``FakePublisher``,
+    ``output.webhooks`` to a real receiver on loopback (``WebhookReceiver``)."""
     out = tmp_path_factory.mktemp("analytics")
+    receiver = WebhookReceiver().start()
     config = parse_config(pipeline_config(
         samples, out, [{"name": "bikes", "uri": str(samples.bikes), "tracker": "bytetrack",
                         "analytics": ANALYTICS}],
-        inference={"batch_size": 4}, output={"mqtt": {"host": "broker.invalid"}}))
+        inference={"batch_size": 4}, output={"mqtt": {"host": "broker.invalid"},
+                                             "webhooks": [{"url": receiver.url}]}))
     latency = LatencyHistogram()
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "pipeline.app.mqtt",
@@ -116,12 +120,13 @@ def analytics_run(samples, tmp_path_factory) -> dict[str, Any]:
         with capture_logs() as logs:
             graph.run()
         metrics = served.scrape()
+    receiver.stop()
     (stage,) = [s for s in graph.chain if isinstance(s, AnalyticsStage)]
     logged = [entry["counts"] for entry in logs if entry["event"] == "analytics counts"]
     return {"records": records(out / "bikes.jsonl"),
             "events": records(out / "bikes.events.jsonl"),
             "counts": stage.counts()["bikes"], "logged": logged, "metrics": metrics,
-            "publisher": publisher, "config": config}
+            "publisher": publisher, "config": config, "webhook": receiver, "logs": logs}
 
 
 def test_main_objects_keep_one_track_id(analytics_run: dict[str, Any]) -> None:
@@ -307,3 +312,63 @@ def test_events_reach_a_real_broker_across_its_restart(samples, tmp_path: Path) 
     finally:
         subscriber.close()
         broker.kill()
+
+
+def test_a_webhook_gets_every_event_once_as_its_events_file_line(
+        analytics_run: dict[str, Any]) -> None:
+    """With ``output.webhooks`` beside ``output.mqtt``: the receiver got one POST per line of
+    the events file, byte for byte, in order, each with its own Idempotency-Key; the metrics
+    and the run's summary line count them, and nothing failed."""
+    events_file = analytics_run["config"].output_path("{source}.events.jsonl", "bikes")
+    lines = events_file.read_bytes().splitlines()
+    receiver = analytics_run["webhook"]
+    assert [r.body for r in receiver.requests] == lines and len(lines) >= 3
+    assert len({r.headers["idempotency-key"] for r in receiver.requests}) == len(lines)
+    metrics = analytics_run["metrics"]
+    url = receiver.url
+    assert value(metrics, "pipeline_webhook_delivered_total", url=url) == len(lines)
+    for name in ("failed_total", "rejected_total", "dropped_total", "waiting", "failing"):
+        assert value(metrics, f"pipeline_webhook_{name}", url=url) == 0, name
+    (summary,) = [e for e in analytics_run["logs"] if e["event"] == "webhook summary"]
+    assert (summary["url"], summary["delivered"], summary["failed"], summary["dropped"],
+            summary["unsent"]) == (url, len(lines), 0, 0, 0)
+
+
+@pytest.mark.slow  # the detector over a whole video on the CPU, through run.py
+def test_webhook_gets_every_event_across_a_3_s_outage_of_the_receiver(
+        repo_root: Path, run_pipeline, tmp_path: Path) -> None:
+    """``python run.py`` with configs/analytics.yaml (its default layout: the webhook is sent
+    from the source worker process), the webhook receiver stopped for 3 s from its first
+    event on and started again on the same port: the receiver got every line of the events
+    file exactly once, in order, and the run's summary line says so, with the failed
+    attempts of the outage. (A run that ends during the outage delivers the rest as it
+    closes: the receiver is back within the flush time.)"""
+    import yaml
+
+    receiver = WebhookReceiver().start()
+    config = yaml.safe_load((repo_root / "configs/analytics.yaml").read_text())
+    out = tmp_path / "out"
+    config["output"].update(dir=str(out), video=None, webhooks=[{"url": receiver.url}])
+    config["runtime"] = {"log_format": "json", "progress": False}
+    run = run_pipeline(config, tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not receiver.delivered and time.monotonic() < deadline:  # the run is under way
+            time.sleep(0.05)
+        receiver.stop()
+        outage = [time.time()]
+        time.sleep(3)
+        outage.append(time.time())
+        receiver.start()
+        assert run.wait(60) == 0, run.stderr()[-3000:]
+    finally:
+        receiver.stop()
+    events = records(out / "bikes.events.jsonl")
+    lines = (out / "bikes.events.jsonl").read_bytes().splitlines()
+    assert any(outage[0] <= e["capture_time"] <= outage[1] for e in events), \
+        "no event happened while the receiver was down"
+    assert [r.body for r in receiver.requests] == lines  # each once, in order
+    (summary,) = run.events("webhook summary")
+    assert (summary["delivered"], summary["dropped"], summary["rejected"], summary["unsent"]) \
+        == (len(lines), 0, 0, 0)
+    assert summary["failed"] >= 1

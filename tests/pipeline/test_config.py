@@ -338,6 +338,71 @@ def test_bad_analytics_regions_name_key_and_value(files: Path, region: dict, mes
     assert "\n" not in str(info.value)
 
 
+HOOK = {"url": "https://hooks.example.com/streamdet"}
+
+
+def test_webhooks_are_a_list_of_sections_with_defaults(files: Path) -> None:
+    config = parse_config(with_analytics(LINE, webhooks=[
+        HOOK, {"url": "http://10.0.0.9:8000/in", "events": ["cross_in"],
+               "headers": {"Authorization": "Bearer t0k"}, "timeout_s": 2}]))
+    first, second = config.output.webhooks
+    assert (first.url, first.events, first.headers, first.timeout_s, first.queue_size) == \
+        ("https://hooks.example.com/streamdet", None, None, 5.0, 10000)
+    assert (second.events, second.headers, second.timeout_s) == \
+        (["cross_in"], {"Authorization": "Bearer t0k"}, 2.0)
+    assert "t0k" not in repr(second)  # headers carry secrets: never shown
+    assert parse_config(with_analytics(LINE)).output.webhooks is None
+
+
+BAD_WEBHOOKS = [
+    # (webhooks, the whole message)
+    ([{"url": "ftp://hooks.example.com/x"}],
+     "output.webhooks[0].url: expected an http:// or https:// URL with a host, got "
+     "'ftp://hooks.example.com/x'"),
+    ([{"url": "hooks.example.com/x"}],
+     "output.webhooks[0].url: expected an http:// or https:// URL with a host, got "
+     "'hooks.example.com/x'"),
+    ([{"url": "https://user:hunter2@/x"}],
+     "output.webhooks[0].url: expected an http:// or https:// URL with a host, got "
+     "'https://***@/x'"),
+    ([HOOK, {**HOOK, "events": ["enter"], "timeout_s": 1}],
+     "output.webhooks[1].url: the same URL as output.webhooks[0] (one entry per URL: list both "
+     "entries' events in one)"),
+    ([{**HOOK, "events": ["enter", "crossed"]}],
+     "output.webhooks[0].events[1]: unknown event kind 'crossed'; expected one of enter, exit, "
+     "cross_in, cross_out"),
+    ([{**HOOK, "events": []}],
+     "output.webhooks[0].events: expected event kinds (enter, exit, cross_in, cross_out), or "
+     "null for all, got an empty list"),
+    ([{**HOOK, "timeout_s": 0}],
+     "output.webhooks[0].timeout_s: expected a number of seconds > 0, got 0.0"),
+    ([{**HOOK, "timeout_s": -2.5}],
+     "output.webhooks[0].timeout_s: expected a number of seconds > 0, got -2.5"),
+    ([{**HOOK, "queue_size": 0}], "output.webhooks[0].queue_size: expected a value >= 1, got 0"),
+    ([{**HOOK, "headers": {"X-Token": 5}}],
+     "output.webhooks[0].headers.X-Token: expected a string, got 5"),
+    ([{**HOOK, "headers": {"X Token": "a"}}],
+     "output.webhooks[0].headers: 'X Token' is not an HTTP header name"),
+    ([{**HOOK, "headers": ["X-Token: a"]}],
+     "output.webhooks[0].headers: expected a mapping or null, got ['X-Token: a']"),
+    ([{**HOOK, "method": "PUT"}],
+     "output.webhooks[0].method: unknown key; allowed keys here: url, events, headers, "
+     "timeout_s, queue_size"),
+    ([{"events": ["enter"]}], "output.webhooks[0].url: required key is missing"),
+    (HOOK, "output.webhooks: expected a list or null, got {'url': "),
+]
+
+
+@pytest.mark.parametrize(("webhooks", "message"), BAD_WEBHOOKS,
+                         ids=[m.split(": ", 1)[1][:40] for _, m in BAD_WEBHOOKS])
+def test_bad_webhooks_are_one_line_errors_naming_the_key(files: Path, webhooks: object,
+                                                         message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(with_analytics(LINE, webhooks=webhooks))
+    assert str(info.value).startswith(message)
+    assert "\n" not in str(info.value) and "hunter2" not in str(info.value)
+
+
 def test_analytics_need_a_tracker_and_unique_names(files: Path) -> None:
     with pytest.raises(ConfigError, match=r"^sources\[0\].analytics: zones and lines count "
                                           r"tracked objects; set sources\[0\].tracker: "
@@ -373,7 +438,9 @@ def test_events_paths_take_part_in_the_collision_checks(files: Path) -> None:
 def test_schema_lists_the_keys_of_regions_and_mqtt() -> None:
     text = "\n".join(describe_schema())
     for key in ("sources[].analytics[]:", "sources[].analytics[].polygon", "sources[].tracker ",
-                "output.events", "output.mqtt:", "output.mqtt.host", "output.mqtt.topic_prefix"):
+                "output.events", "output.mqtt:", "output.mqtt.host", "output.mqtt.topic_prefix",
+                "output.webhooks[]:", "output.webhooks[].url (a string; required)",
+                "output.webhooks[].headers (a mapping or null"):
         assert key in text, key
 
 

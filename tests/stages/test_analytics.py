@@ -233,7 +233,7 @@ class Recorder:
 def test_the_publisher_gets_every_event_and_the_counts_after_each_change() -> None:
     recorder = Recorder()
     stage = AnalyticsStage("analytics", {"cam": [region(GATE), region(DOCK)]}, NAMES,
-                           {"cam": FORGET_S}, recorder)
+                           {"cam": FORGET_S}, [recorder])
     events = run(stage, frame_rows(TRACKS, FRAMES), size=4)
     assert recorder.events == [("cam", e.to_json()) for e in events]
     # Batches of frames 0-3 (the first counts, and an entry), 4-7, 8-11, 12-15, 16-19.
@@ -241,7 +241,7 @@ def test_the_publisher_gets_every_event_and_the_counts_after_each_change() -> No
     assert recorder.counts[-1][1] == stage.counts()["cam"]
     assert recorder.counts[0][1]["zones"]["dock"]["entered"] == {"person": 1}
     quiet = Recorder()
-    stage = AnalyticsStage("analytics", {"cam": [region(GATE)]}, NAMES, {"cam": FORGET_S}, quiet)
+    stage = AnalyticsStage("analytics", {"cam": [region(GATE)]}, NAMES, {"cam": FORGET_S}, [quiet])
     run(stage, frame_rows({12: TRACKS[12]}, 8))  # a car nowhere near the gate
     assert quiet.events == [] and len(quiet.counts) == 1  # the first (zero) counts only
 

@@ -13,12 +13,14 @@ from pipeline.config import ConfigError, parse_config
 def config(samples, **source):
     return parse_config({"sources": [{"name": "cam", "uri": str(samples.bikes), **source}],
                          "model": {"path": str(samples.model)},
+                         "output": {"webhooks": [{"url": "http://127.0.0.1:9/hook"}]},
                          "runtime": {"http": {"port": 0}}})
 
 
 @pytest.mark.parametrize("missing, key, extra", [
     ("trackers", "sources[0].tracker", "analytics"),
     ("starlette", "runtime.http", "live"),
+    ("httpx", "output.webhooks", "analytics"),
 ])
 def test_a_missing_extra_is_a_one_line_error_naming_it(samples, monkeypatch, missing, key, extra):
     real = importlib.util.find_spec
