@@ -233,7 +233,7 @@ def test_which_sources_reconnect(files: Path, uri: str, live: bool | None,
 
 
 @pytest.mark.parametrize(("value", "expected"), [
-    ("default", 1000.0),  # a camera skips to a keyframe once a second behind
+    ("default", 500.0),  # a camera skips to a keyframe once half a second behind
     (250, 250.0),
     (0.5e3, 500.0),
     (None, None),  # never skips
@@ -245,7 +245,7 @@ def test_max_lag_ms_is_a_positive_number_or_null(files: Path, value: object,
     if value != "default":
         data["sources"][0]["max_lag_ms"] = value
     assert parse_config(data).sources[0].max_lag_ms == expected
-    assert "sources[].max_lag_ms (a number or null; default 1000.0)" in "\n".join(describe_schema())
+    assert "sources[].max_lag_ms (a number or null; default 500.0)" in "\n".join(describe_schema())
 
 
 def test_backoff_cap_must_not_be_below_its_start(files: Path) -> None:
