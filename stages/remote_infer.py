@@ -360,12 +360,19 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
         with self._cond:
             self._link = None
             self._cond.notify_all()  # a file frame waiting for a device slot of it
-        lost.conn.close()
-        if lost.device_ring is not None:
-            lost.device_ring.close()
-        with self._cond:
-            stale = [t for t in self._order if not self._entries[t].done and self._entries[t].live]
-        self._drop(stale)
+        # Under the send lock: no flush is copying into the lost ring or reading the frames
+        # dropped here (on the H200 one did, and the worker failed: a copy into a closed
+        # mapping, and a dropped frame's planes gone under it).
+        with self._send_lock:
+            lost.conn.close()
+            if lost.device_ring is not None:
+                lost.device_ring.close()
+            with self._cond:
+                stale = [t for t in self._order
+                         if not self._entries[t].done and self._entries[t].live]
+            self._drop(stale)
+            with self._cond:
+                self._unsent = [t for t in self._order if not self._entries[t].done]
         new = self._connect()
         if new is None:
             return False

@@ -19,7 +19,7 @@ known at its first frame only, so it counts as 1920x1080 at its ``pace_fps`` or 
   where it is (moving one restarts it), places the sources that have none (new, or on a
   pipeline that died) on the least loaded, forgets removed sources, then moves at most
   ``max_moves`` sources from the most to the least loaded pipeline while each move lowers
-  the larger of the two loads.
+  the larger of the two loads; the sources asked to ``stay`` (running cameras) never move.
 - ``plan_cpu_decode`` (``decode: auto`` on the GPU path, both decoders): the paced and live
   sources fill NVDEC up to ``NVDEC_FILL`` of its capacity (``runtime.nvdec_fps`` per GPU), the
   rest go to CPU decode up to its capacity (``runtime.cpu_decode_fps``); past both, they are
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import av
@@ -142,7 +142,7 @@ def assign(loads: Sequence[SourceLoad], hosts: Sequence[int]) -> dict[str, int]:
 
 
 def rebalance(current: Mapping[str, int], loads: Sequence[SourceLoad], hosts: Sequence[int],
-              max_moves: int = 0) -> dict[str, int]:
+              max_moves: int = 0, stay: Collection[str] = ()) -> dict[str, int]:
     """The placement after a change (module docstring).
 
     Args:
@@ -152,6 +152,8 @@ def rebalance(current: Mapping[str, int], loads: Sequence[SourceLoad], hosts: Se
         hosts: the live hosts.
         max_moves: most sources moved between live hosts to even the loads (0: only the
             sources without a live host are placed).
+        stay: sources never moved between live hosts to even the loads (the supervisor's
+            running live sources: a move cuts a camera, and its frames meanwhile are lost).
 
     Raises:
         ValueError: no host, a host listed twice, or a source named twice.
@@ -176,7 +178,7 @@ def rebalance(current: Mapping[str, int], loads: Sequence[SourceLoad], hosts: Se
         # The move that evens the two best: the source closest to half the gap, and only
         # one lighter than the gap (else the larger of the two loads would not fall).
         movable = [by_name[name] for name, host in placement.items()
-                   if host == heavy and by_name[name].load < gap]
+                   if host == heavy and by_name[name].load < gap and name not in stay]
         if heavy == light or not movable:
             break
         item = min(movable, key=lambda s: (abs(gap / 2 - s.load), s.name))

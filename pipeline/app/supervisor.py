@@ -19,8 +19,9 @@ or node lost), its unfinished sources are placed on the live hosts after a backo
 source; a file source resumes after its last written record (``pipeline.resume``), so its
 records end up complete, in order, each frame once. The dead host is restarted after a
 backoff (``runtime.max_restarts`` times; a Ray actor is restarted by Ray) and the load is
-evened out onto it: the sources that move are cut short where they were (their records
-stay) and resume on it. ``add_source`` and ``remove_source`` change the set of sources while
+evened out onto it with files only: those that move are cut short where they were (their
+records stay) and resume on it; a running camera is never moved (a cut loses its frames),
+so the restarted host takes cameras added later. ``add_source`` and ``remove_source`` change the set of sources while
 the run goes on (the live view's ``POST`` and ``DELETE``).
 
 A source ends when its stream ends (its outputs are final) or fails (it is not restarted: a
@@ -550,8 +551,9 @@ class Supervisor:
                 state.alive, state.restart_at, state.attempts = True, None, 0
                 state.finished = state.ready = False
                 state.rebalance = True  # once it is ready
-                log.info("source worker restarted: the loads are evened onto it once it is "
-                         "ready", host=self.executor.names[host], restarts=state.restarts)
+                log.info("source worker restarted: files are evened onto it once it is ready "
+                         "(running cameras stay where they are)",
+                         host=self.executor.names[host], restarts=state.restarts)
             elif back is None or state.attempts >= MAX_RESTART_ATTEMPTS:
                 state.gone = True
                 log.error("source worker gone for good", host=self.executor.names[host])
@@ -569,7 +571,11 @@ class Supervisor:
             if not live or not loads:
                 return
             before = dict(self.placement)
-            self.placement = rebalance(before, loads, live, max_moves)
+            # A running camera is never moved to even the loads: the move cuts it and its
+            # frames meanwhile are lost (a restarted worker takes files, and new cameras).
+            running = {n for n in names if self.sources[n].host is not None
+                       and self.sources[n].config.is_live}
+            self.placement = rebalance(before, loads, live, max_moves, stay=running)
             for name, run in self.sources.items():
                 if run.host is not None and not run.moving and \
                         self.placement.get(name, run.host) != run.host:
