@@ -493,6 +493,10 @@ def main(options: Options) -> int:
         header = header_text(options, single, clip, played, frames, fps)
         if options.ceilings:
             ceilings = measure_ceilings(options, user, played, fps, out, time_left)
+            decode = ceilings.get("decode")
+            if isinstance(decode, dict) and decode.get("both_fps") is not None:
+                # runtime.cpu_decode_fps set: decode: auto places cameras on both decoders
+                decode["both_placed"] = bool(single.runtime.cpu_decode_fps)
         measured = {k: v for k, v in ceilings.items() if isinstance(v, dict)}
         needed = options.warmup_s + options.seconds + STOP_S
 

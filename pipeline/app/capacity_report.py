@@ -188,7 +188,10 @@ def slower_ceiling(ceilings: dict[str, Any]) -> tuple[float, str] | None:
     when the other failed; None when neither was."""
     found = []
     decode, engine = ceilings.get("decode"), ceilings.get("engine")
-    if isinstance(decode, dict):
+    if isinstance(decode, dict) and decode.get("both_placed"):
+        found.append((decode["both_fps"], f"decode alone ({decode['both_fps']:,.0f} frames/s "
+                                          f"as placed: NVDEC and the CPU at once)"))
+    elif isinstance(decode, dict):
         where = "NVDEC" if decode["mode"] == "gpu" else "CPU"
         found.append((decode["fps"], f"decode alone ({decode['fps']:,.0f} frames/s as placed: "
                                      f"every camera on {where})"))
@@ -256,8 +259,11 @@ def ceiling_lines(ceilings: dict[str, Any], fps: float) -> list[str]:
         if decode.get("both_fps") is not None:
             text += (f"; NVDEC and the CPU at once: {decode['both_fps']:,.0f} frames/s (NVDEC "
                      f"{decode['both_nvdec_fps']:,.0f} + CPU {decode['both_cpu_fps']:,.0f}; "
-                     f"decode: auto places every camera on NVDEC, so the run's decode "
-                     f"ceiling is NVDEC alone)")
+                     + ("runtime.cpu_decode_fps is set: decode: auto places cameras on "
+                        "both, so the run's decode ceiling is both at once)"
+                        if decode.get("both_placed") else
+                        "decode: auto places every camera on NVDEC (runtime.cpu_decode_fps: "
+                        "0), so the run's decode ceiling is NVDEC alone)"))
         lines.append(text)
     elif decode is not None:
         lines.append(f"decode alone: failed ({decode})")

@@ -79,17 +79,26 @@ class Engine:
         from stages.preprocess import DevicePreprocess, HostPreprocess
 
         started = time.monotonic()
+        phases: dict[str, float] = {}  # where the start's seconds go (the log's "phases_s")
+
+        def phase(name: str) -> None:
+            phases[name] = round(time.monotonic() - started - sum(phases.values()), 2)
+
         config, link, inference = self.config, self.link, self.config.inference
         info = model_setup(config).info
+        phase("model_setup")
         self.gpu = gpu = create_gpu_context(config)
+        phase("gpu")
         self.ring = SlotRing.attach(link.host_ring, link.host_slots, link.slot_bytes, [])
         if gpu is not None:
             self.ring.pin()
             if link.device_share:
                 self._device_ring = DeviceRing.allocate(link.device_share * link.workers,
                                                         link.slot_bytes)
+        phase("rings")
         backend = create_backend(inference, Path(config.model.path), info, gpu,
                                  first_file_source(config))
+        phase("backend")
         size = (info.input_height, info.input_width)
         self.batcher = BatcherStage("batch", size, inference.batch_size,
                                     inference.batch_timeout_ms, (), gpu, self.ring, self.stop,
@@ -106,9 +115,12 @@ class Engine:
             self.infer = InferStage("infer", backend, DevicePreprocess(warm), gpu,
                                     DeviceNms(config.nms, inference.batch_size, info.layout))
         self.postprocess = PostprocessStage("postprocess", config.nms, gpu, None, info.layout)
+        phase("buffers")
         for stage in (self.batcher, self.infer, self.postprocess):
             stage.open()
-        log.info("engine ready", seconds=round(time.monotonic() - started, 1), pid=os.getpid(),
+        phase("warmup")
+        log.info("engine ready", seconds=round(time.monotonic() - started, 1), phases_s=phases,
+                 pid=os.getpid(),
                  workers=link.workers, device_ring=self._device_ring is not None,
                  batch_size=inference.batch_size)
 

@@ -193,7 +193,13 @@ def test_decode_alone_on_the_gpu_path_shows_nvdec_the_cpu_and_both_at_once():
                       "cameras at 30 fps; the CPU's decoders alone: 1,990 frames/s (16 "
                       "decoders, 14 worker processes); NVDEC and the CPU at once: 6,000 "
                       "frames/s (NVDEC 4,200 + CPU 1,800; decode: auto places every camera on "
-                      "NVDEC, so the run's decode ceiling is NVDEC alone)")
+                      "NVDEC (runtime.cpu_decode_fps: 0), so the run's decode ceiling is NVDEC "
+                      "alone)")
+    (both, _) = ceiling_lines({"decode": {**GPU_DECODE, "both_placed": True}, "engine": ENGINE},
+                              30.0)
+    assert both.endswith("(NVDEC 4,200 + CPU 1,800; runtime.cpu_decode_fps is set: decode: "
+                         "auto places cameras on both, so the run's decode ceiling is both at "
+                         "once)")
     assert engine.startswith("engine alone: 7,300 images/s (torch on cuda:0, batch 64")
 
 
@@ -209,6 +215,9 @@ def unpaced_row(delivered: float | None, ended: int = 0, error: str | None = Non
 @pytest.mark.parametrize(("ceilings", "ratio", "words"), [
     ({"decode": GPU_DECODE, "engine": ENGINE}, 5100 / 4580, "1.11x the slower of decode "
      "alone and engine alone: decode alone (4,580 frames/s as placed: every camera on NVDEC)"),
+    ({"decode": {**GPU_DECODE, "both_placed": True}, "engine": ENGINE}, 5100 / 6000, "0.85x the "
+     "slower of decode alone and engine alone: decode alone (6,000 frames/s as placed: NVDEC "
+     "and the CPU at once)"),
     ({"decode": "failed", "engine": ENGINE}, 5100 / 7300, "0.70x the slower of decode alone "
      "and engine alone: engine alone (7,300 images/s)"),
     ({}, None, "no ceiling measured"),
