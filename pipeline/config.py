@@ -705,8 +705,11 @@ class RuntimeConfig:
                       "decode the CPU-decoded sources, each owning a share of them; frames "
                       "reach the pipeline through shared memory. null: one per source, at most "
                       "the core count less 2, at least 1 (logged). 0: decode in threads of the "
-                      "pipeline process. Source workers (runtime.workers > 1) decode in threads "
-                      "of their own process.", min=0),
+                      "pipeline process. Source workers (runtime.workers > 1) on the GPU path "
+                      "decode their CPU-decoded sources in such processes too, at lower "
+                      "priority (nice 10: NVDEC's feeding and the workers' stages come first; "
+                      "the count sized for their share of the cores); on the CPU path, in "
+                      "threads of their own process.", min=0),
     )
     nvdec_fps: float = field(
         default=4500.0,
