@@ -316,6 +316,10 @@ class BatchDetections:
             detections are its tracks' predicted boxes.
         events: the analytics events of these frames (zone entries and exits, line
             crossings), in batch order; empty when no source has analytics.
+        pictures: n host copies of the frames' pictures, made for the Python API's
+            ``frames`` option (``stages.pictures``): BGR (height, width, 3) uint8 or I420
+            (height * 3 // 2, width) uint8 NumPy arrays, owned by the record (not ring
+            slots); None when nobody asked for them.
     """
 
     frames: FrameBatch
@@ -325,9 +329,13 @@ class BatchDetections:
     offsets: np.ndarray
     tracker_id: np.ndarray | None = None
     events: tuple[AnalyticsEvent, ...] = ()
+    pictures: tuple[np.ndarray, ...] | None = None
 
     def __post_init__(self) -> None:
         m, n = self.xyxy.shape[0], len(self.frames)
+        if self.pictures is not None and len(self.pictures) != n:
+            raise ValueError(f"pictures must hold one array per frame ({n}), got "
+                             f"{len(self.pictures)}")
         _check_shape("xyxy", self.xyxy, (m, 4))
         _check_shape("confidence", self.confidence, (m,))
         _check_shape("class_id", self.class_id, (m,))
@@ -375,7 +383,8 @@ class BatchDetections:
                                self.confidence[detection_rows], self.class_id[detection_rows],
                                offsets,
                                None if self.tracker_id is None else self.tracker_id[detection_rows],
-                               events)
+                               events, None if self.pictures is None
+                               else tuple(self.pictures[i] for i in rows.tolist()))
 
     def keep(self, mask: np.ndarray) -> BatchDetections:
         """The same frames with only the detections where ``mask`` ((m,) bool host array) is
@@ -385,7 +394,7 @@ class BatchDetections:
         return BatchDetections(self.frames, self.xyxy[mask], self.confidence[mask],
                                self.class_id[mask], kept_before[self.offsets],
                                None if self.tracker_id is None else self.tracker_id[mask],
-                               self.events)
+                               self.events, self.pictures)
 
     def by_source(self) -> list[tuple[str, BatchDetections]]:
         """The batch split by source (once per batch): (source name, its frames in batch

@@ -10,6 +10,12 @@ with Pipeline("configs/file.yaml") as pipeline:
 
 # Or a callback per batch part (like Roboflow's ``on_prediction``), blocking until the end:
 summary = Pipeline(config_dict, on_batch=lambda source, part: ...).run()
+
+# With the frames (BGR NumPy arrays) and, for sources with zones or lines, the events and
+# the running counts:
+with Pipeline("configs/analytics.yaml", frames="bgr") as pipeline:
+    for result in pipeline.results():
+        result.frame, result.events, result.counts
 ```
 
 A script must run this under ``if __name__ == "__main__":``: decode workers are spawned
@@ -25,6 +31,21 @@ The configuration is a YAML path, a dict in the YAML's shape, or a ``PipelineCon
 validated exactly as ``run.py`` validates it (``ConfigError`` with the one-line message). The
 outputs the configuration asks for (video, JSONL) are written as with ``run.py``; set
 ``output.video`` and ``output.jsonl`` to null to only receive the results.
+
+Frames (``frames="bgr"`` or ``"i420"``; None, the default, copies none): each result's
+``frame`` and each callback part's ``part.pictures[i]`` is a host NumPy array of its own
+(the caller's to keep; one copy per frame, made by ``stages.pictures`` before annotate
+draws): BGR (height, width, 3) uint8, or I420 (height * 3 // 2, width) uint8 (the Y plane,
+then U, then V, each (height // 2, width // 2)). Host path only: the sources then decode on
+the CPU (``decode: auto`` never picks NVDEC; ``decode: gpu`` is a ``ConfigError``), so no
+device-to-host copy is made.
+
+Analytics: ``result.events`` holds the frame's ``AnalyticsEvent`` records (zone entries and
+exits, line crossings; ``part.events`` a part's), and ``result.counts`` its source's counts
+after that frame (``{"zones": ..., "lines": ...}`` as ``AnalyticsCounts.to_json``: running
+sums of the events handed over), None for a source without zones or lines;
+``Pipeline.counts()`` gives the same after the parts handed over so far (call it from a
+callback for the counts after its part).
 
 ``results()`` runs the pipeline on a background thread and hands over each frame's result
 through a bounded queue: a consumer slower than the pipeline holds file sources back (no
@@ -47,8 +68,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import PipelineConfig, load_config, parse_config, substitute_env
-from pipeline.records import BatchDetections, Detections
+from pipeline.config import ConfigError, PipelineConfig, load_config, parse_config, substitute_env
+from pipeline.records import AnalyticsEvent, BatchDetections, Detections
 
 
 class SourceFailed(RuntimeError):
@@ -56,6 +77,7 @@ class SourceFailed(RuntimeError):
 
 
 RESULTS_QUEUE_PARTS = 8  # batch parts waiting for the consumer of results()
+FRAME_FORMATS = ("bgr", "i420")
 _DONE = object()
 
 
@@ -73,6 +95,14 @@ class FrameResult:
             ``class_id`` (n,) int32.
         class_names: (n,) names of the detections' classes ("" where the model's class names
             are unknown).
+        frame: with ``Pipeline(frames=...)``, the frame's picture, a host NumPy array of its
+            own: BGR (height, width, 3) uint8, or I420 (height * 3 // 2, width) uint8; else
+            None.
+        events: the analytics events confirmed on this frame (``AnalyticsEvent``: zone
+            entries and exits, line crossings), in order; empty without zones or lines.
+        counts: its source's counts after this frame (``{"zones": {name: {"inside",
+            "entered", "exited"}}, "lines": {name: {"in", "out"}}}``, each by class name),
+            or None for a source without zones or lines.
     """
 
     source: str
@@ -83,6 +113,9 @@ class FrameResult:
     height: int
     detections: Detections
     class_names: tuple[str, ...]
+    frame: np.ndarray | None = None
+    events: tuple[AnalyticsEvent, ...] = ()
+    counts: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -108,23 +141,79 @@ def as_config(config: str | Path | dict | PipelineConfig) -> PipelineConfig:
     return load_config(config)
 
 
-def frame_results(part: BatchDetections, names: list[str] | None) -> list[FrameResult]:
-    """The per-frame results of one source's batch part (host copies of its arrays)."""
+class CountsTally:
+    """Running counts of the analytics events handed over, per source with zones or lines
+    (``stages.analytics.AnalyticsCounts``: the sums the analytics stage keeps, as of the
+    parts seen here rather than of the batches it has done since).
+
+    Args:
+        config: the run's configuration (its sources' zones and lines).
+        class_names: the model's class names, or None; num_classes: its class count.
+    """
+
+    def __init__(self, config: PipelineConfig, class_names: list[str] | None,
+                 num_classes: int) -> None:
+        from stages.analytics import AnalyticsCounts, Region
+
+        self._counts = {
+            source.name: AnalyticsCounts(
+                [Region.from_config(f"sources[{i}].analytics[{k}]", region, source,
+                                    class_names, num_classes)
+                 for k, region in enumerate(source.analytics)], class_names)
+            for i, source in enumerate(config.sources) if source.analytics}
+        self._lock = threading.Lock()
+
+    def has(self, source: str) -> bool:
+        """Whether ``source`` has zones or lines (it has counts)."""
+        return source in self._counts
+
+    def apply(self, events: tuple[AnalyticsEvent, ...] | list[AnalyticsEvent]) -> None:
+        """Count ``events`` (of sources with counts; others are left out)."""
+        with self._lock:
+            for event in events:
+                if (counts := self._counts.get(event.source)) is not None:
+                    counts.apply(event)
+
+    def get(self, source: str) -> dict[str, Any] | None:
+        """``source``'s counts now (a fresh dict), or None when it has none."""
+        with self._lock:
+            counts = self._counts.get(source)
+            return None if counts is None else counts.to_json()
+
+    def all(self) -> dict[str, dict[str, Any]]:
+        """Every counted source's counts now."""
+        with self._lock:
+            return {source: counts.to_json() for source, counts in self._counts.items()}
+
+
+def frame_results(part: BatchDetections, names: list[str] | None,
+                  tally: CountsTally | None = None) -> list[FrameResult]:
+    """The per-frame results of one source's batch part (host copies of its arrays), with
+    each frame's picture (``part.pictures``) and events; ``tally`` (when given) counts the
+    events frame by frame and gives each result its source's counts after it."""
     frames = part.frames
     results = []
     for i in range(len(part)):
         found = part[i]
         class_id = np.asarray(found.class_id)
         pts = float(frames.pts[i])
+        source, index = frames.source_name(i), int(frames.index[i])
+        events = tuple(e for e in part.events if e.frame == index and e.source == source)
+        counts = None
+        if tally is not None and tally.has(source):
+            tally.apply(events)
+            counts = tally.get(source)
         results.append(FrameResult(
-            source=frames.source_name(i), index=int(frames.index[i]),
+            source=source, index=index,
             pts=None if pts != pts else pts, capture_time=float(frames.capture_time[i]),
             width=int(frames.width[i]), height=int(frames.height[i]),
             detections=Detections(np.asarray(found.xyxy), np.asarray(found.confidence),
                                   class_id, None if found.tracker_id is None
                                   else np.asarray(found.tracker_id)),
             class_names=tuple(names[c] if names and 0 <= c < len(names) else ""
-                              for c in class_id.tolist())))
+                              for c in class_id.tolist()),
+            frame=None if part.pictures is None else part.pictures[i],
+            events=events, counts=counts))
     return results
 
 
@@ -134,16 +223,31 @@ class Pipeline:
     Args:
         config: a YAML path, a dict in the YAML's shape, or a ``PipelineConfig``.
         on_batch: called from a sink thread with (source name, that source's part of a batch:
-            ``BatchDetections``) after its outputs were written; keep it quick.
+            ``BatchDetections``) after its outputs were written; keep it quick. The part's
+            ``events`` are its analytics events, ``pictures`` its frames' pictures (with
+            ``frames``); ``counts()`` then includes its events.
+        frames: "bgr" or "i420": results and callback parts carry each frame's picture, a
+            host NumPy array (module docstring); None: no pictures (no copies made).
 
     Raises:
         ConfigError: the configuration is invalid (also: the model, the files and the
-            outputs, checked before anything starts).
+            outputs, checked before anything starts); ``frames`` is not one of the formats,
+            or is asked with a source that decodes on the GPU (``decode: gpu``).
     """
 
     def __init__(self, config: str | Path | dict | PipelineConfig,
-                 on_batch: Callable[[str, BatchDetections], None] | None = None) -> None:
+                 on_batch: Callable[[str, BatchDetections], None] | None = None,
+                 frames: str | None = None) -> None:
         self.config = as_config(config)
+        if frames is not None and frames not in FRAME_FORMATS:
+            raise ConfigError(f"frames: expected 'bgr', 'i420' or None, got {frames!r}")
+        for i, source in enumerate(self.config.sources):
+            if frames is not None and source.decode == "gpu":
+                raise ConfigError(f"sources[{i}].decode: 'gpu' cannot be used with "
+                                  f"frames={frames!r}: the frames are handed over from host "
+                                  "memory (use decode: cpu or auto)")
+        self.frames = frames
+        self._tally: CountsTally | None = None
         self._on_batch = on_batch
         self._supervisor: Any = None
         self._results: dict[str, str | None] = {}
@@ -151,6 +255,8 @@ class Pipeline:
         self._lock = threading.Lock()
 
     def _batch_done(self, source: str, part: BatchDetections) -> None:
+        if self._tally is not None and part.events:
+            self._tally.apply(part.events)
         if self._on_batch is not None:
             self._on_batch(source, part)
         for listener in self._listeners:
@@ -159,6 +265,7 @@ class Pipeline:
     def _start(self, per_batch: bool) -> Any:
         import structlog
 
+        from pipeline.app.build import model_setup
         from pipeline.app.run import make_executor, prepare
         from pipeline.app.supervisor import Supervisor
         from pipeline.logging import configure_logging
@@ -170,8 +277,14 @@ class Pipeline:
             if self._supervisor is not None:
                 raise RuntimeError("a Pipeline runs once; make a new one to run again")
             resume = prepare(self.config)
-            executor = make_executor(self.config, on_batch_done=self._batch_done
-                                     if per_batch or self._on_batch is not None else None)
+            per_batch = per_batch or self._on_batch is not None
+            if per_batch and any(source.analytics for source in self.config.sources):
+                model = model_setup(self.config)
+                self._tally = CountsTally(self.config, model.class_names,
+                                          model.info.num_classes)
+            executor = make_executor(self.config,
+                                     on_batch_done=self._batch_done if per_batch else None,
+                                     frames=self.frames if per_batch else None)
             self._supervisor = Supervisor(self.config, executor,
                                           self.config.runtime.max_restarts, resume=resume)
             return self._supervisor
@@ -218,7 +331,10 @@ class Pipeline:
 
         self._listeners.append(hand_over)
         supervisor = self._start(per_batch=True)
-        names = model_setup(self.config).class_names  # the names the sinks write
+        model = model_setup(self.config)
+        names = model.class_names  # the names the sinks write
+        tally = (CountsTally(self.config, names, model.info.num_classes)
+                 if self._tally is not None else None)  # frame by frame, in this thread
 
         def run() -> None:
             try:
@@ -237,7 +353,7 @@ class Pipeline:
         runner.start()
         try:
             while (part := parts.get()) is not _DONE:
-                yield from frame_results(part, names)
+                yield from frame_results(part, names, tally)
         finally:
             if runner.is_alive():  # left early: stop, and stop handing over
                 supervisor.request_stop()
@@ -253,6 +369,12 @@ class Pipeline:
         failed = {name: error for name, error in self.summary().errors.items() if error}
         if failed:
             raise SourceFailed("; ".join(f"source {name}: {error}" for name, error in failed.items()))
+
+    def counts(self) -> dict[str, dict[str, Any]]:
+        """Each source with zones or lines: its counts after the batch parts handed over so
+        far (``results()`` or ``on_batch``; ``{"zones": ..., "lines": ...}``, as
+        ``FrameResult.counts``). Empty before the run, or without per-frame results."""
+        return {} if self._tally is None else self._tally.all()
 
     def stop(self) -> None:
         """Stop reading the sources; what is queued drains and outputs are finalised."""

@@ -32,6 +32,7 @@ from stages.decode import DecodeStage, decoder_threads
 from stages.filters import DetectionFilterStage, SourceFilter
 from stages.gpu_decode import GpuDecodeStage, gpu_decode_unavailable_reason
 from stages.infer import InferStage, create_backend
+from stages.pictures import PictureStage
 from stages.postprocess import DeviceNms, PostprocessStage
 from stages.preprocess import DevicePreprocess, HostPreprocess
 from stages.remote_infer import RemoteInferStage
@@ -224,7 +225,8 @@ def build_graph(config: PipelineConfig,
                 on_batch_done: Callable[[str, BatchDetections], None] | None = None,
                 profile_gpu: bool = False, start_sources: bool = True,
                 expected_sources: int | None = None, stop_when: str | None = None,
-                cores: int | None = None, engine: tuple[EngineLink, int] | None = None) -> Graph:
+                cores: int | None = None, engine: tuple[EngineLink, int] | None = None,
+                frames: str | None = None) -> Graph:
     """Create every stage the configuration asks for, connect them, and add the configured
     sources (``start_sources``) through ``graph.control``, the path every source takes.
 
@@ -246,6 +248,9 @@ def build_graph(config: PipelineConfig,
             frames are detected by its GPU's engine process (``stages.remote_infer`` stands
             for the batch, infer and postprocess stages; the model is not loaded here) and
             decoded in threads of this process into its share of the engine's rings.
+        frames: "bgr" or "i420": every batch part reaching the sinks carries a host copy of
+            its frames' pictures (``stages.pictures``, for the Python API); every source
+            then decodes on the CPU (``decode: gpu`` is an error). None: no copies.
     """
     from pipeline.app.control import SourceControl  # it builds sources with this module
 
@@ -260,7 +265,9 @@ def build_graph(config: PipelineConfig,
     video = config.output.video is not None
     http = config.runtime.http
     preview = PreviewHub(http.preview_fps, class_names) if http is not None else None
-    keep_images = video or preview is not None  # the sinks read the images: they release
+    host_frames = frames is not None
+    # the sinks (or the picture stage) read the images: the sinks release them
+    keep_images = video or preview is not None or host_frames
     size = (info.input_height, info.input_width)
     pool = None
     if engine is not None:
@@ -268,7 +275,7 @@ def build_graph(config: PipelineConfig,
         gpu = GpuContext(link.device) if link.device_share else None  # NVDEC, no model
         ring = SlotRing.attach(link.host_ring, link.host_slots, link.slot_bytes,
                                list(link.host_shares[worker]))
-        kinds = [decoder_kind(config, source, f"sources[{i}]", gpu)
+        kinds = [decoder_kind(config, source, f"sources[{i}]", gpu, host_frames)
                  for i, source in enumerate(config.sources)]
         expected = len(config.sources) if expected_sources is None else expected_sources
         on_cpu = math.ceil(kinds.count("cpu") * expected / max(1, len(config.sources)))
@@ -290,7 +297,8 @@ def build_graph(config: PipelineConfig,
     else:
         gpu = create_gpu_context(config, profile_gpu)
         ring, pool, threads, chain, kinds = model_stages(
-            config, info, frame_sizes, gpu, stop, keep_images, expected_sources, cores)
+            config, info, frame_sizes, gpu, stop, keep_images, expected_sources, cores,
+            host_frames)
     if filtered:
         chain.append(DetectionFilterStage("filter", {}))
     if tracked:
@@ -299,6 +307,8 @@ def build_graph(config: PipelineConfig,
                               create_webhooks(config, with_regions)) if p is not None]
     if with_regions:
         chain.append(AnalyticsStage("analytics", {}, class_names, {}, publishers))
+    if host_frames:  # before annotate: the pictures are never drawn on
+        chain.append(PictureStage("pictures", frames))
     if video:
         chain.append(AnnotateStage("annotate", class_names, {}))
     graph = Graph([], chain, {}, config.runtime.queue_size, on_batch_done, stop=stop,
@@ -318,7 +328,7 @@ def build_graph(config: PipelineConfig,
     known_sizes = {config.sources[i].uri: wh for i, wh in frame_sizes.items()}
 
     def make_decoder(index: int, source: SourceConfig, key: str) -> SourceStage:
-        if decoder_kind(config, source, key, gpu) == "gpu":
+        if decoder_kind(config, source, key, gpu, host_frames) == "gpu":
             return GpuDecodeStage(source, gpu.device_id, ring, preview)
         return DecodeStage(source, ring, stop, decoder_threads=threads)
 
@@ -327,7 +337,7 @@ def build_graph(config: PipelineConfig,
         lambda cfg, source, tracked, has_analytics: build_sink(
             cfg, source, class_names, ring, keep_images, tracked, has_analytics, preview),
         lambda uri: known_sizes.get(uri) or probe_frame_size(uri), make_decoder,
-        lambda source, key: decoder_kind(config, source, key, gpu) == "cpu",
+        lambda source, key: decoder_kind(config, source, key, gpu, host_frames) == "cpu",
         track_gone_margin_s=TRACK_GONE_MARGIN_S)
     if start_sources:
         for source in config.sources:
@@ -338,7 +348,8 @@ def build_graph(config: PipelineConfig,
 def model_stages(config: PipelineConfig, info: ModelInfo,
                  frame_sizes: dict[int, tuple[int, int]], gpu: GpuContext | None,
                  stop: threading.Event, keep_images: bool, expected_sources: int | None,
-                 cores: int | None) -> tuple[SlotRing, DecodeWorkerPool | None, int, list[Stage], list[str]]:
+                 cores: int | None, host_frames: bool = False
+                 ) -> tuple[SlotRing, DecodeWorkerPool | None, int, list[Stage], list[str]]:
     """The model's part of a whole pipeline (the model in this process): the frame ring,
     the decode worker pool, and the batch, infer and postprocess stages.
 
@@ -353,7 +364,7 @@ def model_stages(config: PipelineConfig, info: ModelInfo,
                     if not src.is_live and (s := frame_sizes.get(i)) is not None})
     largest = max([DEFAULT_FRAME_SIZE, *sizes], key=lambda wh: wh[0] * wh[1])
     slot_bytes = i420_bytes(*largest)
-    kinds = [decoder_kind(config, source, f"sources[{i}]", gpu)
+    kinds = [decoder_kind(config, source, f"sources[{i}]", gpu, host_frames)
              for i, source in enumerate(config.sources)]
     expected = len(config.sources) if expected_sources is None else expected_sources
     on_cpu = math.ceil(kinds.count("cpu") * expected / max(1, len(config.sources)))
@@ -490,9 +501,10 @@ def check_extras(config: PipelineConfig) -> None:
 
 
 def decoder_kind(config: PipelineConfig, source: SourceConfig, key: str,
-                 gpu: GpuContext | None) -> str:
+                 gpu: GpuContext | None, host_frames: bool = False) -> str:
     """Where ``source`` is decoded: "gpu" (NVDEC) or "cpu" (its ``decode``; ``key``: its
-    name in messages, ``sources[i]``).
+    name in messages, ``sources[i]``). ``host_frames``: the Python API hands the frames'
+    pictures over (``Pipeline(frames=...)``), from host memory: never NVDEC.
 
     Raises:
         DeviceUnavailable: ``decode: gpu`` was asked for and cannot run (the message says why).
@@ -501,6 +513,7 @@ def decoder_kind(config: PipelineConfig, source: SourceConfig, key: str,
         return "cpu"
     reason = ("inference does not run on the GPU" if gpu is None else
               "output.video needs the frames on the host" if config.output.video else
+              "the Python API's frames are handed over from host memory" if host_frames else
               gpu_decode_unavailable_reason())
     if reason is None:
         return "gpu"

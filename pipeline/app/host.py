@@ -152,13 +152,16 @@ class PipelineHost:
         metrics: read the graph's Prometheus metrics for ``poll(metrics=True)``.
         engine: (``EngineLink``, worker number): a source worker whose frames its GPU's
             engine process detects (``build_graph``); None: the whole pipeline here.
+        frames: "bgr" or "i420": the parts ``on_batch_done`` sees carry their frames'
+            pictures (``build_graph``); None: they do not.
     """
 
     def __init__(self, config: PipelineConfig, name: str, expected_sources: int | None = None,
                  on_batch_done: Callable[[str, BatchDetections], None] | None = None,
                  metrics: bool = False, cores: int | None = None,
-                 engine: tuple[Any, int] | None = None) -> None:
+                 engine: tuple[Any, int] | None = None, frames: str | None = None) -> None:
         self.config = config
+        self.frames = frames
         self.engine = engine
         self.name = name
         self.expected_sources = expected_sources
@@ -317,7 +320,7 @@ class PipelineHost:
         try:
             graph = build_graph(self.config, on_batch_done=batch_done, start_sources=False,
                                 expected_sources=self.expected_sources, stop_when="never",
-                                cores=self.cores, engine=self.engine)
+                                cores=self.cores, engine=self.engine, frames=self.frames)
         except (ConfigError, BackendUnavailable) as error:
             self._fail(str(error), usage=True)
             return

@@ -6,8 +6,11 @@ hosts' reports (``pipeline.app.view``).
 route                                    answer
 =======================================  ==================================================
 ``GET /``                                the page: every source of every host with its
-                                         live picture, state, counters and host
-                                         (``pipeline/app/web/index.html``)
+                                         live picture, state, counters and host, a form
+                                         that adds a source (``POST /api/sources``, the
+                                         answer's error shown in it) and a remove button
+                                         per source (``DELETE``), when the run can change
+                                         its sources (``pipeline/app/web/index.html``)
 ``GET /api/health``                      ``{"status": "starting" | "ok" | "degraded",
                                          "reasons": [...], "sources": {name: state},
                                          "hosts": {host: {"ready", "sources",
@@ -345,7 +348,8 @@ class HttpServer:
         cards = "\n".join(card for name in self.board.names()
                           if (card := self._card(name)) is not None)
         text = (self._page_text.replace("{{SOURCES}}", cards)
-                .replace("{{PERIOD_MS}}", str(round(1000 * self._period_s))))
+                .replace("{{PERIOD_MS}}", str(round(1000 * self._period_s)))
+                .replace("{{EDITABLE}}", "true" if self.board.editable else "false"))
         return HTMLResponse(self.scrub(text), headers={"Cache-Control": "no-store"})
 
     def _card(self, name: str) -> str | None:
@@ -360,7 +364,7 @@ class HttpServer:
             ("reconnects", "reconnects"), ("last frame", "age"), ("latency p50/p99", "latency")))
         return (f'<section class=source data-source="{quoted}" data-state="{source["state"]}">'
                 f'<h2><span>{quoted}</span><span class="state {source["state"]}">'
-                f'{source["state"]}</span></h2>'
+                f'{source["state"]}</span><button type=button class=remove>remove</button></h2>'
                 f'<div class=uri>{html.escape(source["uri"])}</div>'
                 f'<div class=host>on <span data-field=host>{html.escape(source["host"])}'
                 '</span></div>'

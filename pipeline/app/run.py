@@ -65,9 +65,12 @@ def prepare(config: PipelineConfig, restart: bool = False) -> tuple[str, ...]:
 
 
 def make_executor(config: PipelineConfig, ray_address: str | None = None, metrics: bool = False,
-                  on_batch_done: Callable[..., None] | None = None) -> Any:
+                  on_batch_done: Callable[..., None] | None = None,
+                  frames: str | None = None) -> Any:
     """The hosts: the whole pipeline in this process (one source worker), source worker
     processes with one engine per GPU (several), or Ray actors (``ray_address``).
+    ``frames``: the batch parts ``on_batch_done`` sees carry their frames' pictures in this
+    format (``build_graph``'s ``frames``; the Python API).
 
     Raises:
         ConfigError: ``runtime.gpus`` cannot be had, or per-batch results asked for
@@ -100,7 +103,7 @@ def make_executor(config: PipelineConfig, ray_address: str | None = None, metric
     if len(devices) == 1:
         if devices[0] is not None:
             config.inference.gpu_id = devices[0]
-        return InProcessExecutor(config, metrics, on_batch_done)
+        return InProcessExecutor(config, metrics, on_batch_done, frames)
     return LocalExecutor(absolute_paths(config), devices, metrics, on_gpu())
 
 

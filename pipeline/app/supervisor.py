@@ -21,8 +21,8 @@ records end up complete, in order, each frame once. The dead host is restarted a
 backoff (``runtime.max_restarts`` times; a Ray actor is restarted by Ray) and the load is
 evened out onto it with files only: those that move are cut short where they were (their
 records stay) and resume on it; a running camera is never moved (a cut loses its frames),
-so the restarted host takes cameras added later. ``add_source`` and ``remove_source`` change the set of sources while
-the run goes on (the live view's ``POST`` and ``DELETE``).
+so the restarted host takes cameras added later. ``add_source`` and ``remove_source``
+change the set of sources while the run goes on (the live view's ``POST`` and ``DELETE``).
 
 A source ends when its stream ends (its outputs are final) or fails (it is not restarted: a
 bad file stays bad; a camera reconnects by itself within its pipeline). When the run ends is
@@ -609,19 +609,22 @@ class Supervisor:
 
 class InProcessExecutor:
     """One host in this process (one pipeline: nothing to spawn). ``on_batch_done`` sees
-    every batch part (the Python API)."""
+    every batch part (the Python API), with its frames' pictures in ``frames``' format when
+    set (``build_graph``)."""
 
     def __init__(self, config: PipelineConfig, metrics: bool = False,
-                 on_batch_done: Callable[..., None] | None = None) -> None:
+                 on_batch_done: Callable[..., None] | None = None,
+                 frames: str | None = None) -> None:
         self.config = config
         self.names = ["pipeline0"]
         self.host: PipelineHost | None = None
         self._metrics = metrics
         self._on_batch_done = on_batch_done
+        self._frames = frames
 
     def start(self, host: int) -> None:
         self.host = PipelineHost(self.config, self.names[host], on_batch_done=self._on_batch_done,
-                                 metrics=self._metrics)
+                                 metrics=self._metrics, frames=self._frames)
         self.host.start()
 
     def call(self, host: int, method: str, *args: Any) -> None:

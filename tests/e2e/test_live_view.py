@@ -1,8 +1,9 @@
 """The live view's page in a real headless Chromium: two paced sources running through the
 pipeline, the page served by the pipeline's HTTP server on a free loopback port; the page
 lists both sources with their state, counters and host, and a source's picture changes
-between two screenshots taken more than a second apart; a source added through the API gets
-a card with its picture, which goes when it is removed."""
+between two screenshots taken more than a second apart; the page's form adds a source through
+the API (a bad URI shows the API's one-line message in the form), which gets a card with its
+picture and delivers frames, and its card's remove button removes it."""
 
 from __future__ import annotations
 
@@ -85,19 +86,42 @@ def test_page_lists_the_sources_and_their_pictures_move(chromium: str, page_url:
         assert page.locator('.source[data-source="car"] [data-field=host]').text_content() \
             == "pipeline0"
 
-        # A source added while the page is open gets its card; removed, the card goes.
+        # The page's form adds a source through the API; a bad one shows the API's message.
+        form = page.locator("#add-source")
+        form.locator("input[name=name]").fill("clip")
+        form.locator("input[name=uri]").fill("nope://camera/1")
+        form.locator("button[type=submit]").click()
+        error = form.locator("[data-field=form-error]")
+        page.wait_for_function(
+            """() => document.querySelector('#add-source [data-field=form-error]').textContent""",
+            timeout=5_000)
         with httpx.Client(base_url=page_url, timeout=30) as client:
-            added = client.post("api/sources", json={"name": "clip", "uri": str(samples.carphone),
-                                                     "pace_fps": 4, "live": True})
-            assert added.status_code == 201, added.text
+            answer = client.post("api/sources", json={"name": "clip", "uri": "nope://camera/1"})
+            assert answer.status_code == 400 and "\n" not in answer.json()["error"]
+            assert error.text_content() == answer.json()["error"], error.text_content()
+            assert error.text_content().startswith("sources[2].uri (source 'clip'): unsupported ")
+
+            form.locator("input[name=uri]").fill(str(samples.carphone))
+            form.locator("input[name=live]").check()
+            form.locator("input[name=pace_fps]").fill("4")
+            form.locator("button[type=submit]").click()
+            # A source added while the page is open gets its card, and delivers.
             page.wait_for_function(
                 """() => { const card = document.querySelector('.source[data-source="clip"]');
                            const img = card && card.querySelector('img');
                            return img && img.complete && img.naturalWidth === 176
                                   && card.querySelector('[data-field=host]').textContent
-                                     === 'pipeline0'; }""", timeout=20_000)
-            assert client.delete("api/sources/clip").status_code == 200
+                                     === 'pipeline0'
+                                  && Number(card.querySelector('[data-field=frames]')
+                                            .textContent) > 0; }""", timeout=20_000)
+            assert error.text_content() == ""
+            assert form.locator("[data-field=form-status]").text_content() == "added clip"
+            added = client.get("api/sources/clip").json()
+            assert added["live"] is True and added["frames"] > 0, added
+            # Its remove button removes it: the card goes, and so does the source.
+            page.locator('.source[data-source="clip"] button.remove').click()
             page.wait_for_function(
-                "() => !document.querySelector('.source[data-source=\"clip\"]')", timeout=5_000)
+                "() => !document.querySelector('.source[data-source=\"clip\"]')", timeout=20_000)
+            assert client.get("api/sources/clip").status_code == 404
         names = page.locator(".source").evaluate_all("cards => cards.map(c => c.dataset.source)")
         assert names == ["street", "car"]

@@ -41,14 +41,18 @@ def test_without_a_gpu_decoder_the_source_ends_with_the_reason(samples):
 ON_GPU = SimpleNamespace(device_id=0)  # decoder_kind reads only whether there is a GPU context
 
 
-@pytest.mark.parametrize("decode, video, gpu, expected", [
-    ("auto", None, None, "cpu"),
-    ("cpu", None, ON_GPU, "cpu"),
-    ("auto", "{source}.mp4", ON_GPU, "cpu"),
-    ("gpu", None, None, "cannot be used: inference does not run on the GPU"),
-    ("gpu", "{source}.mp4", ON_GPU, "cannot be used: output.video needs the frames on the host"),
+@pytest.mark.parametrize("decode, video, gpu, host_frames, expected", [
+    ("auto", None, None, False, "cpu"),
+    ("cpu", None, ON_GPU, False, "cpu"),
+    ("auto", "{source}.mp4", ON_GPU, False, "cpu"),
+    ("auto", None, ON_GPU, True, "cpu"),  # the Python API's frames (Pipeline(frames=...))
+    ("gpu", None, None, False, "cannot be used: inference does not run on the GPU"),
+    ("gpu", "{source}.mp4", ON_GPU, False,
+     "cannot be used: output.video needs the frames on the host"),
+    ("gpu", None, ON_GPU, True,
+     "cannot be used: the Python API's frames are handed over from host memory"),
 ])
-def test_the_source_kind_follows_the_config(samples, decode, video, gpu, expected):
+def test_the_source_kind_follows_the_config(samples, decode, video, gpu, host_frames, expected):
     from pipeline.app.build import DeviceUnavailable, decoder_kind
     from pipeline.config import parse_config
 
@@ -56,9 +60,9 @@ def test_the_source_kind_follows_the_config(samples, decode, video, gpu, expecte
                            "model": {"path": str(samples.model)}, "output": {"video": video}})
     if expected.startswith("cannot"):
         with pytest.raises(DeviceUnavailable, match=r"sources\[0\]\.decode: 'gpu' " + expected):
-            decoder_kind(config, config.sources[0], "sources[0]", gpu)
+            decoder_kind(config, config.sources[0], "sources[0]", gpu, host_frames)
     else:
-        assert decoder_kind(config, config.sources[0], "sources[0]", gpu) == expected
+        assert decoder_kind(config, config.sources[0], "sources[0]", gpu, host_frames) == expected
 
 
 @pytest.mark.parametrize("decode", ["auto", "gpu"])

@@ -11,7 +11,7 @@ import pytest
 from pipeline.app.api import Pipeline, SourceFailed
 from pipeline.config import ConfigError
 from tests.e2e.conftest import pipeline_config
-from tests.support import free_port
+from tests.support import free_port, read_frames
 
 # Clips of the samples' first frames (bikes: 250 frames, carphone: 120): every frame runs
 # through the detector on the CPU, and the checks need a few dozen.
@@ -40,20 +40,44 @@ def test_results_are_every_frame_in_order_and_match_the_jsonl(samples, make_clip
 
 
 def test_a_callback_run_sees_every_frame_of_every_source(samples, make_clip, tmp_path):
+    """With ``frames="i420"`` each part carries its frames' planes, bit for bit as decoded."""
     seen: dict[str, int] = {}
+    pictures: dict[tuple[str, int], np.ndarray] = {}
     lock = threading.Lock()
 
     def count(source, part):
         with lock:
             seen[source] = seen.get(source, 0) + len(part)
+            assert part.events == () and len(part.pictures) == len(part)
+            pictures.update(((source, int(i)), p)
+                            for i, p in zip(part.frames.index, part.pictures))
 
+    clips = {"bikes": make_clip("bikes", BIKES_FRAMES, (640, 272)),
+             "car": make_clip("carphone", CAR_FRAMES, (176, 144))}
     config = pipeline_config(samples, tmp_path / "out", [
-        {"name": "bikes", "uri": str(make_clip("bikes", BIKES_FRAMES, (640, 272)))},
-        {"name": "car", "uri": str(make_clip("carphone", CAR_FRAMES, (176, 144)))}],
+        {"name": name, "uri": str(clip)} for name, clip in clips.items()],
         output={"jsonl": None})
-    summary = Pipeline(config, on_batch=count).run()
+    summary = Pipeline(config, on_batch=count, frames="i420").run()
     assert seen == {"bikes": BIKES_FRAMES, "car": CAR_FRAMES} == summary.frames
     assert summary.ok and summary.dropped == {"bikes": 0, "car": 0}
+    for name, clip in clips.items():
+        for index, frame in enumerate(read_frames(clip, 3)):
+            picture = pictures[name, index]
+            assert picture.dtype == np.uint8 and picture.flags.owndata
+            assert np.array_equal(picture, frame.to_ndarray(format="yuv420p"))
+
+
+@pytest.mark.parametrize(("frames", "source", "message"), [
+    ("rgb", {}, r"^frames: expected 'bgr', 'i420' or None, got 'rgb'$"),
+    ("bgr", {"decode": "gpu"},
+     r"^sources\[0\]\.decode: 'gpu' cannot be used with frames='bgr': the frames are handed "
+     r"over from host memory \(use decode: cpu or auto\)$"),
+])
+def test_frames_asked_wrongly_is_a_one_line_error(samples, tmp_path, frames, source, message):
+    config = pipeline_config(samples, tmp_path, [{"name": "bikes", "uri": str(samples.bikes),
+                                                  **source}])
+    with pytest.raises(ConfigError, match=message):
+        Pipeline(config, frames=frames)
 
 
 def test_leaving_the_loop_early_stops_and_keeps_the_cut_file_partial(samples, tmp_path):
