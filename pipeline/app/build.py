@@ -300,7 +300,7 @@ def build_graph(config: PipelineConfig,
     if with_regions:
         chain.append(AnalyticsStage("analytics", {}, class_names, {}, publishers))
     if video:
-        chain.append(AnnotateStage("annotate", class_names, {}))
+        chain.append(AnnotateStage("annotate", class_names, {}, config.output.trails))
     graph = Graph([], chain, {}, config.runtime.queue_size, on_batch_done, stop=stop,
                   ring=ring, release_at_sink=keep_images,
                   stop_when=stop_when or config.runtime.stop_when)
