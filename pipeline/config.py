@@ -248,6 +248,13 @@ class SourceConfig:
         metadata=_doc("bytetrack: seconds a track whose object is no longer detected is kept, "
                       "to give the object its id back when it is found again.", min=0.0),
     )
+    tracker_class_aware: bool = field(
+        default=False,
+        metadata=_doc("bytetrack: track each class apart (one ByteTrack per class, one id "
+                      "space), so a track never changes class: a detection only continues a "
+                      "track of its own class. false: one tracker for all classes (a track "
+                      "takes the class of its latest detection)."),
+    )
     analytics: list[AnalyticsRegionConfig] | None = field(
         default=None,
         metadata=_doc("Counting zones and lines (needs tracker: bytetrack); events go to "
@@ -479,6 +486,12 @@ class OutputConfig:
     )
     video_crf: int = field(
         default=23, metadata=_doc("x264 quality (0 best .. 51 worst).", min=0, max=51)
+    )
+    trails: int = field(
+        default=0,
+        metadata=_doc("On the annotated video (and tracked sources only): each track's trail, "
+                      "a line through the centres of its boxes on the source's last N frames, "
+                      "fading with age. 0: no trails.", min=0, max=1000),
     )
     events: str | None = field(
         default="{source}.events.jsonl",

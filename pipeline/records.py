@@ -143,6 +143,8 @@ class EndOfStream:
         stopped: it ended because it was asked to stop (a graceful stop, or the source
             removed), maybe before its end.
         total: the frames its file announces, or None (a stream, or not known).
+        events: analytics events made when the source ended (the exits of the objects
+            still inside a zone, on its last frame: ``AnalyticsStage``), for its events file.
     """
 
     source: str
@@ -150,6 +152,7 @@ class EndOfStream:
     error: str | None = None
     stopped: bool = False
     total: int | None = None
+    events: tuple[AnalyticsEvent, ...] = ()
 
     @property
     def cut_short(self) -> bool:

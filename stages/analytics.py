@@ -25,8 +25,10 @@ first seen as a confirmed track (no crossing), and a track missing for ``min_fra
 frames in a row starts afresh.
 
 A zone (a polygon) emits "enter" when a track is confirmed inside (also a track first seen
-inside) and "exit" when it is confirmed outside or has not been seen for the source's
-``tracker_lost_s`` (the tracker has given it up), with ``dwell_s``: the stream time (pts,
+inside) and "exit" when it is confirmed outside or is lost (not seen on ``min_frames`` frames
+in a row: the number inside drops as soon as the object is gone, and it enters again if
+found inside), and for every track still inside when the source ends (``close``: on its last
+frame, carried by the end marker to the events file), with ``dwell_s``: the stream time (pts,
 else frame index / rate; kept rising when a camera's pts restart after a reconnection) from
 its first to its last frame inside. A track's class is fixed
 when it enters, so a zone's entries minus its exits, by class, are the objects inside now.
@@ -39,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -179,6 +181,7 @@ class _ZoneTrack:
     inside: bool = False
     streak: int = 0  # observations in a row on the other side than ``inside``
     streak_start_t: float = 0.0
+    missed: int = 0  # frames in a row it was not seen on
     entered_t: float = 0.0
     last_inside_t: float = 0.0
     class_id: int = -1  # its class when it entered
@@ -201,7 +204,8 @@ class ZoneCounter:
 
     Args:
         region: a zone.
-        forget_s: stream seconds after which an unseen track is gone (exits if inside).
+        forget_s: stream seconds after which what is known of an unseen track is dropped
+            (it exited when it was lost already, ``min_frames`` frames after its last).
     """
 
     def __init__(self, region: Region, forget_s: float) -> None:
@@ -223,10 +227,12 @@ class ZoneCounter:
 
         Returns:
             The entries and exits this frame confirmed, in detection order, then the exits
-            of the tracks gone.
+            of the tracks lost (not seen on ``min_frames`` frames in a row).
         """
         changes = []
         margin, needed = self.region.margin_px, self.region.min_frames
+        for state in self._tracks.values():
+            state.missed += 1  # until it is seen below
         for (x, y), track_id, cls, score, box in zip(
                 anchors.tolist(), tracker_id.tolist(), class_id.tolist(), confidence.tolist(),
                 xyxy.tolist()):
@@ -234,6 +240,7 @@ class ZoneCounter:
             if state is None:
                 state = self._tracks[track_id] = _ZoneTrack(t, tuple(box), score)
             state.last_seen_t, state.box, state.confidence = t, tuple(box), score
+            state.missed = 0
             distance = cv2.pointPolygonTest(self._contour, (x, y), True)  # > 0: inside
             if abs(distance) <= margin or (distance > 0) == state.inside:
                 # On the edge (tells nothing) or on its side (ends a streak to the other).
@@ -254,10 +261,20 @@ class ZoneCounter:
                 changes.append(ZoneChange(True, track_id, cls, score, tuple(box), None))
             else:
                 changes.append(self._exit(track_id, state))
-        for track_id in [k for k, s in self._tracks.items() if t - s.last_seen_t > self.forget_s]:
-            state = self._tracks.pop(track_id)
-            if state.inside:
+        for track_id, state in self._tracks.items():
+            if state.inside and state.missed >= needed:  # lost: the object is not on screen
+                state.inside, state.streak = False, 0
                 changes.append(self._exit(track_id, state))
+        for track_id in [k for k, s in self._tracks.items() if t - s.last_seen_t > self.forget_s]:
+            del self._tracks[track_id]
+        return changes
+
+    def close(self) -> list[ZoneChange]:
+        """The exits of the tracks inside now (the stream ended), in the order they were
+        first seen; the zone then knows no track."""
+        changes = [self._exit(track_id, state) for track_id, state in self._tracks.items()
+                   if state.inside]
+        self._tracks.clear()
         return changes
 
     @staticmethod
@@ -329,8 +346,8 @@ class SourceAnalytics:
         source: the source's name.
         regions: its zones and lines, in configuration order.
         class_names: names indexed by class id, or None.
-        forget_s: stream seconds after which an unseen track is gone (the source's
-            ``tracker_lost_s`` and a little more).
+        forget_s: stream seconds after which what is known of an unseen track is dropped
+            (the source's ``tracker_lost_s`` and a little more: the tracker has ended it).
     """
 
     def __init__(self, source: str, regions: list[Region], class_names: list[str] | None,
@@ -343,6 +360,7 @@ class SourceAnalytics:
         self._last_seen_t: dict[int, float] = {}
         self._last_t: float | None = None
         self._t_offset = 0.0  # keeps the stream time rising when a camera's pts restart
+        self._last_frame: tuple[int, float | None, float] | None = None  # index, pts, capture
 
     def stream_time(self, pts: float | None, index: int, rate: float) -> float:
         """The frame's stream time in seconds: its pts (else index / rate), kept rising by
@@ -387,18 +405,9 @@ class SourceAnalytics:
             del self._last_seen_t[track_id], self._track_frames[track_id]
         age = np.array([self._track_frames.get(i, 0) for i in tracker_id.tolist()], np.int64)
         anchors = anchors_of(xyxy)
-        events = []
-
-        names = self.class_names or []
-
-        def event(kind: str, region: Region, track_id: int, cls: int, score: float,
-                  box: Iterable[float], dwell_s: float | None = None) -> AnalyticsEvent:
-            cls = int(cls)
-            return AnalyticsEvent(
-                self.source, kind, region.name, index, pts, capture_time, int(track_id), cls,
-                names[cls] if 0 <= cls < len(names) else None, float(score),
-                tuple(float(v) for v in box), dwell_s)
-
+        events: list[AnalyticsEvent] = []
+        self._last_frame = (index, pts, capture_time)
+        event = self._event_maker(index, pts, capture_time)
         for counter in self.counters:
             region = counter.region
             rows = np.flatnonzero((tracker_id >= 0) & (age >= region.min_track_frames)
@@ -418,6 +427,33 @@ class SourceAnalytics:
                                         change.tracker_id, change.class_id, change.confidence,
                                         change.box, change.dwell_s))
         return events
+
+    def close(self) -> list[AnalyticsEvent]:
+        """The source ended: the exits of the tracks still inside a zone, on its last frame
+        (with their last box and score), so that its final counts have nobody inside; zone
+        by zone in configuration order. The zones then know no track."""
+        if self._last_frame is None:
+            return []
+        event = self._event_maker(*self._last_frame)
+        return [event("exit", counter.region, change.tracker_id, change.class_id,
+                      change.confidence, change.box, change.dwell_s)
+                for counter in self.counters if isinstance(counter, ZoneCounter)
+                for change in counter.close()]
+
+    def _event_maker(self, index: int, pts: float | None, capture_time: float
+                     ) -> Callable[..., AnalyticsEvent]:
+        """A function that makes this source's events on frame ``index``."""
+        names = self.class_names or []
+
+        def event(kind: str, region: Region, track_id: int, cls: int, score: float,
+                  box: Iterable[float], dwell_s: float | None = None) -> AnalyticsEvent:
+            cls = int(cls)
+            return AnalyticsEvent(
+                self.source, kind, region.name, index, pts, capture_time, int(track_id), cls,
+                names[cls] if 0 <= cls < len(names) else None, float(score),
+                tuple(float(v) for v in box), dwell_s)
+
+        return event
 
 
 class AnalyticsStage(Stage[BatchDetections, BatchDetections]):
@@ -506,8 +542,21 @@ class AnalyticsStage(Stage[BatchDetections, BatchDetections]):
         return (dataclasses.replace(item, events=(*item.events, *events)),)
 
     def end_of_stream(self, eos: EndOfStream) -> Iterable[EndOfStream]:
-        if eos.source in self._counts:
-            with self._lock:
-                counts = self._counts[eos.source].to_json()
-            log.info("analytics counts", source=eos.source, counts=counts)
-        return (eos,)
+        """The source ended: its open tracks are closed (``SourceAnalytics.close``: the
+        exits of the objects still inside a zone), counted and published; the marker carries
+        those exits on to the sinks (``EndOfStream.events``: its events file). Its final
+        counts are logged."""
+        if eos.source not in self._counts:
+            return (eos,)
+        closing = self._sources[eos.source].close()
+        with self._lock:
+            for event in closing:
+                self._counts[eos.source].apply(event)
+            counts = self._counts[eos.source].to_json()
+        for publisher in self.publishers:
+            for event in closing:
+                publisher.publish_event(eos.source, event.to_json())
+            if closing:
+                publisher.publish_counts(eos.source, counts)
+        log.info("analytics counts", source=eos.source, counts=counts)
+        return (dataclasses.replace(eos, events=(*eos.events, *closing)) if closing else eos,)

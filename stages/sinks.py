@@ -45,7 +45,7 @@ import numpy as np
 import structlog
 
 from pipeline.config import partial_path
-from pipeline.records import BatchDetections, EndOfStream
+from pipeline.records import AnalyticsEvent, BatchDetections, EndOfStream
 from pipeline.resume import cut_torn_line
 from pipeline.stage import Stage
 
@@ -318,12 +318,16 @@ class EventsWriter(JsonlWriter):
     def write(self, item: BatchDetections) -> None:
         """Append one line per event of ``item`` (if any) and flush."""
         self.frames += len(item)
-        if not item.events:
+        self.write_events(item.events)
+
+    def write_events(self, events: tuple[AnalyticsEvent, ...]) -> None:
+        """Append one line per event (if any) and flush."""
+        if not events:
             return
         self._file.write("".join(json.dumps(event.to_json(), separators=(",", ":")) + "\n"
-                                 for event in item.events))
+                                 for event in events))
         self._file.flush()
-        self.events += len(item.events)
+        self.events += len(events)
 
 
 class SinkStage(Stage[BatchDetections, None]):
@@ -485,6 +489,9 @@ class SinkStage(Stage[BatchDetections, None]):
                              age_h=round(age_s / 3600, 2))
 
     def end_of_stream(self, eos: EndOfStream) -> Iterable[EndOfStream]:
+        for writer in self.writers:  # the exits of the objects inside a zone at its end
+            if isinstance(writer, EventsWriter):
+                writer.write_events(eos.events)
         # A source that failed, or a file stopped before its end, leaves its outputs under
         # their .partial names; a camera's are complete whenever it stops.
         if eos.cut_short and not self.live:

@@ -2,9 +2,10 @@
 
 Runs after the postprocess (and the filters), once per batch, frame by frame in batch order:
 a source's frames come in frame order, within a batch and across batches. Each source with
-``tracker: bytetrack`` has a tracker of its own; the stage gives every detection of the
-batch a ``tracker_id`` (-1 when it is not part of a confirmed track, and for the sources
-without a tracker). The tracker is told the frame index as its clock (``index / rate``
+``tracker: bytetrack`` has a tracker of its own (with ``tracker_class_aware``, one per class:
+a track never changes class); the stage gives every detection of the batch a
+``tracker_id`` (-1 when it is not part of a confirmed track, and for the sources without a
+tracker). The tracker is told the frame index as its clock (``index / rate``
 seconds): frame indices never go back, also over a camera's reconnection, and a gap left by
 the detector (``detect_every``) or by dropped frames is a longer Kalman step.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
@@ -39,21 +41,35 @@ class TrackerSettings:
         new_track_confidence: a detection scoring at least this may start a track, and is
             matched in ByteTrack's first stage; weaker ones only continue tracks.
         lost_s: seconds a track without a detection is kept before it ends.
+        class_aware: one tracker per class (a track never changes class), else one for all.
     """
 
     new_track_confidence: float
     lost_s: float
+    class_aware: bool = False
 
     @classmethod
     def from_config(cls, source: SourceConfig) -> TrackerSettings | None:
         """The settings of a source with ``tracker: bytetrack``, else None."""
         if source.tracker == "none":
             return None
-        return cls(source.tracker_new_confidence, source.tracker_lost_s)
+        return cls(source.tracker_new_confidence, source.tracker_lost_s,
+                   source.tracker_class_aware)
+
+
+ALL_CLASSES = -1  # the key of the one tracker of a source that is not class aware
 
 
 class SourceTracker:
-    """The ByteTrack tracker of one source, fed one frame at a time in frame order.
+    """The ByteTrack tracking of one source, fed one frame at a time in frame order.
+
+    A class-aware source has one ``ByteTrackTracker`` per class seen (the trackers package
+    tracks boxes only, whatever their class; ByteTrack's authors suggest one tracker per
+    class for multi-class tracking), each updated on every detected frame (with its class's
+    detections, maybe none: its tracks age); the others one tracker for all classes. Each
+    tracker numbers its tracks from 0, so the source's ids are given here, in the order the
+    tracks are confirmed: (tracker, its id) -> the source's id. With one tracker the two are
+    the same.
 
     Args:
         settings: the source's settings.
@@ -62,17 +78,32 @@ class SourceTracker:
     """
 
     def __init__(self, settings: TrackerSettings, frame_rate: float) -> None:
-        from trackers import ByteTrackTracker  # imported only when a source is tracked
-
+        self.settings = settings
         self.frame_rate = frame_rate
-        self._tracker = ByteTrackTracker(
-            lost_track_buffer=round(settings.lost_s * TRACKERS_BUFFER_RATE),
-            frame_rate=frame_rate,
-            track_activation_threshold=settings.new_track_confidence,
-            high_conf_det_threshold=settings.new_track_confidence)
+        self._trackers: dict[int, Any] = {}  # class id (or ALL_CLASSES) -> ByteTrackTracker
+        self._ids: dict[tuple[int, int], int] = {}  # (tracker key, its track id) -> ours
+        self._next_id = 0
         self._last_index: int | None = None
         # tracker id -> (class id, score) of the track's latest detection
         self._last_detection: dict[int, tuple[int, float]] = {}
+
+    def _new_tracker(self) -> Any:
+        from trackers import ByteTrackTracker  # imported only when a source is tracked
+
+        settings = self.settings
+        return ByteTrackTracker(
+            lost_track_buffer=round(settings.lost_s * TRACKERS_BUFFER_RATE),
+            frame_rate=self.frame_rate,
+            track_activation_threshold=settings.new_track_confidence,
+            high_conf_det_threshold=settings.new_track_confidence)
+
+    def _our_id(self, key: int, track_id: int) -> int:
+        """The source's id of track ``track_id`` of tracker ``key`` (given when first seen)."""
+        ours = self._ids.get((key, track_id))
+        if ours is None:
+            ours = self._ids[key, track_id] = self._next_id
+            self._next_id += 1
+        return ours
 
     def update(self, index: int, xyxy: np.ndarray, confidence: np.ndarray,
                class_id: np.ndarray) -> np.ndarray:
@@ -90,20 +121,41 @@ class SourceTracker:
         """
         import supervision as sv
 
-        detections = sv.Detections(xyxy=xyxy, confidence=confidence, class_id=class_id,
-                                   data={"row": np.arange(len(xyxy))})
-        tracked = self._tracker.update(detections, timestamp=index / self.frame_rate)
         ids = np.full(len(xyxy), -1, np.int64)
-        if len(tracked):  # the tracker returns every detection, reordered
-            ids[tracked.data["row"]] = tracked.tracker_id
+        if self.settings.class_aware:
+            keys = sorted(set(self._trackers) | set(class_id.tolist()))
+        else:
+            keys = [ALL_CLASSES]
+        for key in keys:
+            tracker = self._trackers.get(key)
+            if tracker is None:
+                tracker = self._trackers[key] = self._new_tracker()
+            rows = (np.arange(len(xyxy)) if key == ALL_CLASSES
+                    else np.flatnonzero(class_id == key))
+            detections = sv.Detections(xyxy=xyxy[rows], confidence=confidence[rows],
+                                       class_id=class_id[rows], data={"row": rows})
+            tracked = tracker.update(detections, timestamp=index / self.frame_rate)
+            # The tracker returns every detection, reordered; new ids in the order given.
+            for row, track_id in zip(tracked.data.get("row", ()), tracked.tracker_id.tolist()):
+                if track_id >= 0:
+                    ids[row] = self._our_id(key, track_id)
         self._last_index = index
         for track_id, cls, score in zip(ids.tolist(), class_id.tolist(), confidence.tolist()):
             if track_id >= 0:
                 self._last_detection[track_id] = (cls, score)
-        alive = {track.tracker_id for track in self._tracker.tracks}
-        for track_id in [t for t in self._last_detection if t not in alive]:
-            del self._last_detection[track_id]
+        self._forget_ended()
         return ids
+
+    def _forget_ended(self) -> None:
+        """Drop what is kept of the tracks the trackers ended (and the trackers of a class
+        without tracks: a class seen again gets a new one)."""
+        alive = {(key, track.tracker_id) for key, tracker in self._trackers.items()
+                 for track in tracker.tracks}
+        for key in [k for k in self._ids if k not in alive]:
+            self._last_detection.pop(self._ids.pop(key), None)
+        if self.settings.class_aware:
+            for key in [k for k, tracker in self._trackers.items() if not tracker.tracks]:
+                del self._trackers[key]
 
     def predict(self, index: int, width: int, height: int
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -119,7 +171,8 @@ class SourceTracker:
         rows: list[tuple[float, int, int, np.ndarray]] = []
         if self._last_index is not None:
             step = float(index - self._last_index)
-            for track in self._tracker.tracks:
+            for key, track in ((k, t) for k, tracker in self._trackers.items()
+                               for t in tracker.tracks):
                 if track.tracker_id < 0 or track.time_since_update > 0:
                     continue  # not confirmed, or already missed on the last detected frame
                 estimator = track.state_estimator
@@ -130,8 +183,9 @@ class SourceTracker:
                 box = np.clip(box, 0, [width, height, width, height])
                 if box[2] <= box[0] or box[3] <= box[1]:
                     continue
-                cls, score = self._last_detection.get(track.tracker_id, (-1, 0.0))
-                rows.append((score, cls, int(track.tracker_id), box))
+                ours = self._our_id(key, track.tracker_id)
+                cls, score = self._last_detection.get(ours, (-1, 0.0))
+                rows.append((score, cls, ours, box))
         rows.sort(key=lambda r: -r[0])
         return (np.array([r[3] for r in rows], np.float32).reshape(-1, 4),
                 np.array([r[0] for r in rows], np.float32),

@@ -310,7 +310,7 @@ def build_graph(config: PipelineConfig,
     if host_frames:  # before annotate: the pictures are never drawn on
         chain.append(PictureStage("pictures", frames))
     if video:
-        chain.append(AnnotateStage("annotate", class_names, {}))
+        chain.append(AnnotateStage("annotate", class_names, {}, config.output.trails))
     graph = Graph([], chain, {}, config.runtime.queue_size, on_batch_done, stop=stop,
                   ring=ring, release_at_sink=keep_images,
                   stop_when=stop_when or config.runtime.stop_when)

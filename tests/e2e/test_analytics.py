@@ -9,6 +9,8 @@ import sys
 import time
 import types
 from collections import Counter, defaultdict
+from dataclasses import replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from pipeline.app.prometheus import LatencyHistogram
 from pipeline.config import parse_config
 from stages.analytics import AnalyticsStage
 from tests.e2e.conftest import pipeline_config, records
+from tests.support.batches import batch_detections, make_frame
 from tests.support.metrics import HostMetrics, value
 from tests.support.webhook_receiver import WebhookReceiver
 
@@ -32,6 +35,7 @@ ANALYTICS = [
     {"type": "zone", "name": "people", "polygon": [[0, 0], [WIDTH, 0], [WIDTH, HEIGHT],
                                                    [0, HEIGHT]], "classes": ["person"]},
 ]
+TRAILS = 20  # output.trails
 MAIN_OBJECT_FRAMES = 20  # a chain this long (0.8 s) is one of the clip's main objects
 STABLE_SHARE = 0.9
 
@@ -107,7 +111,8 @@ def analytics_run(samples, tmp_path_factory) -> dict[str, Any]:
         samples, out, [{"name": "bikes", "uri": str(samples.bikes), "tracker": "bytetrack",
                         "analytics": ANALYTICS}],
         inference={"batch_size": 4}, output={"mqtt": {"host": "broker.invalid"},
-                                             "webhooks": [{"url": receiver.url}]}))
+                                             "webhooks": [{"url": receiver.url}],
+                                             "video": "{source}.mp4", "trails": TRAILS}))
     latency = LatencyHistogram()
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "pipeline.app.mqtt",
@@ -123,7 +128,7 @@ def analytics_run(samples, tmp_path_factory) -> dict[str, Any]:
     receiver.stop()
     (stage,) = [s for s in graph.chain if isinstance(s, AnalyticsStage)]
     logged = [entry["counts"] for entry in logs if entry["event"] == "analytics counts"]
-    return {"records": records(out / "bikes.jsonl"),
+    return {"records": records(out / "bikes.jsonl"), "video": out / "bikes.mp4",
             "events": records(out / "bikes.events.jsonl"),
             "counts": stage.counts()["bikes"], "logged": logged, "metrics": metrics,
             "publisher": publisher, "config": config, "webhook": receiver, "logs": logs}
@@ -372,3 +377,105 @@ def test_webhook_gets_every_event_across_a_3_s_outage_of_the_receiver(
     assert (summary["delivered"], summary["dropped"], summary["rejected"], summary["unsent"]) \
         == (len(lines), 0, 0, 0)
     assert summary["failed"] >= 1
+
+
+def test_the_video_shows_trails_and_box_labels_clear_of_line_and_zone_labels(
+        samples, analytics_run: dict[str, Any]) -> None:
+    """On the annotated video (output.trails: 20), along the path of the track that moved
+    most, between its centres of the last frames and away from every box and label of the
+    frame, the picture's colours differ from the source's (the trail); on frames 36 and 130 (where
+    box labels sat over the line's label before), and on every other frame, each box label's
+    place (as the annotate stage places it, from the frame's records) is clear of every
+    zone and line label."""
+    from pipeline.config import AnalyticsRegionConfig, SourceConfig
+    from stages.analytics import AnalyticsCounts, Region
+    from stages.annotate import draw_detections, overlaps, region_labels
+    from tests.support import read_frames
+
+    lines = analytics_run["records"]
+    names = [line.strip() for line in samples.names.read_text().splitlines()]
+    source = SourceConfig("bikes", str(samples.bikes))
+    regions = [Region.from_config(f"a[{k}]", AnalyticsRegionConfig(**region), source, names,
+                                  len(names)) for k, region in enumerate(ANALYTICS)]
+    clear = [rect for _, rect, _ in region_labels(regions, AnalyticsCounts(regions, names),
+                                                   WIDTH, HEIGHT)]
+    image = np.zeros((HEIGHT * 3 // 2, WIDTH), np.uint8)
+    placed_by_frame = {}
+    for line in lines:
+        detections = line["detections"]
+        batch = batch_detections([(make_frame("bikes", line["frame"], image.copy()),
+                                   [(*d["xyxy"], d["confidence"], d["class_id"])
+                                    for d in detections])])
+        batch = replace(batch, tracker_id=np.array([d["tracker_id"] for d in detections],
+                                                   np.int64))
+        placed = draw_detections(batch.frames.images[0], WIDTH, HEIGHT, batch[0], names, clear)
+        assert not any(overlaps(rect, other, 0) for rect in placed for other in clear), line
+        placed_by_frame[line["frame"]] = placed
+    assert placed_by_frame[36] and placed_by_frame[130]
+    # The trail: the track that moved most over TRAILS frames, on the last of them.
+    paths: dict[int, dict[int, tuple[float, float]]] = defaultdict(dict)
+    for line in lines:
+        for d in line["detections"]:
+            if d["tracker_id"] >= 0:
+                x1, y1, x2, y2 = d["xyxy"]
+                paths[d["tracker_id"]][line["frame"]] = ((x1 + x2) / 2, (y1 + y2) / 2)
+    best = None
+    for track_id, path in paths.items():
+        for frame in path:
+            recent = [path[f] for f in range(frame - 8, frame + 1) if f in path]
+            if len(recent) == 9:
+                moved = float(np.hypot(*np.subtract(recent[-1], recent[0])))
+                if best is None or moved > best[0]:
+                    best = (moved, track_id, frame)
+    assert best is not None and best[0] > 40, best
+    _, track_id, frame = best
+    annotated = read_frames(analytics_run["video"], frame + 1)[frame].to_ndarray(format="rgb24")
+    original = read_frames(samples.bikes, frame + 1)[frame].to_ndarray(format="rgb24")
+    line = lines[frame]
+    busy = [tuple(d["xyxy"]) for d in line["detections"]] + [tuple(r) for r in clear]
+    busy += [tuple(r) for r in placed_by_frame[frame]]
+    checked = 0
+    path = paths[track_id]
+    for f in range(frame - 6, frame):  # midpoints of the newest segments: nearly opaque
+        if f not in path or f + 1 not in path:
+            continue
+        x, y = (int(round(v)) for v in np.add(path[f], path[f + 1]) / 2)
+        if any(b[0] - 6 <= x <= b[2] + 6 and b[1] - 6 <= y <= b[3] + 6 for b in busy
+               if not (b[0] + 6 < x < b[2] - 6 and b[1] + 6 < y < b[3] - 6)):
+            continue  # near a box edge or a label: not the trail alone
+        if any(overlaps((x - 2, y - 2, x + 2, y + 2), tuple(int(v) for v in r), 0)
+               for r in clear + placed_by_frame[frame]):
+            continue
+        patch = np.s_[y - 1:y + 2, x - 1:x + 2]
+        assert np.abs(annotated[patch].astype(int) - original[patch].astype(int)).max() > 25, \
+            (track_id, frame, f, x, y)
+        checked += 1
+    assert checked >= 2, (track_id, frame)
+
+
+def test_class_aware_tracking_keeps_each_id_to_one_class(analytics_run: dict[str, Any]) -> None:
+    """The run's own detections (real, from bikes.mp4) tracked again with
+    tracker_class_aware: every id has one class, where one tracker for all classes gives
+    some id more than one (the clip's detector changes its mind: car, bus, person)."""
+    from stages.tracking import TrackerSettings, TrackerStage
+
+    lines = analytics_run["records"]
+    mixed = defaultdict(set)
+    for line in lines:
+        for d in line["detections"]:
+            if d["tracker_id"] >= 0:
+                mixed[d["tracker_id"]].add(d["class_id"])
+    assert any(len(classes) > 1 for classes in mixed.values()), mixed
+    stage = TrackerStage("track", {"bikes": TrackerSettings(0.3, 1.0, class_aware=True)})
+    classes: dict[int, set[int]] = defaultdict(set)
+    for start in range(0, len(lines), 4):
+        chunk = lines[start:start + 4]
+        batch = batch_detections([(make_frame("bikes", line["frame"], width=WIDTH, height=HEIGHT,
+                                              pts=line["pts"], rate=Fraction(25)),
+                                   [(*d["xyxy"], d["confidence"], d["class_id"])
+                                    for d in line["detections"]]) for line in chunk])
+        (out,) = stage.process(batch)
+        for track_id, cls in zip(out.tracker_id.tolist(), out.class_id.tolist()):
+            if track_id >= 0:
+                classes[track_id].add(cls)
+    assert len(classes) >= 5 and all(len(c) == 1 for c in classes.values()), classes

@@ -110,6 +110,9 @@ BAD = [
     ("sources", "clip.mp4", "sources: expected a list, got 'clip.mp4'"),
     ("model.path", "nope.onnx", "model.path: file not found: 'nope.onnx'"),
     ("output.video_crf", 60, "output.video_crf: expected a value between 0 and 51, got 60"),
+    ("output.trails", -1, "output.trails: expected a value between 0 and 1000, got -1"),
+    ("sources.0.tracker_class_aware", "yes",
+     "sources[0].tracker_class_aware: expected true or false, got 'yes'"),
     ("output.jsonl", "{camera}.jsonl", "output.jsonl: only {source} may be used"),
     ("output.segment_s", 5, "output.segment_s: expected a value >= 10.0, got 5"),
     ("output.segment_s", "15m", "output.segment_s: expected a number or null, got '15m'"),
@@ -450,6 +453,7 @@ def test_the_analytics_example_config_is_valid(samples, repo_root: Path,
     config = load_config("configs/analytics.yaml")
     (source,) = config.sources
     assert source.tracker == "bytetrack" and [r.type for r in source.analytics] == ["line", "zone"]
+    assert source.tracker_class_aware and config.output.trails == 20
 
 
 @pytest.mark.parametrize("uri", ["http://cam.local/live.mp4", "https://cam.local/x.m3u8",

@@ -1,9 +1,10 @@
 """AnalyticsStage: zone and line counting on synthetic trajectories whose events are known
 by construction (crossings both ways, jitter on the line, a brief track, leaving and
-re-entering a zone, a track lost inside a zone)."""
+re-entering a zone, a track lost inside a zone, tracks still inside when the source ends)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 from fractions import Fraction
 
@@ -12,7 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from pipeline.config import AnalyticsRegionConfig, ConfigError, SourceConfig
-from pipeline.records import AnalyticsEvent, BatchDetections
+from pipeline.records import AnalyticsEvent, BatchDetections, EndOfStream
 from stages.analytics import AnalyticsCounts, AnalyticsStage, Region, SourceAnalytics
 from tests.support.batches import batch_detections, make_frame
 
@@ -49,7 +50,7 @@ TRACKS: dict[int, Track] = {
     # Into the dock (frames 3, 4), out (8, 9; frame 7 is within the margin), in again
     # (10, 11), out again (13, 14), gone.
     10: (PERSON, 350, [130, 120, 110, 95, 90, 80, 70, 102, 110, 120, 95, 90, 85, 110, 115]),
-    # First seen inside the dock; lost after frame 4 (last seen at 0.16 s).
+    # First seen inside the dock; lost after frame 4: not seen on frames 5 and 6, it exits.
     11: (PERSON, 320, [50, 50, 50, 50, 50]),
     # A car through the dock: the dock counts persons only.
     12: (CAR, 380, [130, 120, 110, 90, 70, 50, 30]),
@@ -64,10 +65,10 @@ EXPECTED = [
     (4, "enter", "dock", 10, PERSON, None),        # inside on 3 and 4
     (5, "cross_in", "gate", 1, PERSON, None),      # below on 4 and 5
     (6, "cross_out", "gate", 2, CAR, None),        # above on 5 and 6
+    (6, "exit", "dock", 11, PERSON, (4 - 2) / RATE),  # lost: missing on 5 and 6
     (9, "exit", "dock", 10, PERSON, (7 - 3) / RATE),  # inside from frame 3 to 7 (margin)
     (11, "enter", "dock", 10, PERSON, None),
     (14, "exit", "dock", 10, PERSON, (12 - 10) / RATE),
-    (17, "exit", "dock", 11, PERSON, (4 - 2) / RATE),  # 17 / 25 - 4 / 25 > FORGET_S
 ]
 
 
@@ -236,8 +237,8 @@ def test_the_publisher_gets_every_event_and_the_counts_after_each_change() -> No
                            {"cam": FORGET_S}, [recorder])
     events = run(stage, frame_rows(TRACKS, FRAMES), size=4)
     assert recorder.events == [("cam", e.to_json()) for e in events]
-    # Batches of frames 0-3 (the first counts, and an entry), 4-7, 8-11, 12-15, 16-19.
-    assert [source for source, _ in recorder.counts] == ["cam"] * 5
+    # Batches of frames 0-3 (the first counts, and an entry), 4-7, 8-11, 12-15.
+    assert [source for source, _ in recorder.counts] == ["cam"] * 4
     assert recorder.counts[-1][1] == stage.counts()["cam"]
     assert recorder.counts[0][1]["zones"]["dock"]["entered"] == {"person": 1}
     quiet = Recorder()
@@ -254,3 +255,58 @@ def test_stream_time_keeps_rising_when_a_cameras_pts_restart() -> None:
     without_pts = SourceAnalytics("cam", [], NAMES, FORGET_S)
     assert [without_pts.stream_time(None, index, RATE) for index in (0, 1, 5)] == \
         pytest.approx([0.0, 0.04, 0.2])
+
+
+# A person standing in the dock (anchor 350, 50) from frame 0, with gaps in its detections.
+@pytest.mark.parametrize(("seen", "inside", "kinds"), [
+    # Seen on every frame: counted from its 3rd frame, inside from frame 3 (2 frames inside).
+    (range(12), [0, 0, 0] + [1] * 9, ["enter"]),
+    # One frame missed (5): too short to tell (min_frames 2), it stays inside.
+    ([f for f in range(12) if f != 5], [0, 0, 0] + [1] * 9, ["enter"]),
+    # Lost after frame 4: out on frame 6 (missing on 5 and 6, not tracker_lost_s later),
+    # found again on 9: in again on 10.
+    ([0, 1, 2, 3, 4, 9, 10, 11], [0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1],
+     ["enter", "exit", "enter"]),
+])
+def test_occupancy_falls_when_a_track_is_lost(seen: Iterable[int], inside: list[int],
+                                              kinds: list[str]) -> None:
+    shown = set(seen)
+    standing = {7: (PERSON, 350, [50.0 if f in shown else None for f in range(12)])}
+    stage = AnalyticsStage("analytics", {"cam": [region(DOCK)]}, NAMES, {"cam": 10.0})
+    occupancy, events = [], []
+    for row in frame_rows(standing, 12):  # a frame per batch: the counts after each frame
+        (out,) = stage.process(batch_of([row]))
+        events.extend(out.events)
+        occupancy.append(stage.counts()["cam"]["zones"]["dock"]["inside"]["person"])
+    assert occupancy == inside
+    assert [e.kind for e in events] == kinds
+    if len(kinds) > 1:
+        assert events[1].frame == 6 and events[1].dwell_s == pytest.approx((4 - 2) / RATE)
+
+
+@pytest.mark.parametrize("stopped", [False, True])
+def test_end_of_stream_closes_the_tracks_still_inside(stopped: bool) -> None:
+    """Tracks 20 and 21 stand in the dock when the source ends (21 has not been inside for
+    min_frames yet: it never entered); the stage's end marker carries 20's exit, on the last
+    frame, the publisher gets it with the final counts, and nobody is left inside."""
+    recorder = Recorder()
+    stage = AnalyticsStage("analytics", {"cam": [region(GATE), region(DOCK)]}, NAMES,
+                           {"cam": 10.0}, [recorder])
+    standing = {20: (PERSON, 350, [50.0] * 8), 21: (PERSON, 360, [None] * 7 + [60.0])}
+    events = run(stage, frame_rows(standing, 8))
+    assert [e.kind for e in events] == ["enter"]
+    assert stage.counts()["cam"]["zones"]["dock"]["inside"] == {"person": 1}
+    with capture_logs() as logs:
+        (eos,) = stage.end_of_stream(EndOfStream("cam", 8, stopped=stopped))
+    assert summary(eos.events) == [(7, "exit", "dock", 20, PERSON, pytest.approx((7 - 2) / RATE))]
+    assert eos.events[0].xyxy == pytest.approx((340, 10, 360, 50))  # its last box
+    final = stage.counts()["cam"]["zones"]["dock"]
+    assert final == {"inside": {"person": 0}, "entered": {"person": 1}, "exited": {"person": 1}}
+    assert recorder.events[-1] == ("cam", eos.events[0].to_json())
+    assert recorder.counts[-1] == ("cam", stage.counts()["cam"])
+    assert [e["counts"] for e in logs if e["event"] == "analytics counts"] == [
+        stage.counts()["cam"]]
+    (again,) = stage.end_of_stream(EndOfStream("cam", 8))  # nothing open any more
+    assert again.events == ()
+    other = EndOfStream("other", 3)
+    assert stage.end_of_stream(other) == (other,)  # a source without analytics

@@ -282,7 +282,10 @@ def test_events_are_written_one_per_line_and_renamed_when_complete(
     third = replace(batch_detections([(frames[5], [])]), events=(crossing(5, 6),))
     for part in (first, second, third):
         sink.process(part)
-    sink.end_of_stream(end)
+    # The end marker carries the exits of the objects still inside a zone: written last.
+    closing = AnalyticsEvent("cam", "exit", "dock", 5, 0.2, CAPTURE + 5, 7, 0, "person", 0.5,
+                             (1.0, 2.0, 3.0, 4.0), 0.12)
+    sink.end_of_stream(replace(end, events=(closing,)))
     sink.close()
     assert {p.name for p in tmp_path.iterdir()} == left
     written = "cam.events.partial.jsonl" if end.error else "cam.events.jsonl"
@@ -290,7 +293,8 @@ def test_events_are_written_one_per_line_and_renamed_when_complete(
         assert (tmp_path / "cam.events.jsonl").read_text() == "older run\n"
     lines = (tmp_path / written).read_text().splitlines()
     assert [json.loads(line) for line in lines] == [
-        crossing(1, 4).to_json(), crossing(2, 5).to_json(), crossing(5, 6).to_json()]
+        crossing(1, 4).to_json(), crossing(2, 5).to_json(), crossing(5, 6).to_json(),
+        closing.to_json()]
     assert json.loads(lines[0])["line"] == "gate"
 
 

@@ -155,3 +155,49 @@ def test_json_records_carry_track_ids_of_tracked_sources(tracked: bool) -> None:
     else:
         assert ids == [[None]] * 4
     assert [r.get("detected", True) for r in records] == [True, True, False, True]
+
+
+CAR, BUS, PERSON = 2, 5, 0
+
+
+def classes_of_ids(frames: list[tuple[str, int, np.ndarray, np.ndarray]],
+                   rows: list[tuple[str, int, list[Box], bool]]) -> dict[int, set[int]]:
+    """Track id -> the classes of the detections it was given (detected frames only)."""
+    seen: dict[int, set[int]] = {}
+    for (_, _, _, ids), (_, _, boxes, detected) in zip(frames, rows):
+        if detected:
+            for track_id, box in zip(ids.tolist(), boxes):
+                if track_id >= 0:
+                    seen.setdefault(track_id, set()).add(int(box[5]))
+    return seen
+
+
+@pytest.mark.parametrize(("class_aware", "classes_per_id"), [
+    (False, [{CAR, BUS, PERSON}, {CAR}]),  # one tracker: the flickering object's id changes class
+    (True, [{CAR}, {CAR}, {BUS}, {PERSON}]),  # per class: each id keeps one class
+])
+def test_class_aware_ids_never_change_class(class_aware: bool,
+                                            classes_per_id: list[set[int]]) -> None:
+    """Object 1 is called a car (frames 0-7), a bus (8-15), then a person (16-23), where it
+    is; object 2, a car, drives past it. Class aware, every id has one class and ids stay
+    unique across the classes' trackers; ids of a class-aware tracker on its frames skipped
+    by the detector keep their class too."""
+    def label(i: int) -> int:
+        return CAR if i < 8 else BUS if i < 16 else PERSON
+    rows = [("a", i, [moving_box(i, 20, 6, cls=label(i)),
+                      moving_box(i, 500, -6, y=250, score=0.8, cls=CAR)], True)
+            for i in range(24)]
+    settings = replace(SETTINGS, class_aware=class_aware)
+    frames = run(TrackerStage("track", {"a": settings}), rows)
+    seen = classes_of_ids(frames, rows)
+    assert sorted(seen.values(), key=lambda c: (len(c), sorted(c))) == sorted(
+        classes_per_id, key=lambda c: (len(c), sorted(c)))
+    if class_aware:  # on the frames the detector skips, predictions keep their class too
+        skipping = [(s, i, boxes if i % 2 == 0 else [], i % 2 == 0) for s, i, boxes, _ in rows]
+        stage, classes = TrackerStage("track", {"a": settings}), {}
+        for batch in batches(skipping):
+            (out,) = stage.process(batch)
+            for track_id, cls in zip(out.tracker_id.tolist(), out.class_id.tolist()):
+                if track_id >= 0:
+                    classes.setdefault(track_id, set()).add(cls)
+        assert len(classes) == 4 and all(len(c) == 1 for c in classes.values()), classes
