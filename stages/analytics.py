@@ -322,6 +322,16 @@ class EventPublisher(Protocol):
     def publish_counts(self, source: str, counts: dict) -> None: ...
 
 
+class EventMediaHook(Protocol):
+    """What makes each event's snapshot and clip (``stages.event_media.EventMedia``): it sees
+    every batch, and returns the batch's events with their media paths set."""
+
+    def observe(self, item: BatchDetections, events: list[AnalyticsEvent]
+                ) -> list[AnalyticsEvent]: ...
+
+    def end(self, source: str) -> None: ...
+
+
 class SourceAnalytics:
     """One source's zones and lines and what they know of its tracks.
 
@@ -430,13 +440,17 @@ class AnalyticsStage(Stage[BatchDetections, BatchDetections]):
         forget_s: source name -> stream seconds after which an unseen track is gone.
         publishers: each gets every event and, after a batch that changed a source's
             counts, that source's counts (MQTT, webhooks); none by default.
+        media: sees every batch before the events go anywhere, and gives them their
+            snapshot and clip paths (``output.event_media``); None: no media.
     """
 
     def __init__(self, name: str, regions: dict[str, list[Region]],
                  class_names: list[str] | None, forget_s: dict[str, float],
-                 publishers: Sequence[EventPublisher] = ()) -> None:
+                 publishers: Sequence[EventPublisher] = (),
+                 media: EventMediaHook | None = None) -> None:
         super().__init__(name)
         self.publishers = tuple(publishers)
+        self.media = media
         self._sources = {source: SourceAnalytics(source, list(found), class_names,
                                                  forget_s[source])
                          for source, found in regions.items()}
@@ -487,6 +501,8 @@ class AnalyticsStage(Stage[BatchDetections, BatchDetections]):
             if found:
                 changed.add(source)
                 events.extend(found)
+        if self.media is not None:
+            events = self.media.observe(item, events)
         if events:
             with self._lock:
                 for event in events:
@@ -506,6 +522,8 @@ class AnalyticsStage(Stage[BatchDetections, BatchDetections]):
         return (dataclasses.replace(item, events=(*item.events, *events)),)
 
     def end_of_stream(self, eos: EndOfStream) -> Iterable[EndOfStream]:
+        if self.media is not None:
+            self.media.end(eos.source)
         if eos.source in self._counts:
             with self._lock:
                 counts = self._counts[eos.source].to_json()
