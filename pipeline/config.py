@@ -518,6 +518,13 @@ class OutputConfig:
                       "outputs follow the file and end with it).",
                       min=SEGMENT_MIN_S),
     )
+    event_media: EventMediaConfig | None = field(
+        default=None,
+        metadata=_doc("Per analytics event, a JPEG snapshot and an MP4 clip in "
+                      "<events file>/ beside the events file (bikes.events/), referenced from "
+                      "the event record (snapshot, clip); made off the pipeline's path, "
+                      "dropped and counted when behind (events never are); or null."),
+    )
     keep_hours: float | None = field(
         default=None,
         metadata=_doc("With segment_s: delete a live source's segments (only files with its "
@@ -528,7 +535,10 @@ class OutputConfig:
 
     def check(self) -> None:
         """Raise ConfigError unless ``keep_hours`` comes with ``segment_s`` and keeps at
-        least one segment, and every webhook is well formed, each URL once."""
+        least one segment, every webhook is well formed, each URL once, and the event
+        media settings can work."""
+        if self.event_media is not None:
+            self.event_media.check("output.event_media")
         urls: dict[str, int] = {}
         for i, webhook in enumerate(self.webhooks or ()):
             webhook.check(f"output.webhooks[{i}]")
@@ -546,6 +556,62 @@ class OutputConfig:
             raise ConfigError(f"output.keep_hours: expected at least one segment "
                               f"({self.segment_s:g} s = {self.segment_s / 3600:.4g} h), got "
                               f"{self.keep_hours:g}")
+
+
+@dataclass
+class ClipConfig:
+    """The clip of an analytics event: from ``pre_s`` before to ``post_s`` after it."""
+
+    pre_s: float = field(default=5.0, metadata=_doc("Seconds of video before the event.",
+                                                    min=0.0, max=60.0))
+    post_s: float = field(default=5.0, metadata=_doc("Seconds of video after the event.",
+                                                     min=0.0, max=60.0))
+    ring_mb: float = field(
+        default=64.0,
+        metadata=_doc("A source without output.video: MB of recent frames (I420 copies) kept "
+                      "in memory per source for its clips (fewer than pre_s of them when they "
+                      "do not fit: the clip starts later).", min=1.0))
+
+
+@dataclass
+class EventMediaConfig:
+    """A snapshot and a clip per analytics event (``stages/event_media.py``)."""
+
+    snapshot: bool = field(
+        default=True,
+        metadata=_doc("Write a JPEG of the event's frame with the object's box highlighted "
+                      "(and publish it, retained, to <prefix>/<source>/<zone or line>/snapshot "
+                      "with output.mqtt)."))
+    crop: bool = field(
+        default=False,
+        metadata=_doc("Crop the snapshot to the box and as much again around it."))
+    jpeg_quality: int = field(default=90, metadata=_doc("JPEG quality.", min=1, max=100))
+    clip: ClipConfig | None = field(
+        default_factory=ClipConfig,
+        metadata=_doc("The event's clip: stream-copied from the source's own recording "
+                      "(output.video) where it is written, else encoded from a ring of recent "
+                      "frames in memory; null for none."))
+    queue_size: int = field(
+        default=64,
+        metadata=_doc("Snapshots and clips waiting to be made, all sources together; an event "
+                      "that finds it full gets none (dropped and counted).", min=1))
+    keep_hours: float | None = field(
+        default=None,
+        metadata=_doc("Delete snapshots and clips (only names this run makes) last written "
+                      "more than this many hours ago, at start and every 10 minutes; null: "
+                      "keep everything.", min=0.0))
+
+    def check(self, key: str) -> None:
+        """Raise ConfigError unless some media is asked for and the numbers are finite
+        (``key``: where it sits, ``output.event_media``)."""
+        if not self.snapshot and self.clip is None:
+            raise ConfigError(f"{key}: asks for nothing (snapshot false and clip null); "
+                              f"set output.event_media to null instead")
+        for name, value in (("keep_hours", self.keep_hours),
+                            *((f"clip.{k}", getattr(self.clip, k))
+                              for k in ("pre_s", "post_s", "ring_mb") if self.clip)):
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"{key}.{name}: expected a finite number, got {value!r}")
 
 
 @dataclass

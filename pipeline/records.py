@@ -487,6 +487,9 @@ class AnalyticsEvent:
         xyxy: the track's box on that frame (its last box when it is gone), frame pixels.
         dwell_s: for an exit, seconds of the stream's timestamps from the first to the last
             frame the track was seen inside; None for the other kinds.
+        snapshot: the event's JPEG (``output.event_media``), a path relative to the events
+            file's folder (``bikes.events/<id>.jpg``), or None: none asked for, or dropped.
+        clip: the event's MP4 clip, likewise; it appears under that name once written.
     """
 
     source: str
@@ -501,6 +504,8 @@ class AnalyticsEvent:
     confidence: float
     xyxy: tuple[float, float, float, float]
     dwell_s: float | None = None
+    snapshot: str | None = None
+    clip: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in EVENT_KINDS:
@@ -523,8 +528,9 @@ class AnalyticsEvent:
     def to_json(self) -> dict[str, Any]:
         """The event as a JSON-ready dict: ``{"source", "capture_time", "pts", "frame",
         "kind", "zone" or "line" (the name), "tracker_id", "class_id", "class_name",
-        "confidence", "xyxy"}``, and ``"dwell_s"`` on an exit (times rounded to 6 digits,
-        the score to 4, the box to 2; ``class_name`` null when unknown)."""
+        "confidence", "xyxy"}``, ``"dwell_s"`` on an exit (times rounded to 6 digits, the
+        score to 4, the box to 2; ``class_name`` null when unknown), and ``"snapshot"`` and
+        ``"clip"`` when the event has them."""
         record: dict[str, Any] = {
             "source": self.source,
             "capture_time": round(self.capture_time, 6),
@@ -540,4 +546,8 @@ class AnalyticsEvent:
         }
         if self.dwell_s is not None:
             record["dwell_s"] = round(self.dwell_s, 6)
+        if self.snapshot is not None:
+            record["snapshot"] = self.snapshot
+        if self.clip is not None:
+            record["clip"] = self.clip
         return record

@@ -339,6 +339,16 @@ class EventPublisher(Protocol):
     def publish_counts(self, source: str, counts: dict) -> None: ...
 
 
+class EventMediaHook(Protocol):
+    """What makes each event's snapshot and clip (``stages.event_media.EventMedia``): it sees
+    every batch, and returns the batch's events with their media paths set."""
+
+    def observe(self, item: BatchDetections, events: list[AnalyticsEvent]
+                ) -> list[AnalyticsEvent]: ...
+
+    def end(self, source: str) -> None: ...
+
+
 class SourceAnalytics:
     """One source's zones and lines and what they know of its tracks.
 
@@ -466,13 +476,17 @@ class AnalyticsStage(Stage[BatchDetections, BatchDetections]):
         forget_s: source name -> stream seconds after which an unseen track is gone.
         publishers: each gets every event and, after a batch that changed a source's
             counts, that source's counts (MQTT, webhooks); none by default.
+        media: sees every batch before the events go anywhere, and gives them their
+            snapshot and clip paths (``output.event_media``); None: no media.
     """
 
     def __init__(self, name: str, regions: dict[str, list[Region]],
                  class_names: list[str] | None, forget_s: dict[str, float],
-                 publishers: Sequence[EventPublisher] = ()) -> None:
+                 publishers: Sequence[EventPublisher] = (),
+                 media: EventMediaHook | None = None) -> None:
         super().__init__(name)
         self.publishers = tuple(publishers)
+        self.media = media
         self._sources = {source: SourceAnalytics(source, list(found), class_names,
                                                  forget_s[source])
                          for source, found in regions.items()}
@@ -523,6 +537,8 @@ class AnalyticsStage(Stage[BatchDetections, BatchDetections]):
             if found:
                 changed.add(source)
                 events.extend(found)
+        if self.media is not None:
+            events = self.media.observe(item, events)
         if events:
             with self._lock:
                 for event in events:
@@ -545,7 +561,10 @@ class AnalyticsStage(Stage[BatchDetections, BatchDetections]):
         """The source ended: its open tracks are closed (``SourceAnalytics.close``: the
         exits of the objects still inside a zone), counted and published; the marker carries
         those exits on to the sinks (``EndOfStream.events``: its events file). Its final
-        counts are logged."""
+        counts are logged. The closing exits get no event media (the source's frames are
+        gone); its pending media is finished (``EventMedia.end``)."""
+        if self.media is not None:
+            self.media.end(eos.source)
         if eos.source not in self._counts:
             return (eos,)
         closing = self._sources[eos.source].close()

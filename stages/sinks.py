@@ -35,6 +35,7 @@ import math
 import os
 import re
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from fractions import Fraction
 from pathlib import Path
@@ -67,6 +68,7 @@ DEFAULT_RATE = Fraction(25)
 FRAGMENT_S = 2.0  # every MP4: a keyframe, and so a fragment, this often (of video time)
 SEGMENT_STAMP = "%Y%m%dT%H%M%SZ"  # a segment's first frame, UTC: sorts as text in time order
 _SEGMENT_STAMP_PATTERN = r"\d{8}T\d{6}Z"
+RECORDINGS_KEPT = 4  # video writers a sink remembers for ``recording_of`` (event clips)
 
 
 def detection_records(xyxy: np.ndarray, confidence: np.ndarray, class_id: np.ndarray,
@@ -161,6 +163,14 @@ class VideoWriter:
         self.skipped = 0  # frames without a host image (nothing to encode)
         self._first_index = 0  # the frame number of the file's first frame
         self._last_pts = -1
+        self.rate: Fraction = DEFAULT_RATE  # the video's frame rate, set with its first frame
+        self.closed = False  # finalised: its file (final or .partial) grows no more
+
+    @property
+    def first_index(self) -> int:
+        """The frame number of the file's first frame (its video time 0; each frame's video
+        time is (frame - first_index) / ``rate``); meaningful once ``frames`` > 0."""
+        return self._first_index
 
     def write(self, item: BatchDetections) -> None:
         """Encode every frame of ``item`` that has an image (``item.frames.images[row]``), in
@@ -208,7 +218,7 @@ class VideoWriter:
                    "flush_packets": "1"}
         self._container = av.open(str(partial_path(self.path)), "w", format="mp4",
                                   options=options)
-        rate = rate or DEFAULT_RATE
+        rate = self.rate = rate or DEFAULT_RATE
         stream = self._container.add_stream("libx264", rate=rate)
         stream.codec_context.gop_size = max(1, round(FRAGMENT_S * rate))
         stream.width, stream.height = width, height
@@ -220,6 +230,7 @@ class VideoWriter:
     def close(self, complete: bool) -> None:
         """Flush the encoder and finalise the file; rename it when ``complete``."""
         if self._container is None:
+            self.closed = True
             return  # no frame: no file
         assert self._stream is not None
         self._container.mux(self._stream.encode(None))
@@ -227,6 +238,7 @@ class VideoWriter:
         self._container = None
         if complete:
             os.replace(partial_path(self.path), self.path)
+        self.closed = True
 
 
 def stopped_text(frames: int, total: int | None) -> str:
@@ -383,6 +395,7 @@ class SinkStage(Stage[BatchDetections, None]):
         self.release_slots = release_slots
         self.preview = preview
         self.writers: list[VideoWriter | JsonlWriter | EventsWriter] = []
+        self._recordings: deque[VideoWriter] = deque(maxlen=RECORDINGS_KEPT)
         self.complete = False
         # A file source stopped before its end: (frames read, frames it has or None).
         self.stopped_at: tuple[int, int | None] | None = None
@@ -410,6 +423,16 @@ class SinkStage(Stage[BatchDetections, None]):
             self.writers.append(EventsWriter(self.events_path, append=resumed))
         if self.video_path is not None:
             self.writers.append(VideoWriter(self.video_path, self.crf))
+            self._recordings.append(self.writers[-1])
+
+    def recording_of(self, frame: int) -> VideoWriter | None:
+        """The video writer of this run whose file holds (or will hold) frame ``frame`` of
+        the source: the newest of the last ``RECORDINGS_KEPT`` that started at or before it;
+        None when none did yet (or no video is written). Any thread."""
+        for writer in reversed(list(self._recordings)):
+            if writer.frames and writer.first_index <= frame:
+                return writer
+        return None
 
     def _paths(self) -> list[Path]:
         """The configured outputs (final paths, not segments)."""
@@ -466,6 +489,7 @@ class SinkStage(Stage[BatchDetections, None]):
             self.writers.append(EventsWriter(segment_path(self.events_path, stamp)))
         if self.video_path is not None:
             self.writers.append(VideoWriter(segment_path(self.video_path, stamp), self.crf))
+            self._recordings.append(self.writers[-1])
         self._delete_old_segments()
 
     def _delete_old_segments(self) -> None:

@@ -29,6 +29,7 @@ from stages.annotate import AnnotateStage
 from stages.backends.base import ModelInfo, read_model_info
 from stages.batcher import BatcherStage, DetectionSchedule
 from stages.decode import DecodeStage, decoder_threads
+from stages.event_media import EventMedia
 from stages.filters import DetectionFilterStage, SourceFilter
 from stages.gpu_decode import GpuDecodeStage, gpu_decode_unavailable_reason
 from stages.infer import InferStage, create_backend
@@ -167,7 +168,8 @@ def frame_slots(config: PipelineConfig, sources: int | None = None) -> int:
     batch = config.inference.batch_size
     sources = len(config.sources) if sources is None else sources
     slots = batch * (BATCH_SETS + 2) + 2 * sources
-    if config.output.video is not None or config.runtime.http is not None:
+    if config.output.video is not None or config.runtime.http is not None \
+            or config.output.event_media is not None:
         slots += batch * 2 + 2 * sources
     return slots
 
@@ -266,8 +268,10 @@ def build_graph(config: PipelineConfig,
     http = config.runtime.http
     preview = PreviewHub(http.preview_fps, class_names) if http is not None else None
     host_frames = frames is not None
-    # the sinks (or the picture stage) read the images: the sinks release them
-    keep_images = video or preview is not None or host_frames
+    media = create_event_media(config, with_regions)
+    # The sinks (or the picture stage, or the event media's copies) read the images: the
+    # sinks release them.
+    keep_images = video or preview is not None or host_frames or media is not None
     size = (info.input_height, info.input_width)
     pool = None
     if engine is not None:
@@ -305,8 +309,10 @@ def build_graph(config: PipelineConfig,
         chain.append(TrackerStage("track", {}))
     publishers = [p for p in (create_publisher(config, with_regions),
                               create_webhooks(config, with_regions)) if p is not None]
+    if media is not None:
+        media.publishers = tuple(p for p in publishers if hasattr(p, "publish_snapshot"))
     if with_regions:
-        chain.append(AnalyticsStage("analytics", {}, class_names, {}, publishers))
+        chain.append(AnalyticsStage("analytics", {}, class_names, {}, publishers, media))
     if host_frames:  # before annotate: the pictures are never drawn on
         chain.append(PictureStage("pictures", frames))
     if video:
@@ -321,6 +327,8 @@ def build_graph(config: PipelineConfig,
         graph.add_service(lambda: None, ring.close)
     for publisher in publishers:
         graph.add_service(publisher.start, publisher.close)
+    if media is not None:  # closes before the publishers: its last snapshots reach MQTT
+        graph.add_service(media.start, media.close)
     if pool is not None:
         graph.add_service(pool.start, pool.close, with_sources=True)
     graph.gpu = gpu
@@ -332,10 +340,17 @@ def build_graph(config: PipelineConfig,
             return GpuDecodeStage(source, gpu.device_id, ring, preview)
         return DecodeStage(source, ring, stop, decoder_threads=threads)
 
+    def make_sink(cfg: PipelineConfig, source: SourceConfig, tracked: bool,
+                  has_analytics: bool) -> SinkStage:
+        sink = build_sink(cfg, source, class_names, ring, keep_images, tracked, has_analytics,
+                          preview)
+        if media is not None and has_analytics:
+            media.add_source(source.name, sink.events_path or cfg.output_path(
+                "{source}.events.jsonl", source.name), sink)
+        return sink
+
     graph.control = SourceControl(
-        config, graph, ring, pool, class_names, info.num_classes,
-        lambda cfg, source, tracked, has_analytics: build_sink(
-            cfg, source, class_names, ring, keep_images, tracked, has_analytics, preview),
+        config, graph, ring, pool, class_names, info.num_classes, make_sink,
         lambda uri: known_sizes.get(uri) or probe_frame_size(uri), make_decoder,
         lambda source, key: decoder_kind(config, source, key, gpu, host_frames) == "cpu",
         track_gone_margin_s=TRACK_GONE_MARGIN_S)
@@ -465,6 +480,18 @@ def create_publisher(config: PipelineConfig, sources: list[str]) -> MqttPublishe
     return MqttPublisher(config.output.mqtt, sources)
 
 
+def create_event_media(config: PipelineConfig, sources: list[str]) -> EventMedia | None:
+    """The event media (``output.event_media``) of the sources with analytics, or None
+    when it is not set or no source has analytics. Not started: ``graph.add_service``
+    starts it; sources join it as their sinks are built."""
+    if config.output.event_media is None:
+        return None
+    if not sources:
+        log.warning("output.event_media is set but no source has analytics: no events")
+        return None
+    return EventMedia(config.output.event_media)
+
+
 def create_webhooks(config: PipelineConfig, sources: list[str]) -> WebhookPublisher | None:
     """The publisher of the analytics events to ``output.webhooks`` when any is set and
     ``sources`` (those with analytics) is not empty, else None. Not started:
@@ -514,6 +541,8 @@ def decoder_kind(config: PipelineConfig, source: SourceConfig, key: str,
     reason = ("inference does not run on the GPU" if gpu is None else
               "output.video needs the frames on the host" if config.output.video else
               "the Python API's frames are handed over from host memory" if host_frames else
+              "output.event_media needs the frames on the host" if config.output.event_media
+              else
               gpu_decode_unavailable_reason())
     if reason is None:
         return "gpu"

@@ -4,6 +4,9 @@ Topics (``prefix`` is ``output.mqtt.topic_prefix``):
 
 - ``<prefix>/<source>/events``: one JSON message per event, QoS 1, in publish order;
 - ``<prefix>/<source>/counts``: the source's latest counts, JSON, QoS 1, retained;
+- ``<prefix>/<source>/<zone or line>/snapshot``: the JPEG bytes of the latest event's
+  snapshot there (``output.event_media``), QoS 1, retained (as Frigate does); only the latest
+  of each topic waits;
 - ``<prefix>/availability``: ``online`` (retained) once connected, ``offline`` (retained)
   on ``close()``, and the same ``offline`` as the last will, which the broker publishes
   when the process dies or the connection is lost without a goodbye.
@@ -65,7 +68,7 @@ GOODBYE_S = 1.0  # close(): time for "offline" to be acknowledged before disconn
 AVAILABILITY_ONLINE = "online"
 AVAILABILITY_OFFLINE = "offline"
 
-_EVENT, _COUNTS, _AVAILABILITY = "event", "counts", "availability"
+_EVENT, _COUNTS, _AVAILABILITY, _SNAPSHOT = "event", "counts", "availability", "snapshot"
 
 
 class MqttPublisher:
@@ -106,6 +109,8 @@ class MqttPublisher:
         self._lock = threading.Lock()
         self._waiting_events: deque[tuple[str, Any]] = deque()  # (topic, event dict)
         self._waiting_counts: dict[str, Any] = {}  # topic -> the latest counts dict
+        self._waiting_snapshots: dict[str, bytes] = {}  # topic -> the latest JPEG
+        self._prefix = prefix
         self._overflow_logged = False
         self._unknown_sources: set[str] = set()
 
@@ -175,6 +180,18 @@ class MqttPublisher:
             return
         with self._lock:
             self._waiting_counts[topic] = counts
+
+    def publish_snapshot(self, source: str, region: str, jpeg: bytes) -> None:
+        """Queue an event's snapshot for ``<prefix>/<source>/<region>/snapshot`` (the JPEG
+        bytes, QoS 1, retained), replacing one of that topic that still waits. Non-blocking;
+        ignored after ``close()``."""
+        if source not in self._counts_topics:
+            self._unknown_source(source)
+            return
+        if self._closing.is_set():
+            return
+        with self._lock:
+            self._waiting_snapshots[f"{self._prefix}/{source}/{region}/snapshot"] = jpeg
 
     def close(self) -> None:
         """Deliver what waits for up to ``FLUSH_S`` seconds, publish ``offline`` to the
@@ -267,8 +284,15 @@ class MqttPublisher:
                     body, kind = self._waiting_counts.pop(topic), _COUNTS
                 elif self._waiting_events:
                     (topic, body), kind = self._waiting_events.popleft(), _EVENT
+                elif self._waiting_snapshots:
+                    topic = next(iter(self._waiting_snapshots))
+                    body, kind = self._waiting_snapshots.pop(topic), _SNAPSHOT
                 else:
                     return
+            if kind == _SNAPSHOT:
+                info = self._client.publish(topic, body, qos=1, retain=True)
+                self._in_flight[info.mid] = kind
+                continue
             try:
                 payload = json.dumps(body, separators=(",", ":"), default=_json_value)
             except (TypeError, ValueError) as error:
@@ -297,7 +321,8 @@ class MqttPublisher:
         if time.monotonic() >= self._flush_deadline:
             return True
         with self._lock:
-            waiting = bool(self._waiting_events or self._waiting_counts)
+            waiting = bool(self._waiting_events or self._waiting_counts
+                           or self._waiting_snapshots)
         return not waiting and not self._in_flight
 
     def _wait_before_reconnect(self) -> None:

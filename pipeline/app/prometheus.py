@@ -50,6 +50,8 @@ pipeline_line_crossings_total              counter  source, line, class, directi
 pipeline_zone_events_total                 counter  source, zone, class, kind (enter, exit):
                                                     entries into and exits from a zone
 pipeline_zone_objects                      gauge    source, zone, class: objects inside now
+pipeline_event_media_total                 counter  result: snapshot, clip (written), dropped
+                                                    (queue full), failed (output.event_media)
 pipeline_webhook_delivered_total           counter  url: events an ``output.webhooks``
                                                     endpoint answered with a 2xx
 pipeline_webhook_failed_total              counter  url: attempts that got no 2xx and were
@@ -91,6 +93,7 @@ from pipeline.app.webhooks import WebhookPublisher, WebhookStats
 from pipeline.config import is_loopback
 from pipeline.metrics import SOURCE_STATES
 from stages.analytics import AnalyticsStage
+from stages.event_media import EventMediaStats
 
 # Capture-to-sink latency: a few ms (GPU, batch 1) up to seconds (a backlog of file frames).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -242,6 +245,8 @@ class GraphCollector(Collector):
                 webhooks += [stats for publisher in stage.publishers
                              if isinstance(publisher, WebhookPublisher)
                              for stats in publisher.stats()]
+                if stage.media is not None:
+                    yield event_media_family(stage.media.stats())
         if webhooks:
             yield from webhook_families(webhooks)
 
@@ -280,6 +285,18 @@ def analytics_families(counts: dict[str, dict[str, Any]]) -> list[Metric]:
             for cls, value in kinds["inside"].items():
                 inside.add_metric([source, zone, cls], value)
     return [crossings, zone_events, inside]
+
+
+def event_media_family(stats: EventMediaStats) -> Metric:
+    """``pipeline_event_media_total{result}``: snapshots and clips written, events whose media
+    was dropped (queue full), media that failed (``stages.event_media``)."""
+    family = CounterMetricFamily("pipeline_event_media", "Event media by result: snapshot "
+                                 "and clip written, dropped (queue full), failed.",
+                                 labels=["result"])
+    for result, count in (("snapshot", stats.snapshots), ("clip", stats.clips),
+                          ("dropped", stats.dropped), ("failed", stats.failed)):
+        family.add_metric([result], count)
+    return family
 
 
 def webhook_families(stats: list[WebhookStats]) -> list[Metric]:

@@ -117,6 +117,7 @@ def place_decoders(config: PipelineConfig, gpus: int, on_gpu: Callable[[], bool]
 
     runtime = config.runtime
     if (len(config.sources) < 2 or not runtime.cpu_decode_fps or config.output.video is not None
+            or config.output.event_media is not None
             or not any(s.decode == "auto" for s in config.sources)
             or config.inference.device == "cpu"):
         return

@@ -36,6 +36,7 @@ ANALYTICS = [
                                                    [0, HEIGHT]], "classes": ["person"]},
 ]
 TRAILS = 20  # output.trails
+CLIP = {"pre_s": 1.0, "post_s": 1.5}
 MAIN_OBJECT_FRAMES = 20  # a chain this long (0.8 s) is one of the clip's main objects
 STABLE_SHARE = 0.9
 
@@ -104,15 +105,16 @@ def analytics_run(samples, tmp_path_factory) -> dict[str, Any]:
     metrics served as a run serves them (``tests.support.metrics.HostMetrics``: the host's
     snapshot, with the latency fed per batch as the host feeds it, on a ``ClusterExporter``)
     and scraped once the run ended; ``output.mqtt`` goes to a ``FakePublisher``,
-    ``output.webhooks`` to a real receiver on loopback (``WebhookReceiver``)."""
+    ``output.webhooks`` to a real receiver on loopback (``WebhookReceiver``); the video is
+    written, and each event's snapshot and clip (cut from it)."""
     out = tmp_path_factory.mktemp("analytics")
     receiver = WebhookReceiver().start()
     config = parse_config(pipeline_config(
         samples, out, [{"name": "bikes", "uri": str(samples.bikes), "tracker": "bytetrack",
                         "analytics": ANALYTICS}],
-        inference={"batch_size": 4}, output={"mqtt": {"host": "broker.invalid"},
-                                             "webhooks": [{"url": receiver.url}],
-                                             "video": "{source}.mp4", "trails": TRAILS}))
+        inference={"batch_size": 4},
+        output={"mqtt": {"host": "broker.invalid"}, "webhooks": [{"url": receiver.url}],
+                "video": "{source}.mp4", "trails": TRAILS, "event_media": {"clip": CLIP}}))
     latency = LatencyHistogram()
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "pipeline.app.mqtt",
@@ -131,7 +133,8 @@ def analytics_run(samples, tmp_path_factory) -> dict[str, Any]:
     return {"records": records(out / "bikes.jsonl"), "video": out / "bikes.mp4",
             "events": records(out / "bikes.events.jsonl"),
             "counts": stage.counts()["bikes"], "logged": logged, "metrics": metrics,
-            "publisher": publisher, "config": config, "webhook": receiver, "logs": logs}
+            "publisher": publisher, "config": config, "webhook": receiver, "logs": logs,
+            "out": out}
 
 
 def test_main_objects_keep_one_track_id(analytics_run: dict[str, Any]) -> None:
@@ -479,3 +482,39 @@ def test_class_aware_tracking_keeps_each_id_to_one_class(analytics_run: dict[str
             if track_id >= 0:
                 classes[track_id].add(cls)
     assert len(classes) >= 5 and all(len(c) == 1 for c in classes.values()), classes
+
+
+def test_every_event_has_its_snapshot_and_its_clip(analytics_run: dict[str, Any]) -> None:
+    """output.event_media with the video written: every event's record names a JPEG that
+    shows its box highlighted (the pixels along the box's edges are the highlight's colour)
+    and an MP4 cut from the recording (no second encoder) whose frames cover the event's
+    frame from pre_s before to post_s after (within the file); the summary counts them."""
+    import json
+
+    import av
+    import cv2
+
+    from stages.event_media import HIGHLIGHT_BGR
+
+    out, events = analytics_run["out"], analytics_run["events"]
+    assert len(events) >= 3
+    rate = 25
+    for event in events:
+        assert event["snapshot"].startswith("bikes.events/") and event["clip"].endswith(".mp4")
+        picture = cv2.imread(str(out / event["snapshot"]))
+        assert picture is not None and picture.shape == (HEIGHT, WIDTH, 3), event
+        x1, y1, x2, y2 = (int(round(v)) for v in event["xyxy"])
+        x2, y2 = min(x2, WIDTH - 1), min(y2, HEIGHT - 1)
+        edges = np.concatenate([picture[y1, x1:x2], picture[y2, x1:x2], picture[y1:y2, x1],
+                                picture[y1:y2, x2]]).astype(int)
+        assert (np.abs(edges - HIGHLIGHT_BGR) <= 60).all(axis=1).mean() > 0.9, event
+        with av.open(str(out / event["clip"])) as clip:
+            meta = json.loads(clip.metadata["comment"])
+            frames = sum(1 for _ in clip.decode(clip.streams.video[0]))
+        first, last = meta["start_frame"], meta["start_frame"] + frames - 1
+        assert first <= max(0, event["frame"] - CLIP["pre_s"] * rate), (event, meta)
+        assert last >= min(249, int(event["frame"] + CLIP["post_s"] * rate)), (event, meta)
+        assert meta["start_pts"] == pytest.approx(first / rate)
+    (summary,) = [e for e in analytics_run["logs"] if e["event"] == "event media summary"]
+    assert (summary["snapshots"], summary["clips"], summary["dropped"], summary["failed"]) == \
+        (len(events), len(events), 0, 0)

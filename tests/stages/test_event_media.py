@@ -1,0 +1,121 @@
+"""Event media on real frames of bikes.mp4 (no model): the snapshot's highlight lies on the
+event's box, a clip from the in-memory ring spans the event +- its seconds, and a full queue
+drops media (counted), never the event."""
+
+from __future__ import annotations
+
+import json
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import cv2
+import numpy as np
+import pytest
+
+from pipeline.config import ClipConfig, EventMediaConfig
+from pipeline.records import AnalyticsEvent
+from stages.event_media import HIGHLIGHT_BGR, EventMedia, highlight_thickness, snapshot_jpeg
+from tests.support.batches import batch_detections, make_frame
+
+RATE = Fraction(25)
+BOX = (200.0, 60.0, 330.0, 250.0)
+
+
+@pytest.fixture(scope="module")
+def bikes_i420(samples) -> list[np.ndarray]:
+    """The first 120 frames of bikes.mp4 as (272 * 3 // 2, 640) uint8 I420 arrays."""
+    with av.open(str(samples.bikes)) as video:
+        return [frame.to_ndarray(format="yuv420p") for _, frame in
+                zip(range(120), video.decode(video.streams.video[0]))]
+
+
+def highlighted_share(jpeg: bytes, box: tuple[float, ...], origin: tuple[int, int] = (0, 0)
+                      ) -> float:
+    """The share of the pixels on the box's four edges (the highlight's middle line) that
+    are within 60 of ``HIGHLIGHT_BGR`` in every channel."""
+    picture = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)
+    assert picture is not None, "not a JPEG"
+    x1, y1, x2, y2 = (int(round(v)) - o for v, o in zip(box, origin * 2))
+    edges = np.concatenate([picture[y1, x1:x2], picture[y2, x1:x2], picture[y1:y2, x1],
+                            picture[y1:y2, x2]])
+    near = (np.abs(edges.astype(int) - HIGHLIGHT_BGR) <= 60).all(axis=1)
+    return float(near.mean())
+
+
+def event_at(frame: int, box: tuple[float, ...] = BOX) -> AnalyticsEvent:
+    return AnalyticsEvent("bikes", "enter", "kerb", frame, frame / 25, time.time(), 7, 0,
+                          "person", 0.9, box)
+
+
+@pytest.mark.parametrize("crop", [False, True])
+def test_the_snapshot_highlights_the_box(bikes_i420, crop: bool) -> None:
+    image = bikes_i420[30]
+    before = image.copy()
+    jpeg, origin = snapshot_jpeg(image, 640, 272, BOX, "enter kerb #7 person", crop=crop)
+    assert np.array_equal(image, before)  # the frame is not drawn on
+    picture = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)
+    assert highlighted_share(jpeg, BOX, origin) > 0.95
+    # Inside the box, away from the line, the frame's own pixels (not the highlight).
+    x1, y1, x2, y2 = (int(v) - o for v, o in zip(BOX, origin * 2))
+    pad = highlight_thickness(640, 272) + 2
+    inner = picture[y1 + pad:y2 - pad, x1 + pad:x2 - pad].reshape(-1, 3).astype(int)
+    assert (np.abs(inner - HIGHLIGHT_BGR) <= 60).all(axis=1).mean() < 0.05
+    if crop:
+        assert picture.shape[1] < 640 and origin[0] > 0
+    else:
+        assert picture.shape == (272, 640, 3) and origin == (0, 0)
+
+
+def feed(media: EventMedia, frames: list[np.ndarray], events: dict[int, AnalyticsEvent],
+         batch: int = 4) -> list[AnalyticsEvent]:
+    """``frames`` through ``media.observe`` in batches of ``batch``, the events on their
+    frames; returns the events as the media gave them back."""
+    out = []
+    for start in range(0, len(frames), batch):
+        rows = [(make_frame("bikes", i, frames[i], pts=i / 25, rate=RATE), [])
+                for i in range(start, min(start + batch, len(frames)))]
+        item = batch_detections(rows)
+        out += media.observe(item, [e for i, e in events.items() if start <= i < start + batch])
+    media.end("bikes")
+    return out
+
+
+def test_a_clip_from_the_ring_spans_the_event_and_its_seconds(bikes_i420, tmp_path: Path) -> None:
+    """No recording: the clip is encoded from the ring; its frames are those from pre_s
+    before to post_s after the event, as its metadata says, and its times span that."""
+    media = EventMedia(EventMediaConfig(clip=ClipConfig(pre_s=1.0, post_s=1.5)))
+    media.add_source("bikes", tmp_path / "bikes.events.jsonl", None)
+    media.start()
+    (event,) = feed(media, bikes_i420, {60: event_at(60)})
+    media.close()
+    assert event.snapshot and event.clip and event.snapshot.startswith("bikes.events/")
+    assert highlighted_share((tmp_path / event.snapshot).read_bytes(), BOX) > 0.95
+    with av.open(str(tmp_path / event.clip)) as clip:
+        meta = json.loads(clip.metadata["comment"])
+        times = [frame.time for frame in clip.decode(clip.streams.video[0])]
+    assert meta["start_frame"] == 60 - 25 and meta["start_pts"] == pytest.approx(1.4)
+    assert len(times) == 25 + 1 + 37  # frames 35..97: 3.88 s <= 2.4 s + 1.5 s < 3.92 s
+    start, end = meta["start_pts"], meta["start_pts"] + times[-1] - times[0]
+    assert start <= event.pts - 1.0 + 1e-6 and end >= event.pts + 1.5 - 1 / 25
+    assert media.stats() == type(media.stats())(1, 1, 0, 0, 0)
+
+
+def test_a_full_queue_drops_media_never_events(bikes_i420, tmp_path: Path) -> None:
+    """queue_size 2 and a burst of 4 events on one frame: the first gets a snapshot and a
+    clip (2 jobs), the others none, and all four events come back, counted as dropped."""
+    media = EventMedia(EventMediaConfig(queue_size=2, clip=ClipConfig(pre_s=0.2, post_s=0.2)))
+    media.add_source("bikes", tmp_path / "bikes.events.jsonl", None)
+    media.start()
+    frame = make_frame("bikes", 0, bikes_i420[0], pts=0.0, rate=RATE)
+    burst = [AnalyticsEvent("bikes", "enter", "kerb", 0, 0.0, time.time(), k, 0, "person",
+                            0.9, BOX) for k in range(4)]
+    out = media.observe(batch_detections([(frame, [])]), burst)
+    media.close()
+    assert [e.tracker_id for e in out] == [0, 1, 2, 3]
+    assert out[0].snapshot and out[0].clip
+    assert all(e.snapshot is None and e.clip is None for e in out[1:])
+    assert "snapshot" not in out[1].to_json()
+    stats = media.stats()
+    assert (stats.snapshots, stats.clips, stats.dropped) == (1, 1, 3)
