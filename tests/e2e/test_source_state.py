@@ -127,8 +127,9 @@ def test_a_10_s_outage_shows_reconnecting_then_running_and_pts_keep_increasing(
     written = records(tmp_path / "door.jsonl")
     pts = [r["pts"] for r in written]
     assert len(pts) >= 10 and None not in pts, pts[:5]
-    # from 0 at the camera's first decoded frame; a loaded machine may drop the first ones
-    assert 0.0 <= pts[0] < 2.0, pts[:5]
+    # from 0 at the camera's first frame; a loaded machine may drop the first ones, or skip
+    # its first GOPs to catch up (max_lag_ms 500; a GOP is 1 s here): seconds, not a clock
+    assert 0.0 <= pts[0] < 5.0, pts[:5]
     assert all(b > a for a, b in zip(pts, pts[1:])), "pts went back"
     gap = max(b - a for a, b in zip(pts, pts[1:]))
     assert gap >= OUTAGE_S * 0.8, f"the outage is not in the pts (largest step {gap:.2f} s)"
