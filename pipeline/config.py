@@ -520,8 +520,9 @@ class OutputConfig:
     )
     event_media: EventMediaConfig | None = field(
         default=None,
-        metadata=_doc("Per analytics event, a JPEG snapshot and an MP4 clip in "
-                      "<events file>/ beside the events file (bikes.events/), referenced from "
+        metadata=_doc("Per analytics event, a JPEG snapshot and an MP4 clip in a folder "
+                      "named after the events file (bikes.events.jsonl -> bikes.events/), "
+                      "referenced from "
                       "the event record (snapshot, clip); made off the pipeline's path, "
                       "dropped and counted when behind (events never are); or null."),
     )
@@ -539,6 +540,10 @@ class OutputConfig:
         media settings can work."""
         if self.event_media is not None:
             self.event_media.check("output.event_media")
+            if self.events is None:
+                raise ConfigError("output.event_media: needs output.events (the records that "
+                                  "name each snapshot and clip, in <events file>/); set it, "
+                                  "or output.event_media: null")
         urls: dict[str, int] = {}
         for i, webhook in enumerate(self.webhooks or ()):
             webhook.check(f"output.webhooks[{i}]")
@@ -584,7 +589,8 @@ class EventMediaConfig:
                       "with output.mqtt)."))
     crop: bool = field(
         default=False,
-        metadata=_doc("Crop the snapshot to the box and as much again around it."))
+        metadata=_doc("Crop the snapshot to the box plus half its width and height on each "
+                      "side (at least 32 pixels), within the frame."))
     jpeg_quality: int = field(default=90, metadata=_doc("JPEG quality.", min=1, max=100))
     clip: ClipConfig | None = field(
         default_factory=ClipConfig,
@@ -592,9 +598,10 @@ class EventMediaConfig:
                       "(output.video) where it is written, else encoded from a ring of recent "
                       "frames in memory; null for none."))
     queue_size: int = field(
-        default=64,
-        metadata=_doc("Snapshots and clips waiting to be made, all sources together; an event "
-                      "that finds it full gets none (dropped and counted).", min=1))
+        default=128,
+        metadata=_doc("Jobs waiting to be made, all sources together (a snapshot and a clip "
+                      "are a job each: 128 holds 64 events); an event that finds it full gets "
+                      "no media (dropped and counted; the event itself is kept).", min=1))
     keep_hours: float | None = field(
         default=None,
         metadata=_doc("Delete snapshots and clips (only names this run makes) last written "

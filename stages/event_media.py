@@ -145,7 +145,9 @@ def snapshot_jpeg(image: np.ndarray, width: int, height: int,
     cv2.rectangle(bgr, (x1, y1), (x2, y2), HIGHLIGHT_BGR, thickness)
     scale = max(0.4, min(width, height) / 900)
     (text_w, text_h), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
-    bottom = y1 - thickness if y1 - thickness - text_h - base >= 0 else y2 + thickness + text_h + base
+    # above the box; where the box touches the frame's top, inside it (as the video's labels)
+    bottom = (y1 - thickness if y1 - thickness - text_h - base >= 0
+              else min(height, y1 + thickness + text_h + base))
     top = bottom - text_h - base
     cv2.rectangle(bgr, (x1, top), (x1 + text_w + 4, bottom), HIGHLIGHT_BGR, -1)
     cv2.putText(bgr, label, (x1 + 2, bottom - base), cv2.FONT_HERSHEY_SIMPLEX, scale,

@@ -49,6 +49,11 @@ def prepare(config: PipelineConfig, restart: bool = False) -> tuple[str, ...]:
     check_extras(config)
     model = model_setup(config)
     check_sources(config, model, probe_file_sources(config))
+    for i, source in enumerate(config.sources):
+        if source.loop and not source.pace_fps:
+            log.warning("a looped file without pace_fps is read as fast as it decodes, and "
+                        "a live source drops what the pipeline cannot take: set pace_fps to "
+                        "play it as a camera", source=source.name, key=f"sources[{i}].pace_fps")
     if config.runtime.http is not None:
         from pipeline.app.http import check_settings
 

@@ -468,3 +468,11 @@ def test_every_scheme_the_help_names_is_accepted_as_a_live_stream(files: Path, u
     assert source.is_live and source.should_reconnect
     with pytest.raises(ConfigError, match="allowed: http, https, rtmp, rtmps, rtsp, rtsps, srt"):
         parse_config({**data, "sources": [{"name": "cam1", "uri": "gopher://cam.local/x"}]})
+
+
+def test_event_media_needs_the_events_file_that_names_it(files: Path) -> None:
+    data = {**base(), "output": {"events": None, "event_media": {"snapshot": True}}}
+    with pytest.raises(ConfigError, match=r"^output.event_media: needs output.events "):
+        parse_config(data)
+    data["output"]["events"] = "{source}.events.jsonl"
+    assert parse_config(data).output.event_media.queue_size == 128

@@ -68,6 +68,17 @@ def test_the_snapshot_highlights_the_box(bikes_i420, crop: bool) -> None:
         assert picture.shape == (272, 640, 3) and origin == (0, 0)
 
 
+def test_a_box_that_touches_the_frames_top_keeps_its_label_inside_it(bikes_i420) -> None:
+    """The two line crossings of configs/analytics.yaml have boxes from y 2 and 5 to the
+    frame's bottom: the label goes inside the box's top (it went below the frame)."""
+    tall = (200.0, 2.0, 330.0, 270.0)
+    jpeg, _ = snapshot_jpeg(bikes_i420[30], 640, 272, tall, "cross_out middle #3 person")
+    picture = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)
+    pad = highlight_thickness(640, 272) + 1
+    under_top = picture[pad:pad + 8, 205:300].reshape(-1, 3).astype(int)  # the label's band
+    assert (np.abs(under_top - HIGHLIGHT_BGR) <= 60).all(axis=1).mean() > 0.5
+
+
 def feed(media: EventMedia, frames: list[np.ndarray], events: dict[int, AnalyticsEvent],
          batch: int = 4) -> list[AnalyticsEvent]:
     """``frames`` through ``media.observe`` in batches of ``batch``, the events on their
