@@ -49,11 +49,12 @@ def test_process_tree_and_usage_cover_children():
         child.wait()
 
 
-@pytest.mark.slow  # a real RTSP server, runs 18 s
+@pytest.mark.slow  # a real RTSP server, runs 15 s
 def test_a_short_soak_runs_and_stops_cleanly(tmp_path, capsys):
     require_rtsp_server()
     out = tmp_path / "soak.md"
-    assert main(["--minutes", "0.3", "--cameras", "1", "--fps", "10", "--interval-s", "4",
+    # samples at 3, 6, 9, 12 and 15 s: three rows once /metrics answers by 9 s
+    assert main(["--minutes", "0.25", "--cameras", "1", "--fps", "10", "--interval-s", "3",
                  "--warmup-s", "0", "--out", str(out)]) == 0
     text = out.read_text()
     assert "pipeline exit code after SIGINT: 0" in text
@@ -72,11 +73,12 @@ def test_refit_reads_a_printed_report():
     assert text.endswith("threads/h +0.00, fds/h +0.00."), text
 
 
-@pytest.mark.slow  # paced cameras, runs 18 s
+@pytest.mark.slow  # paced cameras, runs 16 s
 def test_a_short_soak_of_a_looped_clip_played_as_cameras(tmp_path, samples):
     """--clip: no RTSP server; the clip (10 s) is looped to outlast the run and played live."""
     out = tmp_path / "soak.md"
-    assert main(["--minutes", "0.3", "--cameras", "2", "--fps", "10", "--interval-s", "4",
+    # samples at 4, 8, 12 and 16 s (the first sample past the 15 s ends the run)
+    assert main(["--minutes", "0.25", "--cameras", "2", "--fps", "10", "--interval-s", "4",
                  "--warmup-s", "0", "--clip", str(samples.bikes), "--no-video",
                  "--out", str(out)]) == 0
     text = out.read_text()

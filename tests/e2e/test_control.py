@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -16,7 +17,7 @@ from pipeline.app.build import build_graph
 from pipeline.app.http import HttpServer
 from pipeline.config import ConfigError, parse_config
 from tests.e2e.conftest import pipeline_config
-from tests.support import free_port
+from tests.support import RtspServer, free_port, require_rtsp_server
 from tests.support.harness import wait_for
 from tests.support.live_view import local_board, running
 
@@ -31,14 +32,14 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.fixture()
-def api(samples, make_clip, tmp_path: Path, rtsp_server
-        ) -> Iterator[tuple[httpx.Client, dict, object]]:
+@contextmanager
+def control_run(samples, make_clip, out: Path, cameras: RtspServer
+                ) -> Iterator[tuple[httpx.Client, dict, object]]:
     """A run with one paced file (``street``) and one camera (``door``), decoded in two
-    worker processes, that ends only when stopped (``stop_when: never``); its API client."""
-    cameras = rtsp_server({"door": "live:5", "yard": "live:5"})  # 5 frames/s: CI has 2 cores
+    worker processes, writing into ``out``, that ends only when stopped (``stop_when:
+    never``); its API client."""
     data = pipeline_config(
-        samples, tmp_path,
+        samples, out,
         [{"name": "street", "uri": str(make_clip("bikes", BIKES_FRAMES, (640, 272))),
           "pace_fps": 15},
          {"name": "door", "uri": cameras.url("door")}],
@@ -51,9 +52,32 @@ def api(samples, make_clip, tmp_path: Path, rtsp_server
     try:
         with pump, running(graph), httpx.Client(base_url=f"http://127.0.0.1:{port}",
                                           timeout=60) as client:
-            yield client, {"data": data, "yard": cameras.url("yard")}, graph
+            yield client, {"data": data, "yard": cameras.url("yard"), "out": out}, graph
     finally:
         server.close()
+
+
+CAMERAS = {"door": "live:5", "yard": "live:5"}  # 5 frames/s: CI has 2 cores
+
+
+@pytest.fixture()
+def api(samples, make_clip, tmp_path: Path, rtsp_server
+        ) -> Iterator[tuple[httpx.Client, dict, object]]:
+    """``control_run`` of this test alone, into ``tmp_path``."""
+    with control_run(samples, make_clip, tmp_path, rtsp_server(CAMERAS)) as api:
+        yield api
+
+
+@pytest.fixture(scope="module")
+def shared_api(samples, make_clip, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[tuple[httpx.Client, dict, object]]:
+    """One ``control_run`` for the tests that leave its sources as they found them (requests
+    refused, a source added and removed again): its start, and its stop that waits for the
+    camera's open (FFmpeg probes about 5 s of a 5 frames/s camera), once for them all."""
+    require_rtsp_server()
+    with RtspServer(CAMERAS) as cameras, control_run(
+            samples, make_clip, tmp_path_factory.mktemp("control"), cameras) as api:
+        yield api
 
 
 def state(client: httpx.Client, name: str) -> str:
@@ -124,8 +148,8 @@ BAD_BODIES = [
 ]
 
 
-def test_bad_bodies_get_the_config_file_s_messages(api, samples) -> None:
-    client, run, graph = api
+def test_bad_bodies_get_the_config_file_s_messages(shared_api) -> None:
+    client, run, graph = shared_api
     for body in BAD_BODIES:
         # The message the same entry gets in the file, as the run's third source.
         data = {**run["data"], "sources": [*run["data"]["sources"], body]}
@@ -148,8 +172,8 @@ def test_bad_bodies_get_the_config_file_s_messages(api, samples) -> None:
 
 
 def test_an_unreadable_file_is_a_400_naming_its_key_and_a_frameless_removal_lists_nothing(
-        api, tmp_path: Path) -> None:
-    client, _, _ = api
+        shared_api, tmp_path: Path) -> None:
+    client, run, _ = shared_api
     bad = tmp_path / "empty.mp4"
     bad.write_bytes(b"")
     answer = client.post("/api/sources", json={"name": "bad", "uri": str(bad)})
@@ -163,4 +187,5 @@ def test_an_unreadable_file_is_a_400_naming_its_key_and_a_frameless_removal_list
     removed = client.delete("/api/sources/gate")
     assert removed.status_code == 200, removed.text
     assert removed.json()["outputs"] == []
-    assert not list(tmp_path.glob("gate*"))
+    assert not list(run["out"].glob("gate*"))
+    assert [s["name"] for s in client.get("/api/sources").json()["sources"]] == ["street", "door"]

@@ -23,14 +23,24 @@ from tests.support import free_port, read_frames
 from tests.support.harness import wait_for
 from tests.support.live_view import running
 
-BIKES_FRAMES = 250
+# The resume tests stop a run after its first records and run it again to the end: the
+# first 100 frames of bikes.mp4 leave the stop mid-file (at the CPU detector's pace, 90
+# frames to go) and the second run less to detect than the whole video.
+CLIP_FRAMES = 100
 STOPPED = 3  # pipeline.app.run.EXIT_STOPPED
 OLDER = "an older run's complete output\n"
 
 
-def bikes(samples, out: Path, **output) -> dict:
-    return pipeline_config(samples, out, [{"name": "bikes", "uri": str(samples.bikes)}],
+def bikes(samples, out: Path, uri: Path | None = None, **output) -> dict:
+    """A configuration for source ``bikes``: ``uri``, by default bikes.mp4."""
+    return pipeline_config(samples, out, [{"name": "bikes", "uri": str(uri or samples.bikes)}],
                            output=output)
+
+
+@pytest.fixture(scope="module")
+def clip(make_clip) -> Path:
+    """The first ``CLIP_FRAMES`` frames of bikes.mp4, at its size."""
+    return make_clip("bikes", CLIP_FRAMES, (640, 272))
 
 
 def test_an_older_output_survives_a_killed_run(samples, tmp_path: Path, run_pipeline) -> None:
@@ -53,10 +63,11 @@ def test_an_older_output_survives_a_failed_source(samples, tmp_path: Path, run_p
     assert (tmp_path / "cam.jsonl").read_text() == OLDER
 
 
-@pytest.mark.slow  # the detector over a whole video on the CPU, twice
-def test_a_stopped_file_stays_partial_and_the_next_run_resumes_it(samples, tmp_path: Path,
+@pytest.mark.slow  # the detector over a 100-frame video on the CPU, twice
+def test_a_stopped_file_stays_partial_and_the_next_run_resumes_it(samples, clip: Path,
+                                                                  tmp_path: Path,
                                                                   run_pipeline) -> None:
-    config = bikes(samples, tmp_path, video="{source}.mp4")
+    config = bikes(samples, tmp_path, clip, video="{source}.mp4")
     (tmp_path / "bikes.jsonl").write_text(OLDER)
     run = run_pipeline(config, tmp_path)
     wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, "the first records",
@@ -64,12 +75,12 @@ def test_a_stopped_file_stays_partial_and_the_next_run_resumes_it(samples, tmp_p
     run.signal(signal.SIGINT)
     assert run.wait() == STOPPED, run.stderr()[-3000:]
     cut = records(tmp_path / "bikes.partial.jsonl")
-    assert 10 <= len(cut) < BIKES_FRAMES
+    assert 10 <= len(cut) < CLIP_FRAMES
     assert [r["frame"] for r in cut] == list(range(len(cut)))  # complete line by line
     assert (tmp_path / "bikes.jsonl").read_text() == OLDER  # not replaced by a cut file
     assert {p.name for p in tmp_path.glob("bikes*")} == {
         "bikes.jsonl", "bikes.partial.jsonl", "bikes.partial.mp4"}
-    where = f"stopped at frame {len(cut)} of {BIKES_FRAMES}"
+    where = f"stopped at frame {len(cut)} of {CLIP_FRAMES}"
     (summary,) = [e for e in run.events("source summary") if e["source"] == "bikes"]
     assert summary["cut_short"] == where
     assert [e["at"] for e in run.events("stopped early: outputs kept as .partial; run the same "
@@ -78,18 +89,18 @@ def test_a_stopped_file_stays_partial_and_the_next_run_resumes_it(samples, tmp_p
     assert "Traceback" not in run.stderr()
 
     # a part of an older finished run that was resumed elsewhere: superseded by this one's
-    (tmp_path / "bikes.from-200.mp4").write_bytes(b"an older run's part")
+    (tmp_path / "bikes.from-90.mp4").write_bytes(b"an older run's part")
     again = run_pipeline(config, tmp_path / "again")  # same config, same outputs
     assert again.wait(120) == 0, again.stderr()[-3000:]
     lines = records(tmp_path / "bikes.jsonl")
-    assert [r["frame"] for r in lines] == list(range(BIKES_FRAMES))  # each frame once, in order
+    assert [r["frame"] for r in lines] == list(range(CLIP_FRAMES))  # each frame once, in order
     assert not (tmp_path / "bikes.partial.jsonl").exists()
     (resumed,) = again.events("resuming a file cut short after its last record")
     assert resumed["frame"] == len(cut)
     # every video part of the finished file has a final name, and together they hold it all
     videos = sorted(p.name for p in tmp_path.glob("bikes*.mp4"))
     assert videos == ["bikes.from-0.mp4", f"bikes.from-{len(cut)}.mp4"]
-    assert sum(len(read_frames(tmp_path / name)) for name in videos) == BIKES_FRAMES
+    assert sum(len(read_frames(tmp_path / name)) for name in videos) == CLIP_FRAMES
 
 
 def test_a_cut_file_resumes_after_its_last_record_unless_restart(samples,
@@ -194,10 +205,10 @@ def test_a_source_removed_before_its_first_frame_leaves_no_file(samples, tmp_pat
 
 @pytest.mark.slow  # paced end to end
 def test_with_two_pipelines_a_stopped_file_stays_partial_and_the_next_run_resumes_it(
-        samples, tmp_path: Path, run_pipeline) -> None:
+        samples, clip: Path, tmp_path: Path, run_pipeline) -> None:
     """``runtime.workers: 2``: the same exit 3, ``.partial`` names, and resume."""
-    config = bikes(samples, tmp_path)
-    config["sources"][0]["pace_fps"] = 50  # a few seconds long: the signal comes mid-file
+    config = bikes(samples, tmp_path, clip)
+    config["sources"][0]["pace_fps"] = 25  # a few seconds long: the signal comes mid-file
     config["runtime"] = {**config.get("runtime", {}), "workers": 2}
     run = run_pipeline(config, tmp_path)
     wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, "the first records",
@@ -205,13 +216,13 @@ def test_with_two_pipelines_a_stopped_file_stays_partial_and_the_next_run_resume
     run.signal(signal.SIGINT)
     assert run.wait(120) == STOPPED, run.stderr()[-3000:]
     cut = records(tmp_path / "bikes.partial.jsonl")
-    assert 10 <= len(cut) < BIKES_FRAMES and not (tmp_path / "bikes.jsonl").exists()
+    assert 10 <= len(cut) < CLIP_FRAMES and not (tmp_path / "bikes.jsonl").exists()
     assert [e["source"] for e in run.events("stopped early: outputs kept as .partial; run the "
                                             "same command again to resume (--restart: start "
                                             "over)")] == ["bikes"]
     again = run_pipeline(config, tmp_path / "again")  # the same config
     assert again.wait(180) == 0, again.stderr()[-3000:]
-    assert [r["frame"] for r in records(tmp_path / "bikes.jsonl")] == list(range(BIKES_FRAMES))
+    assert [r["frame"] for r in records(tmp_path / "bikes.jsonl")] == list(range(CLIP_FRAMES))
     assert not (tmp_path / "bikes.partial.jsonl").exists()
 
 
