@@ -800,7 +800,8 @@ class RuntimeConfig:
     nvdec_fps: float = field(
         default=4500.0,
         metadata=_doc("1080p frames/s one GPU's NVDEC decodes (H.264 through PyAV; the H200 "
-                      "measured 4,580: run.py capacity prints yours as decode alone). On the "
+                      "measured 4,185 to 4,823 in different runs, hence the default 4,500: "
+                      "run.py capacity prints yours as decode alone). On the "
                       "GPU path, decode: auto sources fill NVDEC up to 80% of this, then go "
                       "to CPU decode (runtime.cpu_decode_fps); past both, they are shared in "
                       "proportion to the two; unpaced files always are (logged).", min=1.0),
@@ -811,8 +812,9 @@ class RuntimeConfig:
                       "runtime.nvdec_fps); 0 (the default): decode: auto never places a "
                       "source on CPU decode. Set it from run.py capacity's 'NVDEC and the CPU "
                       "at once' only where that beats NVDEC alone: on the H200's 16-core host "
-                      "it did not (3,163 against 4,185 frames/s: NVDEC's feeding through PyAV "
-                      "needs those cores too).", min=0.0),
+                      "it did not (both at once 3,163 frames/s against NVDEC alone's 4,185 in "
+                      "the same run: NVDEC's feeding through PyAV needs those cores too).",
+                      min=0.0),
     )
     http: HttpConfig | None = field(
         default=None,
