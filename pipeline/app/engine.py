@@ -417,9 +417,9 @@ class EngineProcess:
         sizes = probe_file_sources(config).values()
         largest = max([DEFAULT_FRAME_SIZE, *sizes], key=lambda wh: wh[0] * wh[1])
         slot_bytes = i420_bytes(*largest)
-        cpu_sources = sum(1 for s in config.sources if not on_gpu or s.decode == "cpu"
-                          or config.output.video is not None)
-        keep_images = config.output.video is not None or config.runtime.http is not None
+        on_host = config.output.video is not None or config.output.event_media is not None
+        cpu_sources = sum(1 for s in config.sources if not on_gpu or s.decode == "cpu" or on_host)
+        keep_images = on_host or config.runtime.http is not None
         host, gpu = ring_shares(len(config.sources), workers, cpu_sources, keep_images)
         self.ring = SlotRing(host * workers, slot_bytes, shared=True)
         self._folder = tempfile.mkdtemp(prefix="streamdet-engine-")

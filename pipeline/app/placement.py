@@ -54,7 +54,8 @@ class SourceLoad:
         name: the source's name.
         width, height: its frame size in pixels (> 0).
         fps: its frames per second (> 0).
-        cpu_decode: it is decoded on the CPU (``decode: cpu``), by its worker's threads.
+        cpu_decode: it is decoded on the CPU (``decode: cpu``), by its worker (its threads, or
+            its decode processes on the GPU path).
     """
 
     name: str
