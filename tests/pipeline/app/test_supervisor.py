@@ -182,7 +182,7 @@ def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restar
 
 
 def test_a_restarted_host_takes_no_running_camera_back_but_takes_new_ones(samples):
-    # Moving a camera back cuts it (its frames meanwhile are lost): on the H200, moving 33
+    # Moving a camera back cuts it (its frames meanwhile are lost): on the H200, moving 34
     # cameras back onto a restarted worker cost the healthy ones 5,428 frames.
     cameras = parse_config({"sources": [{"name": n, "uri": str(samples.bikes), "live": True}
                                         for n in ("a", "b", "c", "d")],
