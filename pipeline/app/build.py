@@ -527,6 +527,16 @@ def check_extras(config: PipelineConfig) -> None:
                               f"installed: pip install 'streamdet[{extra}]'")
 
 
+def host_outputs_reason(config: PipelineConfig) -> str | None:
+    """Why ``config``'s outputs need every frame in host memory (so no source decodes on
+    NVDEC), or None when they do not."""
+    if config.output.video is not None:
+        return "output.video needs the frames on the host"
+    if config.output.event_media is not None:
+        return "output.event_media needs the frames on the host"
+    return None
+
+
 def decoder_kind(config: PipelineConfig, source: SourceConfig, key: str,
                  gpu: GpuContext | None, host_frames: bool = False) -> str:
     """Where ``source`` is decoded: "gpu" (NVDEC) or "cpu" (its ``decode``; ``key``: its
@@ -539,11 +549,8 @@ def decoder_kind(config: PipelineConfig, source: SourceConfig, key: str,
     if source.decode == "cpu":
         return "cpu"
     reason = ("inference does not run on the GPU" if gpu is None else
-              "output.video needs the frames on the host" if config.output.video else
               "the Python API's frames are handed over from host memory" if host_frames else
-              "output.event_media needs the frames on the host" if config.output.event_media
-              else
-              gpu_decode_unavailable_reason())
+              host_outputs_reason(config) or gpu_decode_unavailable_reason())
     if reason is None:
         return "gpu"
     if source.decode == "gpu":

@@ -410,14 +410,14 @@ class EngineProcess:
         import secrets
         import tempfile
 
-        from pipeline.app.build import DEFAULT_FRAME_SIZE, probe_file_sources
+        from pipeline.app.build import DEFAULT_FRAME_SIZE, host_outputs_reason, probe_file_sources
         from pipeline.slots import i420_bytes
 
         self.config, self.device, self._context = config, device, context
         sizes = probe_file_sources(config).values()
         largest = max([DEFAULT_FRAME_SIZE, *sizes], key=lambda wh: wh[0] * wh[1])
         slot_bytes = i420_bytes(*largest)
-        on_host = config.output.video is not None or config.output.event_media is not None
+        on_host = host_outputs_reason(config) is not None  # as build.decoder_kind decides
         cpu_sources = sum(1 for s in config.sources if not on_gpu or s.decode == "cpu" or on_host)
         keep_images = on_host or config.runtime.http is not None
         host, gpu = ring_shares(len(config.sources), workers, cpu_sources, keep_images)

@@ -118,11 +118,11 @@ def place_decoders(config: PipelineConfig, gpus: int, on_gpu: Callable[[], bool]
     the GPU path, ``on_gpu()``, with no annotated video: else every auto source decodes on
     the CPU anyway), and the plan is logged. Sources added while the run goes on keep
     ``auto`` (NVDEC where usable)."""
+    from pipeline.app.build import host_outputs_reason
     from pipeline.app.placement import plan_cpu_decode, source_loads
 
     runtime = config.runtime
-    if (len(config.sources) < 2 or not runtime.cpu_decode_fps or config.output.video is not None
-            or config.output.event_media is not None
+    if (len(config.sources) < 2 or not runtime.cpu_decode_fps or host_outputs_reason(config)
             or not any(s.decode == "auto" for s in config.sources)
             or config.inference.device == "cpu"):
         return
