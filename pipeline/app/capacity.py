@@ -482,7 +482,10 @@ def main(options: Options) -> int:
     ceilings: dict[str, Any] = {}
     notes: list[str] = []
     header = ""
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C and SIGTERM stop the command, even where SIGINT came in ignored (a shell's
+    # background job ignores it, and Python then sets no handler of its own)
+    previous = {signum: signal.signal(signum, _interrupt)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         out.mkdir(parents=True, exist_ok=True)
         from pipeline.app.clips import clip_for
@@ -542,7 +545,8 @@ def main(options: Options) -> int:
         notes.append("interrupted: the table holds the runs finished before")
         status = EXIT_INTERRUPTED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         shutil.rmtree(work, ignore_errors=True)
     text = report(header, rows, ceilings, notes, fps)
     if options.out is not None:
@@ -554,5 +558,5 @@ def main(options: Options) -> int:
 
 
 def _interrupt(signum: int, _frame: object) -> None:
-    """SIGTERM stops the command as Ctrl-C does."""
+    """SIGINT and SIGTERM stop the command (as Ctrl-C does by default)."""
     raise KeyboardInterrupt

@@ -230,7 +230,8 @@ def test_an_idle_host_counts_from_its_snapshot_before_the_window():
 def test_the_child_runs_in_its_own_group_and_stops_on_one_sigint(tmp_path):
     """A Ctrl-C at the terminal reaches only the measuring process; ``stop`` sends the
     child one SIGINT, so it stops gracefully (a second would abort run.py)."""
-    script = ("import sys, time\n"
+    script = ("import signal, sys, time\n"  # its own handler, as run.py sets one
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
               "print('ready', flush=True)\n"
               "try:\n    time.sleep(60)\n"
               "except KeyboardInterrupt:\n    print('stopped once', flush=True)\n"
