@@ -596,7 +596,8 @@ class EventMediaConfig:
         default_factory=ClipConfig,
         metadata=_doc("The event's clip: stream-copied from the source's own recording "
                       "(output.video) where it is written, else encoded from a ring of recent "
-                      "frames in memory; null for none."))
+                      "frames in memory (so the sources decode on the CPU, not NVDEC); null for "
+                      "none."))
     queue_size: int = field(
         default=128,
         metadata=_doc("Jobs waiting to be made, all sources together (a snapshot and a clip "

@@ -184,6 +184,10 @@ class FrameBatch:
         detect: (n,) bool host array, False for a frame the detector skips (the source's
             ``detect_every`` / ``detect_fps``: it reaches the sinks with no detections of its
             own), or None when every frame is detected.
+        device_pictures: n ``Frame.device_planes`` (a GPU-decoded frame's (Y, UV) CuPy views,
+            None for a frame with host pixels), kept for the event snapshots
+            (``output.event_media``: one download per frame with events) while the batch
+            lives; None when they are not kept (the decoder's surfaces are let go earlier).
     """
 
     source_names: tuple[str, ...]
@@ -199,6 +203,7 @@ class FrameBatch:
     rates: list[Fraction | None]
     buffers: Any = None
     detect: np.ndarray | None = None
+    device_pictures: list[Any] | None = None
 
     def __post_init__(self) -> None:
         n = self.source.shape[0]
@@ -214,6 +219,9 @@ class FrameBatch:
             if array.dtype != dtype:
                 raise ValueError(f"{name} must be {np.dtype(dtype).name}, got {array.dtype}")
         _check_shape("letterbox", self.letterbox, (n, len(LETTERBOX_COLUMNS)))
+        if self.device_pictures is not None and len(self.device_pictures) != n:
+            raise ValueError(f"batch of {n} frames has {len(self.device_pictures)} device "
+                             f"pictures")
         if len(self.images) != n or len(self.rates) != n:
             raise ValueError(f"batch of {n} frames has {len(self.images)} images and "
                              f"{len(self.rates)} rates")
@@ -226,7 +234,8 @@ class FrameBatch:
     @classmethod
     def from_frames(cls, frames: list[Frame], source_ids: dict[str, int],
                     source_names: tuple[str, ...], letterbox: np.ndarray,
-                    buffers: Any = None, detect: np.ndarray | None = None) -> FrameBatch:
+                    buffers: Any = None, detect: np.ndarray | None = None,
+                    device_pictures: bool = False) -> FrameBatch:
         """Columns of ``frames`` (one pass over them).
 
         Args:
@@ -234,7 +243,10 @@ class FrameBatch:
             source_ids: source name -> its index in ``source_names``.
             letterbox: (len(frames), 6) float32 host array (see the class docstring).
             detect: (len(frames),) bool host array, or None (see the class docstring).
+            device_pictures: keep the GPU-decoded frames' ``device_planes`` in the batch
+                (``FrameBatch.device_pictures``; None when no frame has any).
         """
+        kept = [f.device_planes for f in frames] if device_pictures else []
         return cls(
             source_names=source_names,
             source=np.fromiter((source_ids[f.source] for f in frames), np.int32, len(frames)),
@@ -250,6 +262,7 @@ class FrameBatch:
             rates=[f.rate for f in frames],
             buffers=buffers,
             detect=None if detect is None or detect.all() else detect,
+            device_pictures=kept if any(planes is not None for planes in kept) else None,
         )
 
     def select(self, rows: np.ndarray) -> FrameBatch:
@@ -260,7 +273,9 @@ class FrameBatch:
             self.capture_time[rows], self.width[rows], self.height[rows], self.letterbox[rows],
             self.slot[rows], [self.images[i] for i in rows.tolist()],
             [self.rates[i] for i in rows.tolist()],
-            detect=None if self.detect is None else self.detect[rows])
+            detect=None if self.detect is None else self.detect[rows],
+            device_pictures=None if self.device_pictures is None
+            else [self.device_pictures[i] for i in rows.tolist()])
 
     @property
     def detect_rows(self) -> np.ndarray:

@@ -120,14 +120,19 @@ class BatcherStage(Stage[Frame, FrameBatch]):
         stop: the graph's abort event (ends a wait for a free batch set).
         schedule: which frames the detector skips (``FrameBatch.detect``); None: none.
             On the GPU path a skipped frame is not copied to the device.
+        keep_device_pictures: the GPU-decoded frames' pictures go on with their batch
+            (``FrameBatch.device_pictures``, for the event snapshots); else the decoder's
+            surfaces are let go with the batch's device set.
     """
 
     def __init__(self, name: str, input_size: tuple[int, int], batch_size: int,
                  batch_timeout_ms: float, source_names: tuple[str, ...],
                  gpu: GpuContext | None = None, ring: SlotRing | None = None,
                  stop: threading.Event | None = None,
-                 schedule: DetectionSchedule | None = None) -> None:
+                 schedule: DetectionSchedule | None = None,
+                 keep_device_pictures: bool = False) -> None:
         super().__init__(name)
+        self.keep_device_pictures = keep_device_pictures
         self._schedule = schedule or DetectionSchedule([1] * len(source_names),
                                                        [None] * len(source_names))
         self.schedule = self._schedule if self._schedule.skips_frames else None
@@ -220,7 +225,7 @@ class BatcherStage(Stage[Frame, FrameBatch]):
         buffers = self._take_buffers()
         self._queue_copies(frames, boxes, letterbox, buffers, detect)
         return FrameBatch.from_frames(frames, self.source_ids, self.source_names, letterbox,
-                                      buffers, detect)
+                                      buffers, detect, self.keep_device_pictures)
 
     def _take_buffers(self) -> BatchBuffers:
         started = time.perf_counter()

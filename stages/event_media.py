@@ -3,7 +3,7 @@
 ```
 analytics stage (its thread)                         event-media thread (one)
   observe(batch, events):                              bounded queue (queue_size jobs)
-    snapshot: copy the event frame's I420 once ──job──>  I420 -> BGR, box highlighted,
+    snapshot: copy the event frame's pixels ───job──>  I420 or NV12 -> BGR, box highlighted,
     clip, source with output.video: when the             [crop], JPEG -> <dir>/<id>.jpg,
       source passes event + post_s ────────────job──>    MQTT <prefix>/<source>/<region>/snapshot
     clip, source without: copy every frame into        stream copy of whole GOPs from the
@@ -29,7 +29,8 @@ Never in the way (the pipeline's thread only copies and appends):
   that never holds the frames within ``RECORDING_WAIT_S``, a write error) is logged once per
   kind and counted in ``failed``.
 - The snapshot is taken from the frame's own pixels, copied in the analytics stage while the
-  pipeline still holds its slot (``keep_images``): one copy per frame that has events.
+  pipeline still holds its slot (``keep_images``), or downloaded from an NVDEC frame's
+  pictures: one copy per frame that has events.
 - A clip from the recording is whole GOPs (a keyframe every ``sinks.FRAGMENT_S``) from the last
   keyframe at or before ``pre_s`` before the event to the first one after ``post_s`` after it,
   copied packet for packet (no decoding). A source without a recording keeps copies of its
@@ -39,8 +40,11 @@ Never in the way (the pipeline's thread only copies and appends):
   ``{"event", "start_frame", "start_pts"}``: the frame number and stream time of its first
   frame), and its timestamps start at 0.
 
-Frames decoded on the GPU (NVDEC) have no host pixels: ``output.event_media`` makes the build
-decode on the CPU, as ``output.video`` does (``pipeline.app.build.decoder_kind``).
+Frames decoded on the GPU (NVDEC) have no host pixels. Their batches keep the decoder's
+pictures (``FrameBatch.device_pictures``) while snapshots are on, and a frame with events is
+downloaded once (NV12, ``stages.gpu_decode.download_nv12``): snapshots alone leave the
+cameras on NVDEC. A clip without a recording needs every frame in the ring: ``clip`` makes
+the build decode on the CPU, as ``output.video`` does (``pipeline.app.build.decoder_kind``).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ import structlog
 
 from pipeline.config import ClipConfig, EventMediaConfig, partial_path
 from pipeline.records import AnalyticsEvent, BatchDetections
+from stages.gpu_decode import download_nv12
 
 log = structlog.get_logger("event_media")
 
@@ -124,13 +129,15 @@ def highlight_thickness(width: int, height: int) -> int:
 
 
 def snapshot_jpeg(image: np.ndarray, width: int, height: int,
-                  box: Sequence[float], label: str, crop: bool = False, quality: int = 90
-                  ) -> tuple[bytes, tuple[int, int]]:
+                  box: Sequence[float], label: str, crop: bool = False, quality: int = 90,
+                  pixel_format: str = "i420") -> tuple[bytes, tuple[int, int]]:
     """The JPEG of one frame with ``box`` outlined in ``HIGHLIGHT_BGR`` (the line centred on
     the box's edges, ``highlight_thickness`` wide) and ``label`` above it.
 
     Args:
-        image: (height * 3 // 2, width) uint8 I420 host array (not modified).
+        image: (height * 3 // 2, width) uint8 host array (not modified): I420 (the Y plane,
+            then U, then V), or NV12 (the Y plane, then interleaved UV rows) with
+            ``pixel_format`` "nv12".
         box: x1, y1, x2, y2 in frame pixels.
         crop: keep only the box and as much again around it (half its size each side, at
             least 32 pixels), within the frame.
@@ -139,7 +146,7 @@ def snapshot_jpeg(image: np.ndarray, width: int, height: int,
         (JPEG bytes, (x, y) of the picture's top-left corner in the frame: (0, 0) uncropped).
     """
     bgr = cv2.cvtColor(np.ascontiguousarray(image).reshape(height * 3 // 2, width),
-                       cv2.COLOR_YUV2BGR_I420)
+                       cv2.COLOR_YUV2BGR_NV12 if pixel_format == "nv12" else cv2.COLOR_YUV2BGR_I420)
     x1, y1, x2, y2 = (int(round(float(v))) for v in box)
     thickness = highlight_thickness(width, height)
     cv2.rectangle(bgr, (x1, y1), (x2, y2), HIGHLIGHT_BGR, thickness)
@@ -310,12 +317,16 @@ class _Clip:
 
 @dataclass
 class _Snapshot:
+    """A snapshot to make: ``image`` is the event frame's (height * 3 // 2, width) uint8
+    host copy, in ``pixel_format`` ("i420", or "nv12" downloaded from an NVDEC frame)."""
+
     source: str
     event: AnalyticsEvent
     path: Path
     image: np.ndarray
     width: int
     height: int
+    pixel_format: str = "i420"
 
 
 @dataclass
@@ -479,7 +490,8 @@ class EventMedia:
         """Start the media of one event, or drop it (queue full): the event, with its paths."""
         frames = item.frames
         image = frames.images[row]
-        snapshot = self.config.snapshot and image is not None
+        device = None if frames.device_pictures is None else frames.device_pictures[row]
+        snapshot = self.config.snapshot and (image is not None or device is not None)
         clip = self.clip is not None
         needed = snapshot + clip
         if not needed:
@@ -494,11 +506,13 @@ class EventMedia:
         relative = state.folder.name
         changes: dict[str, str] = {}
         if snapshot:
-            if not copy:
-                copy.append(np.array(image, copy=True))
+            if not copy:  # the host pixels, else one download of the NVDEC frame's
+                copy.append(np.array(image, copy=True) if image is not None
+                            else download_nv12(*device))
             path = state.folder / f"{name}.jpg"
             self._jobs.put(_Snapshot(event.source, event, path, copy[0],
-                                     int(frames.width[row]), int(frames.height[row])))
+                                     int(frames.width[row]), int(frames.height[row]),
+                                     "i420" if image is not None else "nv12"))
             changes["snapshot"] = f"{relative}/{path.name}"
         if clip:
             assert self.clip is not None
@@ -567,7 +581,7 @@ class EventMedia:
         label = (f"{event.kind} {event.region} #{event.tracker_id} "
                  f"{event.class_name or event.class_id}")
         data, _ = snapshot_jpeg(job.image, job.width, job.height, event.xyxy, label,
-                                self.config.crop, self.config.jpeg_quality)
+                                self.config.crop, self.config.jpeg_quality, job.pixel_format)
         _write_atomic(job.path, lambda path: path.write_bytes(data))
         for publisher in self.publishers:
             publisher.publish_snapshot(job.source, event.region, data)

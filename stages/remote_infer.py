@@ -94,15 +94,19 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
         stop: the graph's abort event (ends every wait).
         on_drop: called with each live frame dropped here (the graph counts it, frees its
             host slot).
+        keep_device_pictures: the GPU-decoded frames' pictures go on with their batch
+            (``FrameBatch.device_pictures``, for the event snapshots); else the decoder's
+            surface is let go once the results are in.
     """
 
     def __init__(self, name: str, link: EngineLink, worker: int, ring: SlotRing,
                  input_size: tuple[int, int], keep_images: bool, stop: threading.Event,
-                 on_drop: Callable[[Frame], None]) -> None:
+                 on_drop: Callable[[Frame], None], keep_device_pictures: bool = False) -> None:
         super().__init__(name)
         self.link, self.worker, self.ring = link, worker, ring
         self.input_height, self.input_width = input_size
         self.keep_images, self.stop, self.on_drop = keep_images, stop, on_drop
+        self.keep_device_pictures = keep_device_pictures
         self.schedule = DetectionSchedule([], [])
         self.source_names: tuple[str, ...] = ()
         self.source_ids: dict[str, int] = {}
@@ -348,7 +352,8 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
                 entry.done = True
                 if entry.device_slot >= 0:
                     link.free_device.append(entry.device_slot)
-                    entry.item.device_planes = None  # the decoder may reuse its surface
+                    if not self.keep_device_pictures:
+                        entry.item.device_planes = None  # the decoder may reuse its surface
                     entry.device_slot = -1
             self._cond.notify_all()
 
@@ -416,6 +421,6 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
             np.float32).reshape(-1, 6)
         detect = np.fromiter((e.detect for e in entries), np.bool_, len(entries))
         batch = FrameBatch.from_frames(frames, self.source_ids, self.source_names, letterbox,
-                                       detect=detect)
+                                       detect=detect, device_pictures=self.keep_device_pictures)
         empty = (np.empty((0, 4), np.float32), np.empty(0, np.float32), np.empty(0, np.int32))
         return BatchDetections.from_lists(batch, [e.detections or empty for e in entries])

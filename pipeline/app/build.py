@@ -272,6 +272,9 @@ def build_graph(config: PipelineConfig,
     # The sinks (or the picture stage, or the event media's copies) read the images: the
     # sinks release them.
     keep_images = video or preview is not None or host_frames or media is not None
+    # NVDEC frames: the event snapshots download their frame's pictures (one per frame with
+    # events), so the decoder's surfaces stay with the batch until the analytics stage
+    device_pictures = media is not None and media.config.snapshot
     size = (info.input_height, info.input_width)
     pool = None
     if engine is not None:
@@ -296,13 +299,14 @@ def build_graph(config: PipelineConfig,
                      setting="auto" if config.runtime.decode_workers is None
                      else "runtime.decode_workers")
         remote = RemoteInferStage("remote_infer", link, worker, ring, size, keep_images, stop,
-                                  on_drop=lambda frame: None)
+                                  on_drop=lambda frame: None,
+                                  keep_device_pictures=device_pictures)
         chain: list[Stage] = [remote]
     else:
         gpu = create_gpu_context(config, profile_gpu)
         ring, pool, threads, chain, kinds = model_stages(
             config, info, frame_sizes, gpu, stop, keep_images, expected_sources, cores,
-            host_frames)
+            host_frames, device_pictures)
     if filtered:
         chain.append(DetectionFilterStage("filter", {}))
     if tracked:
@@ -363,10 +367,11 @@ def build_graph(config: PipelineConfig,
 def model_stages(config: PipelineConfig, info: ModelInfo,
                  frame_sizes: dict[int, tuple[int, int]], gpu: GpuContext | None,
                  stop: threading.Event, keep_images: bool, expected_sources: int | None,
-                 cores: int | None, host_frames: bool = False
+                 cores: int | None, host_frames: bool = False, device_pictures: bool = False
                  ) -> tuple[SlotRing, DecodeWorkerPool | None, int, list[Stage], list[str]]:
     """The model's part of a whole pipeline (the model in this process): the frame ring,
-    the decode worker pool, and the batch, infer and postprocess stages.
+    the decode worker pool, and the batch, infer and postprocess stages (``device_pictures``:
+    the batches keep the GPU-decoded frames' pictures, ``BatcherStage``).
 
     Returns:
         (ring, decode worker pool or None, FFmpeg threads per source, [batcher, infer,
@@ -396,7 +401,7 @@ def model_stages(config: PipelineConfig, info: ModelInfo,
                  setting="auto" if config.runtime.decode_workers is None else "runtime.decode_workers")
     size = (info.input_height, info.input_width)
     batcher = BatcherStage("batch", size, inference.batch_size, inference.batch_timeout_ms,
-                           (), gpu, ring, stop, DetectionSchedule([], []))
+                           (), gpu, ring, stop, DetectionSchedule([], []), device_pictures)
     if gpu is None:
         infer = InferStage("infer", backend, HostPreprocess(size, info.input_dtype,
                                                            inference.batch_size))
@@ -532,8 +537,9 @@ def host_outputs_reason(config: PipelineConfig) -> str | None:
     NVDEC), or None when they do not."""
     if config.output.video is not None:
         return "output.video needs the frames on the host"
-    if config.output.event_media is not None:
-        return "output.event_media needs the frames on the host"
+    media = config.output.event_media
+    if media is not None and media.clip is not None:  # a ring of recent frames (no recording)
+        return "output.event_media.clip needs the frames on the host"
     return None
 
 

@@ -195,3 +195,55 @@ def test_the_engine_and_two_workers_give_the_cpu_detections(samples, tmp_path: P
           f"unmatched, {len(extra)} extra")
     assert total > 400
     assert not lost and not extra, (lost[:3], extra[:3])
+
+
+def test_nvdec_event_snapshots_show_their_own_frame(samples, tmp_path: Path) -> None:
+    """Tracking and a line on bikes.mp4 through ``run.py`` (the engine and a source worker),
+    decoded on NVDEC, snapshots only (``clip: null``, so nothing asks for host frames): every
+    event has a snapshot, and it is the event's own frame, downloaded from the decoder's
+    picture: within 1 grey level (mean) of the snapshot made from the CPU-decoded frame with
+    the same box and label, and nearer to it than to those of the frames around it."""
+    import av
+    import cv2
+    import numpy as np
+    import yaml
+
+    from pipeline.app.cli import main
+    from stages.event_media import snapshot_jpeg
+
+    if importlib.util.find_spec("trackers") is None:
+        pytest.skip("trackers is not installed (pip install 'streamdet[analytics]')")
+    out = tmp_path / "out"
+    config = {
+        "sources": [{"name": "bikes", "uri": str(samples.bikes), "decode": "gpu",
+                     "tracker": "bytetrack",
+                     "analytics": [{"type": "line", "name": "middle", "start": [320, 0],
+                                    "end": [320, 272]}]}],
+        "model": {"path": str(samples.model), "class_names": str(samples.names)},
+        "inference": {"batch_size": 4, "device": "cuda", "backend": "torch",
+                      "engine_cache": str(ENGINE_CACHE)},
+        "output": {"dir": str(out), "video": None, "events": "{source}.events.jsonl",
+                   "event_media": {"clip": None}},
+        "runtime": {"progress": False},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["--config", str(path), "--no-progress"]) == 0
+    events = [json.loads(line) for line in (out / "bikes.events.jsonl").read_text().splitlines()]
+    assert len(events) >= 2  # the clip's people and bicycles cross the middle
+    with av.open(str(samples.bikes)) as video:
+        pictures = [f.to_ndarray(format="yuv420p") for f in video.decode(video.streams.video[0])]
+
+    def picture(jpeg: bytes) -> np.ndarray:
+        return cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR).astype(np.float32)
+
+    for event in events:
+        assert "clip" not in event
+        got = picture((out / event["snapshot"]).read_bytes())
+        label = f"{event['kind']} {event['line']} #{event['tracker_id']} {event['class_name']}"
+        frames = range(max(0, event["frame"] - 2), min(len(pictures), event["frame"] + 3))
+        differences = {n: float(np.abs(got - picture(snapshot_jpeg(
+            pictures[n], 640, 272, event["xyxy"], label)[0])).mean()) for n in frames}
+        print(event["frame"], {n: round(d, 2) for n, d in differences.items()})
+        assert differences[event["frame"]] < 1.0, differences
+        assert min(differences, key=differences.get) == event["frame"], differences

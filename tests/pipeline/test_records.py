@@ -161,6 +161,22 @@ def test_select_gathers_frames_and_their_detections_in_the_given_order() -> None
     assert len(empty) == 0 and empty.offsets.tolist() == [0] and empty.xyxy.shape == (0, 4)
 
 
+def test_device_pictures_are_kept_only_when_asked_and_follow_select() -> None:
+    """``FrameBatch.device_pictures``: the frames' ``device_planes`` (stand-in objects here)
+    when asked for and some frame has them; ``select`` takes them along."""
+    frames = [make_frame("a", i, width=8, height=4) for i in range(3)]
+    frames[0].device_planes, frames[2].device_planes = ("y0", "uv0"), ("y2", "uv2")
+    letterbox = np.zeros((3, 6), np.float32)
+    assert FrameBatch.from_frames(frames, {"a": 0}, ("a",), letterbox).device_pictures is None
+    batch = FrameBatch.from_frames(frames, {"a": 0}, ("a",), letterbox, device_pictures=True)
+    assert batch.device_pictures == [("y0", "uv0"), None, ("y2", "uv2")]
+    assert batch.select(np.array([2, 1])).device_pictures == [("y2", "uv2"), None]
+    for frame in frames:
+        frame.device_planes = None
+    assert FrameBatch.from_frames(frames, {"a": 0}, ("a",), letterbox,
+                                  device_pictures=True).device_pictures is None
+
+
 def test_from_padded_keeps_each_images_first_count_rows() -> None:
     frames = three_frames()
     d = 4

@@ -130,3 +130,68 @@ def test_a_full_queue_drops_media_never_events(bikes_i420, tmp_path: Path) -> No
     assert "snapshot" not in out[1].to_json()
     stats = media.stats()
     assert (stats.snapshots, stats.clips, stats.dropped) == (1, 1, 3)
+
+
+def i420_to_nv12(image: np.ndarray, width: int, height: int) -> np.ndarray:
+    """The same picture with its U and V planes interleaved (NVDEC's layout):
+    (height * 3 // 2, width) uint8."""
+    u = image[height:height + height // 4].reshape(height // 2, width // 2)
+    v = image[height + height // 4:].reshape(height // 2, width // 2)
+    return np.concatenate([image[:height], np.stack([u, v], axis=2).reshape(height // 2, width)])
+
+
+def test_an_nv12_frame_gives_the_i420_frames_snapshot(bikes_i420) -> None:
+    """The same picture in NVDEC's layout: the same pixels, so the same JPEG."""
+    image = bikes_i420[30]
+    i420, _ = snapshot_jpeg(image, 640, 272, BOX, "enter kerb #7 person")
+    nv12, _ = snapshot_jpeg(i420_to_nv12(image, 640, 272), 640, 272, BOX,
+                            "enter kerb #7 person", pixel_format="nv12")
+    assert nv12 == i420
+
+
+def test_an_nvdec_frame_is_downloaded_once_for_its_snapshots(bikes_i420, tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """A frame with no host pixels but its decoder's pictures kept (``device_pictures``):
+    its two events' snapshots come from one download (a fake of the device copy, here on
+    the CPU), the NV12 picture; the frame without events is never downloaded."""
+    import stages.event_media as event_media
+    from pipeline.records import BatchDetections, FrameBatch
+
+    downloads = []
+
+    def download(y: np.ndarray, uv: np.ndarray) -> np.ndarray:  # the D2H copy, on the host
+        downloads.append(y)
+        return np.concatenate([y, uv.reshape(uv.shape[0], -1)])
+
+    monkeypatch.setattr(event_media, "download_nv12", download)
+    planes = []
+    for image in bikes_i420[:2]:
+        nv12 = i420_to_nv12(image, 640, 272)
+        planes.append((nv12[:272], nv12[272:].reshape(136, 320, 2)))
+    frames = [make_frame("bikes", i, width=640, height=272, pts=i / 25, rate=RATE)
+              for i in range(2)]
+    for frame, picture in zip(frames, planes):
+        frame.device_planes = picture
+    letterbox = np.array([[1, 1, 0, 0, 640, 272]] * 2, np.float32)
+    batch = FrameBatch.from_frames(frames, {"bikes": 0}, ("bikes",), letterbox,
+                                   device_pictures=True)
+    assert batch.images == [None, None] and batch.device_pictures == planes
+    empty = (np.empty((0, 4), np.float32), np.empty(0, np.float32), np.empty(0, np.int32))
+    item = BatchDetections.from_lists(batch, [empty, empty])
+    media = EventMedia(EventMediaConfig(clip=None))
+    media.add_source("bikes", tmp_path / "bikes.events.jsonl", None)
+    media.start()
+    first, second = event_at(1), replace_track(event_at(1), 8)
+    out = media.observe(item, [first, second])
+    media.close()
+    assert len(downloads) == 1 and downloads[0] is planes[1][0]
+    expected, _ = snapshot_jpeg(bikes_i420[1], 640, 272, BOX, "enter kerb #7 person")
+    assert (tmp_path / out[0].snapshot).read_bytes() == expected
+    assert out[1].snapshot != out[0].snapshot and (tmp_path / out[1].snapshot).exists()
+    assert all(e.clip is None for e in out)
+
+
+def replace_track(event: AnalyticsEvent, tracker_id: int) -> AnalyticsEvent:
+    from dataclasses import replace
+
+    return replace(event, tracker_id=tracker_id)

@@ -65,6 +65,29 @@ def test_the_source_kind_follows_the_config(samples, decode, video, gpu, host_fr
         assert decoder_kind(config, config.sources[0], "sources[0]", gpu, host_frames) == expected
 
 
+@pytest.mark.parametrize("decode, media, expected", [
+    ("auto", {"clip": None}, "gpu"),  # a snapshot downloads its one frame
+    ("gpu", {"clip": None}, "gpu"),
+    ("auto", {}, "cpu"),  # a clip without a recording: a ring of every frame
+    ("gpu", {}, "cannot be used: output.event_media.clip needs the frames on the host"),
+])
+def test_event_snapshots_keep_gpu_decode_and_clips_do_not(samples, monkeypatch, decode, media,
+                                                           expected):
+    import pipeline.app.build as build
+    from pipeline.config import parse_config
+
+    monkeypatch.setattr(build, "gpu_decode_unavailable_reason", lambda: None)  # a usable NVDEC
+    config = parse_config({"sources": [{"name": "b", "uri": str(samples.bikes), "decode": decode}],
+                           "model": {"path": str(samples.model)},
+                           "output": {"video": None, "events": "{source}.events.jsonl",
+                                      "event_media": media}})
+    if expected.startswith("cannot"):
+        with pytest.raises(build.DeviceUnavailable, match=expected):
+            build.decoder_kind(config, config.sources[0], "sources[0]", ON_GPU)
+    else:
+        assert build.decoder_kind(config, config.sources[0], "sources[0]", ON_GPU) == expected
+
+
 @pytest.mark.parametrize("decode", ["auto", "gpu"])
 def test_the_live_view_keeps_gpu_decode(samples, monkeypatch, decode):
     import pipeline.app.build as build
