@@ -21,7 +21,9 @@
 # alone and engine alone) with the YOLOv8s of livecontrol and failover (torch FP16, batch 64,
 # compile cache assets/engines, no video) on their 1080p clip; a first row, capsetup, makes
 # both when missing and writes the config to $OUT/capacity.yaml. CAP_CAMERAS: paced camera
-# counts (default 100,150; empty: capacity's own search) at CAP_FPS (default 30); CAP_UNPACED:
+# counts (default 100,150; empty: capacity's own search) at CAP_FPS (default 30); CAP_ANALYTICS=1:
+# each camera tracked (ByteTrack) with a line across its middle, events and their snapshots
+# written (output.event_media, clip: null; needs the analytics extra's wheels); CAP_UNPACED:
 # cameras reading as fast as they can, measured after them (default 100; empty for none);
 # CAP_SECONDS: each run's window (default 20, after capacity's 10 s warm-up); CAP_ARGS: more
 # flags (--http; "--set runtime.gpus=[0,1]" for two GPUs; "--set runtime.workers=4"). It gets
@@ -125,7 +127,8 @@ for step in "${steps[@]}"; do
             capacity_pending=0
             # The clip and the model of livecontrol and failover (made when missing) and a
             # config of their settings; capacity replaces its sources by the cameras.
-            run_step capsetup "$(( $(left) - 15 ))" python3 - "$OUT/capacity.yaml" <<'EOF'
+            run_step capsetup "$(( $(left) - 15 ))" python3 - "$OUT/capacity.yaml" \
+                "${CAP_ANALYTICS:-0}" <<'EOF'
 import sys
 from pathlib import Path
 
@@ -136,11 +139,18 @@ from samples.yolov8 import ensure_yolov8
 
 assets = Path("assets").resolve()
 model, names = ensure_yolov8(assets, log=print)
-Path(sys.argv[1]).write_text(yaml.safe_dump({
+config = {
     "model": {"path": str(model), "class_names": str(names)},
     "inference": {"device": "cuda", "backend": "torch", "precision": "fp16",
                   "batch_size": 64, "engine_cache": str(assets / "engines")},
-    "output": {"video": None, "jsonl": "{source}.jsonl"}}, sort_keys=False))
+    "output": {"video": None, "jsonl": "{source}.jsonl"}}
+if sys.argv[2] == "1":  # each camera tracked, a line across its middle, event snapshots
+    config["sources"] = [{"name": "camera", "uri": "rtsp://camera.invalid/stream",
+                          "tracker": "bytetrack", "analytics": [
+                              {"type": "line", "name": "middle", "start": [960, 0],
+                               "end": [960, 1080]}]}]
+    config["output"].update(events="{source}.events.jsonl", event_media={"clip": None})
+Path(sys.argv[1]).write_text(yaml.safe_dump(config, sort_keys=False))
 print(camera_clip(False, assets))  # the last line: the clip
 EOF
             limit=$(( $(left) - 15 ))

@@ -8,8 +8,9 @@ through its API in each window; ``--set KEY=VALUE`` changes the user's configura
 
     cams.yaml (model, inference, runtime, outputs) ──┐
     my.mp4 (looped by a stream copy when too short) ─┴─> N.yaml: sources = N cameras
-        {camNNN: the clip, live: true, pace_fps: FPS, reconnect: false}; outputs into a
-        temporary folder (deleted afterwards); Prometheus on a free port of 127.0.0.1
+        {camNNN: the clip, live: true, pace_fps: FPS, reconnect: false}, each otherwise set
+        like cams.yaml's first source (tracker, analytics, ...); outputs into a temporary
+        folder (its events and snapshots counted, then deleted); Prometheus on a free port
     for each N the search picks (then the unpaced N: pace_fps null, the clip looped longer):
         python -m pipeline.app.cli run --config N.yaml   (a child process, its own group)
         └─ pipeline.app.measurement: every camera delivering, --warmup-s, a --seconds window
@@ -115,12 +116,20 @@ def check_clip(clip: Path) -> tuple[int, float | None]:
         raise ConfigError(f"--clip: {error}") from None
 
 
-def camera_sources(count: int, clip: Path, fps: float | None) -> list[dict[str, Any]]:
+CAMERA_KEYS = ("name", "uri", "live", "pace_fps", "reconnect", "loop")  # what a camera sets
+
+
+def camera_sources(count: int, clip: Path, fps: float | None,
+                   user: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """``count`` live cameras playing ``clip``: ``cam000``, ``cam001``, ...; paced at ``fps``,
     or unpaced (None: each reads as fast as it decodes, and drops what the pipeline cannot
-    take, as a live source does)."""
-    return [{"name": f"cam{i:03d}", "uri": str(clip), "live": True, "pace_fps": fps,
-             "reconnect": False} for i in range(count)]
+    take, as a live source does). Each is set like the first source of ``user`` (the user's
+    YAML; its tracker, analytics, detect_every, decode, ...) but for ``CAMERA_KEYS``."""
+    sources = (user or {}).get("sources") or [{}]
+    like = {k: v for k, v in (sources[0] if isinstance(sources[0], dict) else {}).items()
+            if k not in CAMERA_KEYS}
+    return [{**copy.deepcopy(like), "name": f"cam{i:03d}", "uri": str(clip), "live": True,
+             "pace_fps": fps, "reconnect": False} for i in range(count)]
 
 
 def read_user_config(path: Path, overrides: list[str], clip: Path, fps: float
@@ -134,8 +143,11 @@ def read_user_config(path: Path, overrides: list[str], clip: Path, fps: float
     """
     cameras = f"sources={json.dumps(camera_sources(1, clip, fps))}"
     load_config(path, [*overrides, cameras])
-    data = yaml.safe_load(path.read_text()) or {}
-    return apply_overrides(data, overrides)
+    data = apply_overrides(yaml.safe_load(path.read_text()) or {}, overrides)
+    if data.get("sources"):  # the cameras are set like its first source: valid so too
+        like = f"sources={json.dumps(camera_sources(1, clip, fps, data))}"
+        load_config(path, [*overrides, like])
+    return data
 
 
 def run_config(user: dict[str, Any], cameras: int, clip: Path, fps: float | None,
@@ -149,7 +161,7 @@ def run_config(user: dict[str, Any], cameras: int, clip: Path, fps: float | None
     for what ``overrides`` (``--set``) say of ``runtime.http``. ``runtime.workers`` is the
     user's (null: automatic)."""
     data = copy.deepcopy(user)
-    data["sources"] = camera_sources(cameras, clip, fps)
+    data["sources"] = camera_sources(cameras, clip, fps, user)
     output = dict(data.get("output") or {})
     output["dir"] = str(records)
     output.setdefault("video", None)
@@ -284,7 +296,8 @@ def measure_cameras(options: Options, user: dict[str, Any], clip: Path, fps: flo
             t0, p0 = time.monotonic(), time.perf_counter()
             (folder / "metrics-start.txt").write_text(poller.scrape())
             if options.http and base is not None:
-                control = ControlThread(base, camera_sources(1, clip, fps)[0] | {"name": ADDED},
+                control = ControlThread(base, camera_sources(1, clip, fps, user)[0]
+                                        | {"name": ADDED},
                                         t0, options.seconds, poller.host_of)
             time.sleep(max(0.0, t0 + options.seconds / 2 - time.monotonic()))
             if gpu:
@@ -308,6 +321,8 @@ def measure_cameras(options: Options, user: dict[str, Any], clip: Path, fps: flo
         row.exit_code, note = stop(process)
         reader.join(10)
         row.took_s = time.monotonic() - started
+        if data["output"].get("events"):
+            row.events, row.snapshots = events_written(records, data["output"]["events"])
         shutil.rmtree(records, ignore_errors=True)
     if row.window is not None and span is not None:
         engines = engine_windows(engine_lines(folder / "run.log"), *span)
@@ -323,6 +338,14 @@ def measure_cameras(options: Options, user: dict[str, Any], clip: Path, fps: flo
     if row.error is None and row.exit_code not in (0, None):
         row.error = f"run.py exited with {row.exit_code}{said(process)}"
     return row
+
+
+def events_written(records: Path, pattern: str) -> tuple[int, int]:
+    """(event lines, snapshot JPEGs) a run wrote into ``records``, its events files named by
+    ``pattern`` (``output.events``, ``{source}`` in it)."""
+    events = sum(len(path.read_bytes().splitlines())
+                 for path in records.glob(pattern.replace("{source}", "*")))
+    return events, sum(1 for _ in records.rglob("*.jpg"))
 
 
 class ControlThread:
@@ -419,7 +442,7 @@ def prepare_inputs(options: Options) -> tuple[Any, dict[str, Any], Path, int, fl
         raise ConfigError("--fps: the clip states no frame rate: give one")
     clip = options.clip.resolve()
     user = read_user_config(options.config, options.overrides, clip, fps)
-    one = json.dumps(camera_sources(1, clip, fps))
+    one = json.dumps(camera_sources(1, clip, fps, user))
     single = load_config(options.config, [*options.overrides, f"sources={one}"])
     prepare(single, restart=True)  # the model, its classes, the clip's first frame
     return single, user, clip, frames, fps

@@ -74,6 +74,8 @@ class RunRow:
     took_s: float | None = None  # launch until the child exited
     exit_code: int | None = None
     control: AddRemove | None = None
+    events: int | None = None  # event lines written over the whole run (output.events set)
+    snapshots: int | None = None  # their snapshot JPEGs (output.event_media)
 
     @property
     def paced(self) -> bool:
@@ -146,18 +148,25 @@ def memory_text(window: Window) -> str:
             f"{plural(len(memory.by_pid), 'process', 'processes')}{engine}{scope}")
 
 
+EVENTS_COLUMN = "events written, whole run"
+
+
 def extra_columns(rows: list[RunRow]) -> list[str]:
-    """The columns only some runs have: GPU utilisation, memory, the live view's calls."""
+    """The columns only some runs have: GPU utilisation, memory, the live view's calls, the
+    events (and snapshots) written."""
     windows = [row.window for row in rows if row.window is not None]
     return ((["GPU"] if any(w.gpu_util is not None for w in windows) else [])
             + (["GPU memory"] if any(w.gpu_memory is not None for w in windows) else [])
-            + (["live view (--http)"] if any(row.control is not None for row in rows) else []))
+            + (["live view (--http)"] if any(row.control is not None for row in rows) else [])
+            + ([EVENTS_COLUMN] if any(row.events is not None for row in rows) else []))
 
 
 def extra_cells(row: RunRow, window: Window, columns: list[str]) -> list[str]:
     cells = {"GPU": "-" if window.gpu_util is None else f"{window.gpu_util:.0f}%",
              "GPU memory": memory_text(window),
-             "live view (--http)": "-" if row.control is None else row.control.text()}
+             "live view (--http)": "-" if row.control is None else row.control.text(),
+             EVENTS_COLUMN: "-" if row.events is None
+             else f"{row.events:,} ({row.snapshots or 0:,} snapshots)"}
     return [cells[column] for column in columns]
 
 

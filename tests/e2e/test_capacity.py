@@ -22,12 +22,15 @@ from pipeline.app.cli import main
 FPS = 5.0  # with N cameras at 5 fps offering 3x the engine's rate, N stays small
 
 
-def user_config(samples, path: Path, **inference) -> Path:
-    """A user's CPU config: one camera (replaced by capacity), YOLOv3-tiny, batch 4."""
+def user_config(samples, path: Path, source: dict | None = None, output: dict | None = None,
+                **inference) -> Path:
+    """A user's CPU config: one camera (replaced by capacity's cameras, each set like it:
+    ``source``'s keys), YOLOv3-tiny, batch 4, ``output``."""
     path.write_text(yaml.safe_dump({
-        "sources": [{"name": "door", "uri": "rtsp://camera.invalid/stream"}],
+        "sources": [{"name": "door", "uri": "rtsp://camera.invalid/stream", **(source or {})}],
         "model": {"path": str(samples.model), "class_names": str(samples.names)},
         "inference": {"device": "cpu", "backend": "onnxruntime", "batch_size": 4, **inference},
+        **({"output": output} if output else {}),
         "runtime": {"log_format": "json"}}))
     return path
 
@@ -147,27 +150,42 @@ def test_the_unpaced_row_is_throughput_beside_the_slower_ceiling(small_search):
     assert [(s["live"], s["pace_fps"]) for s in generated["sources"]] == [(True, None)] * 2
 
 
+WHOLE_FRAME = {"type": "zone", "name": "all", "polygon": [[0, 0], [640, 0], [640, 272], [0, 272]]}
+
+
 @pytest.mark.slow  # one paced run with the live view: about 15 s
 def test_http_adds_and_removes_a_camera_in_the_window(samples, repo_root, tmp_path):
+    """Its user's camera is tracked, with a zone and event snapshots: so is each camera
+    (and the one added), and the table says how many events and snapshots were written."""
     from pipeline.app.measurement import free_port
 
     out, port = tmp_path / "out", free_port()
-    process = capacity(repo_root, "--config", str(user_config(samples, tmp_path / "c.yaml")),
-                       "--clip", str(samples.bikes), "--fps", "2", "--cameras", "1",
+    config = user_config(samples, tmp_path / "c.yaml",
+                         source={"tracker": "bytetrack", "analytics": [WHOLE_FRAME]},
+                         output={"events": "{source}.events.jsonl",
+                                 "event_media": {"clip": None}})
+    process = capacity(repo_root, "--config", str(config),  # at 4 fps: past frame 26's events
+                       "--clip", str(samples.bikes), "--fps", "4", "--cameras", "1",
                        "--seconds", "8", "--warmup-s", "1", "--no-ceilings", "--http",
                        "--set", f"runtime.http.port={port}", "--out", str(out))
     stdout, stderr = process.communicate(timeout=180)
     assert process.returncode == 0, stderr
     generated = yaml.safe_load((out / "cameras-001" / "config.yaml").read_text())
     assert generated["runtime"]["http"] == {"host": "127.0.0.1", "port": port}  # --set wins
+    (camera,) = generated["sources"]
+    assert (camera["name"], camera["tracker"], camera["analytics"]) == ("cam000", "bytetrack",
+                                                                       [WHOLE_FRAME])
     (run,) = json.loads((out / "results.json").read_text())["runs"]
+    # each enter has its snapshot; the exits closed at the stop have no frame, so none
+    assert 0 < run["snapshots"] <= run["events"], run
+    assert table_rows(stdout)[1][-1] == f"{run['events']:,} ({run['snapshots']:,} snapshots)"
     control = run["control"]
     assert (control["post_status"], control["delete_status"]) == (201, 200), control
     assert control["added_ok"] and control["removed_ok"] and control["added_frames"] > 0
     assert run["window"]["delivered"] > 0 and run["error"] is None  # added is not counted
-    assert table_rows(stdout)[1][-1].startswith("POST 201 ok, DELETE 200 ok, added "
+    assert table_rows(stdout)[1][-2].startswith("POST 201 ok, DELETE 200 ok, added "
                                                 "delivered frames: "), stdout
-    assert "| held | busiest stage | live view (--http) |" in stdout
+    assert "| held | busiest stage | live view (--http) | events written, whole run |" in stdout
     log = (out / "cameras-001" / "run.log").read_text()
     ended = [line for line in log.splitlines() if '"event": "source ended"' in line
              and '"source": "added"' in line]

@@ -262,6 +262,33 @@ def test_unpaced_cameras_are_live_without_a_pace():
         "name": "cam001", "uri": "c.mp4", "live": True, "pace_fps": None, "reconnect": False}
 
 
+def test_each_camera_is_set_like_the_users_first_source_but_for_what_a_camera_sets():
+    line = {"type": "line", "name": "door", "start": [0, 0], "end": [10, 10]}
+    user = {"sources": [{"name": "door", "uri": "rtsp://x", "live": False, "loop": True,
+                         "pace_fps": 5, "reconnect": True, "tracker": "bytetrack",
+                         "analytics": [line], "detect_every": 2}, {"name": "other"}]}
+    first, second = camera_sources(2, Path("c.mp4"), 30.0, user)
+    assert second == {"tracker": "bytetrack", "analytics": [line], "detect_every": 2,
+                      "name": "cam001", "uri": "c.mp4", "live": True, "pace_fps": 30.0,
+                      "reconnect": False}
+    first["analytics"][0]["name"] = "changed"  # each camera has its own copy
+    assert second["analytics"][0]["name"] == "door" == user["sources"][0]["analytics"][0]["name"]
+    assert camera_sources(1, Path("c.mp4"), 30.0, {"sources": []}) == camera_sources(
+        1, Path("c.mp4"), 30.0)
+
+
+def test_events_written_counts_the_event_lines_and_the_snapshots(tmp_path):
+    from pipeline.app.capacity import events_written
+
+    (tmp_path / "cam000.events.jsonl").write_text('{"kind": "enter"}\n{"kind": "exit"}\n')
+    (tmp_path / "cam001.events.jsonl").write_text('{"kind": "enter"}\n')
+    (tmp_path / "cam000.jsonl").write_text("{}\n{}\n{}\n")  # detections: not events
+    (tmp_path / "cam000.events").mkdir()
+    for name in ("a.jpg", "b.jpg", "c.mp4"):
+        (tmp_path / "cam000.events" / name).write_bytes(b"x")
+    assert events_written(tmp_path, "{source}.events.jsonl") == (3, 2)
+
+
 @pytest.mark.parametrize(("user_http", "overrides", "port"), [
     (None, [], None),  # --http: on, a free loopback port
     ({"host": "0.0.0.0", "port": 80, "token": "${T}", "preview_fps": 2}, [], None),
