@@ -193,11 +193,12 @@ def download_nv12(y: Any, uv: Any) -> np.ndarray:
     out = np.empty((height * 3 // 2, width), np.uint8)
     runtime = cupy.cuda.runtime
     base = out.ctypes.data
-    runtime.memcpy2DAsync(base, width, y.data.ptr, y.strides[0], width, height,
-                          MEMCPY_DEVICE_TO_HOST, CUDA_STREAM_LEGACY)
-    runtime.memcpy2DAsync(base + width * height, width, uv.data.ptr, uv.strides[0], width,
-                          height // 2, MEMCPY_DEVICE_TO_HOST, CUDA_STREAM_LEGACY)
-    runtime.streamSynchronize(CUDA_STREAM_LEGACY)
+    with y.device:  # the planes' GPU (any thread: the event snapshots download in analytics')
+        runtime.memcpy2DAsync(base, width, y.data.ptr, y.strides[0], width, height,
+                              MEMCPY_DEVICE_TO_HOST, CUDA_STREAM_LEGACY)
+        runtime.memcpy2DAsync(base + width * height, width, uv.data.ptr, uv.strides[0], width,
+                              height // 2, MEMCPY_DEVICE_TO_HOST, CUDA_STREAM_LEGACY)
+        runtime.streamSynchronize(CUDA_STREAM_LEGACY)
     return out
 
 
