@@ -358,8 +358,11 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
             self._cond.notify_all()
 
     def _reconnect(self, lost: _Link) -> bool:
-        """The engine went away: drop the live frames it held, reconnect, and send every
-        unanswered file frame again (before anything newer). False once ``stop`` is set."""
+        """The engine went away: drop the live frames it held, reconnect, and queue every
+        unanswered file frame to go again (before anything newer). False once ``stop`` is
+        set. The stage thread sends them (``poll_interval_s`` is 0 while frames wait): this,
+        the receiver thread, must never wait for a device slot, as only it frees them (on
+        the H200 a restarted worker's files outnumbered its slots, and hung for good)."""
         self.engine_losses += 1
         log.warning("engine lost: reconnecting", worker=self.worker)
         with self._cond:
@@ -388,7 +391,6 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
                 self._unsent = [t for t in self._order if not self._entries[t].done]
                 self._link = new
                 self._cond.notify_all()
-        self._flush()
         return True
 
     def _take_done(self) -> list[BatchDetections | EndOfStream]:
