@@ -846,7 +846,7 @@ class RuntimeConfig:
                       "CPU), tracking, analytics, outputs; one engine process per GPU holds "
                       "the model and batches every worker's frames together. 1: the whole "
                       "pipeline in one process (the Python API's per-frame results need "
-                      "this). null: one per source, at most 3 per GPU and half the cores (logged). With "
+                      "this). null: one per source, at most 5 per GPU and half the cores (logged). With "
                       "--ray: the number of actors (each a whole pipeline; default: the "
                       "length of a gpus list, else the Ray cluster's GPUs on the GPU path, "
                       "else its nodes).", min=1),

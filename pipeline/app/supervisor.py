@@ -794,15 +794,18 @@ def host_names(devices: list[int | None]) -> list[str]:
             for i, device in enumerate(devices)]
 
 
-MAX_DEFAULT_WORKERS = 3  # per GPU (measured on the H200: results-h200.md, issue 25)
+MAX_DEFAULT_WORKERS = 5  # per GPU (measured on the H200: results-h200.md, issue 25)
 
 
 def default_workers(sources: int, gpus: int = 1, cores: int | None = None) -> int:
     """Source workers per GPU when ``runtime.workers`` is null: one per source, at most
-    ``MAX_DEFAULT_WORKERS`` (each worker is a CUDA context of its own, and the GPU
-    time-slices between contexts: on the H200, 100 paced cameras held with 3 workers and not
-    with 8) and at most half the cores (the engine's threads and FFmpeg's need the rest);
-    at least one."""
+    ``MAX_DEFAULT_WORKERS`` and at most half the cores (the engine's threads and FFmpeg's
+    need the rest); at least one. Each worker is one interpreter, and a CUDA context of its
+    own that the GPU time-slices with the others. On the H200 (results-h200.md), 100 paced
+    cameras held with 3, 5 and 6 workers and not with 8; with a tracker and a line each
+    (event snapshots on) they held with 5 and 6 but not with 3 (the workers' interpreters
+    were the wall), and a killed worker's cameras cost the others 556-728 dropped frames with
+    5, 3,497 with 3 (fewer cameras to move, more room for them)."""
     cores = cores or usable_cores()
     return max(1, min(-(-sources // gpus), MAX_DEFAULT_WORKERS, cores // (2 * gpus)))
 

@@ -306,11 +306,11 @@ def test_resolve_devices(samples, runtime, expected):
     assert resolve_devices(config) == expected
 
 
-def test_workers_by_default_one_per_source_at_most_three_per_gpu_and_half_the_cores():
+def test_workers_by_default_one_per_source_at_most_five_per_gpu_and_half_the_cores():
     assert default_workers(1, cores=16) == 1
     assert default_workers(2, cores=16) == 2
-    assert default_workers(100, cores=16) == 3
-    assert default_workers(100, gpus=2, cores=16) == 3
+    assert default_workers(100, cores=16) == 5
+    assert default_workers(100, gpus=2, cores=16) == 4
     assert default_workers(100, gpus=2, cores=8) == 2
     assert default_workers(10, cores=2) == 1
 
