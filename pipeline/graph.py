@@ -45,11 +45,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, get_args
 
+import numpy as np
 import structlog
 
 from pipeline.metrics import STALE_AFTER_S, SourceMetrics, StageMetrics, source_state
 from pipeline.queues import CLOSED, StageQueue, Stopped
-from pipeline.records import BatchDetections, EndOfStream, Frame
+from pipeline.records import LETTERBOX_COLUMNS, BatchDetections, EndOfStream, Frame, FrameBatch
 from pipeline.slots import SlotRing
 from pipeline.stage import SourceStage, Stage, frames_in
 
@@ -109,6 +110,21 @@ def check_chain(chain: list[Stage]) -> None:
                          f"{SINK_RECORD.__name__} by source for the sinks")
 
 
+def end_part(eos: EndOfStream) -> BatchDetections:
+    """A part of no frames of ``eos.source`` that carries ``eos.events`` (the exits the
+    analytics stage made when the source ended), for ``on_batch_done``."""
+    frames = FrameBatch(
+        source_names=(eos.source,), source=np.zeros(0, np.int32), index=np.zeros(0, np.int64),
+        pts=np.zeros(0, np.float64), capture_time=np.zeros(0, np.float64),
+        width=np.zeros(0, np.int32), height=np.zeros(0, np.int32),
+        letterbox=np.zeros((0, len(LETTERBOX_COLUMNS)), np.float32),
+        slot=np.zeros(0, np.int32), images=[], rates=[])
+    return BatchDetections(frames, xyxy=np.zeros((0, 4), np.float32),
+                           confidence=np.zeros(0, np.float32), class_id=np.zeros(0, np.int32),
+                           offsets=np.zeros(1, np.int64), tracker_id=np.zeros(0, np.int64),
+                           events=eos.events)
+
+
 class PipelineError(RuntimeError):
     """A stage failed; the message names it and the cause is chained."""
 
@@ -127,7 +143,10 @@ class Graph:
         sinks: the last stage of each source, keyed by source name.
         queue_size: capacity of every queue lane.
         on_batch_done: called from a sink's thread with (source name, that source's part of
-            a batch) once the sink handled it (progress bars, Prometheus).
+            a batch) once the sink handled it (progress bars, Prometheus); and once more
+            after the source's last part when its end marker carries events (the exits of
+            the objects still inside a zone: ``EndOfStream.events``), with a part of no
+            frames that carries them (``end_part``).
         stop: the event that aborts the graph, when stages created before it need it.
         ring: the ``SlotRing`` the sources' frames live in: frames and batch parts dropped
             from a live lane give their slots back to it. None when frames own their images.
@@ -433,6 +452,8 @@ class Graph:
                     if sink_source is not None:  # its source's last item: finalise now
                         self._emit_all(outputs, emit)
                         self._emit_all(stage.finish(), emit)
+                        if item.events and self._on_batch_done is not None:
+                            self._on_batch_done(sink_source, end_part(item))
                         break
                 else:
                     outputs = stage.process(item)

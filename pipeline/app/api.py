@@ -45,7 +45,12 @@ exits, line crossings; ``part.events`` a part's), and ``result.counts`` its sour
 after that frame (``{"zones": ..., "lines": ...}`` as ``AnalyticsCounts.to_json``: running
 sums of the events handed over), None for a source without zones or lines;
 ``Pipeline.counts()`` gives the same after the parts handed over so far (call it from a
-callback for the counts after its part).
+callback for the counts after its part). When a source ends, the objects still inside a zone
+exit (events stamped on its last frame, as in its events file): ``results()`` gives those
+exits with the source's last result (after that frame's own events; its ``counts`` then have
+nobody inside), so for a source with zones each batch part's last result is handed over when
+the source's next part comes or the source ends; ``on_batch`` gets them after the source's
+last part, as a part of no frames (``len(part) == 0``) whose ``events`` they are.
 
 ``results()`` runs the pipeline on a background thread and hands over each frame's result
 through a bounded queue: a consumer slower than the pipeline holds file sources back (no
@@ -62,7 +67,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +82,9 @@ class SourceFailed(RuntimeError):
 
 
 RESULTS_QUEUE_PARTS = 8  # batch parts waiting for the consumer of results()
+# results(), with a source's last result held back (``with_closing_exits``): how often it
+# asks whether that source ended, while no part comes.
+ENDED_CHECK_S = 0.1
 FRAME_FORMATS = ("bgr", "i420")
 _DONE = object()
 
@@ -99,7 +107,9 @@ class FrameResult:
             own: BGR (height, width, 3) uint8, or I420 (height * 3 // 2, width) uint8; else
             None.
         events: the analytics events confirmed on this frame (``AnalyticsEvent``: zone
-            entries and exits, line crossings), in order; empty without zones or lines.
+            entries and exits, line crossings), in order; empty without zones or lines. A
+            source's last result also has the exits made when it ended (of the objects
+            still inside a zone), last.
         counts: its source's counts after this frame (``{"zones": {name: {"inside",
             "entered", "exited"}}, "lines": {name: {"in", "out"}}}``, each by class name),
             or None for a source without zones or lines.
@@ -217,6 +227,18 @@ def frame_results(part: BatchDetections, names: list[str] | None,
     return results
 
 
+def with_closing_exits(last: FrameResult, events: tuple[AnalyticsEvent, ...],
+                       tally: CountsTally | None) -> FrameResult:
+    """``last``, its source's last result, with the exits made when the source ended (of the
+    objects still inside a zone, stamped on that frame: ``EndOfStream.events``) after its own
+    events, and (``tally`` counting them) the counts after them: nobody left inside."""
+    counts = last.counts
+    if tally is not None and tally.has(last.source):
+        tally.apply(events)
+        counts = tally.get(last.source)
+    return replace(last, events=(*last.events, *events), counts=counts)
+
+
 class Pipeline:
     """One pipeline run (module docstring).
 
@@ -225,7 +247,9 @@ class Pipeline:
         on_batch: called from a sink thread with (source name, that source's part of a batch:
             ``BatchDetections``) after its outputs were written; keep it quick. The part's
             ``events`` are its analytics events, ``pictures`` its frames' pictures (with
-            ``frames``); ``counts()`` then includes its events.
+            ``frames``); ``counts()`` then includes its events. A source that ended with
+            objects inside a zone gets one more part after its last: no frames, its
+            ``events`` the exits made at the end.
         frames: "bgr" or "i420": results and callback parts carry each frame's picture, a
             host NumPy array (module docstring); None: no pictures (no copies made).
 
@@ -255,6 +279,8 @@ class Pipeline:
         self._lock = threading.Lock()
 
     def _batch_done(self, source: str, part: BatchDetections) -> None:
+        if self.frames is not None and part.pictures is None:  # a source's end: no frames
+            part = replace(part, pictures=())
         if self._tally is not None and part.events:
             self._tally.apply(part.events)
         if self._on_batch is not None:
@@ -308,7 +334,8 @@ class Pipeline:
 
     def results(self) -> Iterator[FrameResult]:
         """Run on a background thread and yield every frame's result as it is done, in frame
-        order within each source. Leaving the loop early stops the run (outputs finalised).
+        order within each source; a source's last result carries the exits made when it
+        ended (module docstring). Leaving the loop early stops the run (outputs finalised).
 
         Raises:
             PipelineError: a stage failed (after the results done before it).
@@ -324,7 +351,7 @@ class Pipeline:
         def hand_over(source: str, part: BatchDetections) -> None:
             while not stopped.is_set():
                 try:
-                    parts.put(part, timeout=0.1)
+                    parts.put((source, part), timeout=0.1)
                     return
                 except queue.Full:
                     continue
@@ -351,9 +378,33 @@ class Pipeline:
                             break
         runner = threading.Thread(target=run, name="pipeline-api", daemon=True)
         runner.start()
+        # Per source with zones, its latest result: handed over with the source's next part,
+        # or with the exits its end makes (a part of no frames), or once it has ended.
+        zoned = {source.name for source in self.config.sources
+                 if any(region.type == "zone" for region in source.analytics or ())}
+        held: dict[str, FrameResult] = {}
         try:
-            while (part := parts.get()) is not _DONE:
-                yield from frame_results(part, names, tally)
+            while True:
+                try:
+                    item = parts.get(timeout=ENDED_CHECK_S if held else None)
+                except queue.Empty:  # an end that made no exits sends no part
+                    for source in [s for s in held if supervisor.source_done(s)]:
+                        yield held.pop(source)
+                    continue
+                if item is _DONE:
+                    break
+                source, part = item
+                if not len(part):  # the source ended: the exits of the objects inside a zone
+                    if source in held:
+                        yield with_closing_exits(held.pop(source), part.events, tally)
+                    continue
+                results = frame_results(part, names, tally)
+                if source in zoned:
+                    if source in held:
+                        yield held.pop(source)
+                    held[source] = results.pop()
+                yield from results
+            yield from held.values()
         finally:
             if runner.is_alive():  # left early: stop, and stop handing over
                 supervisor.request_stop()

@@ -30,8 +30,10 @@ was full in every sample for ``FULL_FOR_S`` while the graph has a live source (t
 is not keeping up: a live source's frames are being dropped; a queue full for an instant is
 a burst, and with files only a full queue is back-pressure, by design), or a webhook
 endpoint's last attempt got no 2xx (``WebhookPublisher.reasons``: for how long, why, the
-events waiting and dropped). Until the graph has opened its stages (``graph.ready``: the
-model warming up) a report says ``ready: False`` and gives no reasons.
+events waiting and dropped), or event media were dropped (their queue full) or failed in the
+last ``MEDIA_LOSS_WINDOW_S`` (``MediaLosses``: how many of each). Until the graph has opened
+its stages (``graph.ready``: the model warming up) a report says ``ready: False`` and gives
+no reasons.
 
 A pipeline host (``pipeline.app.host``) sends its view's reports to the supervisor, which
 feeds the board (``pipeline.app.board``); tests join the two in one process with
@@ -45,7 +47,7 @@ import time
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -56,11 +58,15 @@ from pipeline.config import PipelineConfig, SourceConfig, redact_url
 from pipeline.metrics import STALE_AFTER_S, source_state
 from stages.analytics import AnalyticsStage
 
+if TYPE_CHECKING:
+    from stages.event_media import EventMedia
+
 log = structlog.get_logger("view")
 
 SAMPLE_S = 0.5  # the sampling thread's period
 FPS_WINDOW_S = 5.0
 FULL_FOR_S = 2.0  # a queue full in every sample this long is a health reason
+MEDIA_LOSS_WINDOW_S = 60.0  # event media dropped or failed this recently is a health reason
 CLOSE_TIMEOUT_S = 5.0
 
 
@@ -69,6 +75,49 @@ class _Sampled:
     """The monitor's view of one source: (monotonic time, frames out) samples."""
 
     history: deque[tuple[float, int]] = field(default_factory=deque)
+
+
+class MediaLosses:
+    """The event media dropped (their queue full) and failed in the last
+    ``MEDIA_LOSS_WINDOW_S``: how much ``EventMedia.stats()``'s counters (which only rise)
+    rose since the newest sample at least that old, or since the first (taken here).
+
+    Args:
+        media: the graph's event media (``stages.event_media.EventMedia``).
+    """
+
+    def __init__(self, media: EventMedia) -> None:
+        self.media = media
+        stats = media.stats()
+        # (monotonic time, dropped, failed); the first is the newest at least a window old
+        self._samples = deque([(time.monotonic(), stats.dropped, stats.failed)])
+        self._lock = threading.Lock()
+
+    def sample(self) -> None:
+        """Take one sample of the counters (the monitor's sampling thread)."""
+        stats = self.media.stats()
+        now = time.monotonic()
+        with self._lock:
+            self._samples.append((now, stats.dropped, stats.failed))
+            self._drop_old(now)
+
+    def reason(self) -> str | None:
+        """``event media: 12 dropped (queue full), 1 failed in the last 60 s``, or None when
+        none were (the counters now, against the sample a window old)."""
+        stats = self.media.stats()
+        with self._lock:
+            self._drop_old(time.monotonic())
+            _, dropped, failed = self._samples[0]
+        dropped, failed = stats.dropped - dropped, stats.failed - failed
+        lost = [*([f"{dropped} dropped (queue full)"] if dropped else []),
+                *([f"{failed} failed"] if failed else [])]
+        return (f"event media: {', '.join(lost)} in the last {MEDIA_LOSS_WINDOW_S:g} s"
+                if lost else None)
+
+    def _drop_old(self, now: float) -> None:
+        """Keep one sample at least a window old (the caller holds the lock)."""
+        while len(self._samples) > 1 and now - self._samples[1][0] >= MEDIA_LOSS_WINDOW_S:
+            self._samples.popleft()
 
 
 class SourceMonitor:
@@ -101,6 +150,9 @@ class SourceMonitor:
                           **{sink.name: size for sink in graph.sinks.values()}}
         # queue -> when it was first seen full in the samples since, or None: not full now
         self._full_since: dict[str, float | None] = {}
+        media = next((stage.media for stage in chain if isinstance(stage, AnalyticsStage)
+                      and stage.media is not None), None)
+        self._media_losses = MediaLosses(media) if media is not None else None
         started = time.monotonic()
         self._shown_since = {name: started for name in self.names}  # stalled counts from here
         self._lock = threading.Lock()
@@ -154,6 +206,8 @@ class SourceMonitor:
                     self._full_since[queue] = None
                 elif self._full_since.get(queue) is None:
                     self._full_since[queue] = now
+        if self._media_losses is not None:
+            self._media_losses.sample()
 
     def fps(self, name: str) -> float:
         """Frames/s reaching ``name``'s sink over the last ~``FPS_WINDOW_S`` seconds."""
@@ -272,6 +326,8 @@ class SourceMonitor:
                 for publisher in stage.publishers:
                     if isinstance(publisher, WebhookPublisher):
                         reasons += publisher.reasons()
+        if self._media_losses is not None and (lost := self._media_losses.reason()) is not None:
+            reasons.append(lost)
         return reasons
 
     def health(self) -> dict[str, Any]:

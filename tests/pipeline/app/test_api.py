@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.app.api import Pipeline, SourceFailed
 from pipeline.config import ConfigError
-from tests.e2e.conftest import pipeline_config
+from tests.e2e.conftest import pipeline_config, records
 from tests.support import free_port, read_frames
 
 # Clips of the samples' first frames (bikes: 250 frames, carphone: 120): every frame runs
@@ -37,6 +37,35 @@ def test_results_are_every_frame_in_order_and_match_the_jsonl(samples, make_clip
     assert "person" in {name for r in results for name in r.class_names}
     summary = pipeline.summary()
     assert summary.ok and summary.frames == {"bikes": BIKES_FRAMES}
+
+
+def test_the_exits_made_when_a_file_ends_reach_its_last_result_and_the_callback(
+        samples, make_clip, tmp_path):
+    """Cars are inside a zone over the whole frame when the clip ends: their closing exits
+    (``EndOfStream.events``, stamped on the last frame) come with the last frame's result,
+    whose counts then have nobody inside, and to the callback as a last part of no frames;
+    every event handed over is a line of the events file, in order."""
+    zone = {"type": "zone", "name": "cars", "classes": ["car"],
+            "polygon": [[0, 0], [640, 0], [640, 272], [0, 272]]}
+    clip = make_clip("bikes", BIKES_FRAMES, (640, 272))
+    config = pipeline_config(samples, tmp_path, [
+        {"name": "bikes", "uri": str(clip), "tracker": "bytetrack", "analytics": [zone]}],
+        output={"jsonl": None})
+    parts = []  # (frames, events) of each part (a part's images are the ring's, not ours)
+    with Pipeline(config, on_batch=lambda source, part: parts.append(
+            (len(part), part.events))) as pipeline:
+        results = list(pipeline.results())
+    assert [r.index for r in results] == list(range(BIKES_FRAMES))
+    frames, closing = parts[-1]
+    assert frames == 0 and closing, [frames for frames, _ in parts]
+    assert {(e.kind, e.frame) for e in closing} == {("exit", BIKES_FRAMES - 1)}
+    last = results[-1]
+    assert last.events[-len(closing):] == closing
+    cars = last.counts["zones"]["cars"]
+    assert cars["inside"] == {"car": 0} and cars["exited"] == cars["entered"], cars
+    assert pipeline.counts() == {"bikes": last.counts}
+    assert [e.to_json() for r in results for e in r.events] == records(
+        tmp_path / "bikes.events.jsonl")
 
 
 def test_a_callback_run_sees_every_frame_of_every_source(samples, make_clip, tmp_path):

@@ -24,6 +24,8 @@ from pipeline.app.view import HostView, SourceMonitor, ViewReport
 from pipeline.config import parse_config
 from pipeline.graph import Graph
 from pipeline.metrics import LinkStatus, SourceMetrics
+from stages.analytics import AnalyticsStage
+from stages.event_media import EventMediaStats
 from tests.e2e.conftest import pipeline_config
 from tests.support.harness import wait_for
 from tests.support.live_view import running
@@ -201,6 +203,42 @@ def test_states_and_health_reasons(samples, tmp_path: Path,
     metrics.error = None
     graph.done.add("cam")
     check("ended", [])
+
+
+class FakeMedia:
+    """What ``SourceMonitor`` reads of the event media (``stats()``), set by hand."""
+
+    def __init__(self) -> None:
+        self.dropped = self.failed = 0
+
+    def stats(self) -> EventMediaStats:
+        return EventMediaStats(0, 0, self.dropped, self.failed, 0)
+
+
+def test_event_media_dropped_or_failed_in_the_last_window_is_a_health_reason(
+        samples, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The media the analytics stage's ``EventMedia`` dropped and failed since the sample a
+    window old (``MEDIA_LOSS_WINDOW_S``), or since the view started: a reason until a
+    window passes with none."""
+    monkeypatch.setattr(view_module, "MEDIA_LOSS_WINDOW_S", 0.3)
+    config = parse_config(pipeline_config(samples, tmp_path, [
+        {"name": "clip", "uri": str(samples.bikes)}]))
+    graph, media = FakeGraph(["clip"]), FakeMedia()
+    graph.chain = [*graph.chain, AnalyticsStage("analytics", {}, None, {}, (), media)]
+    media.dropped = 5  # before the view started
+    monitor = SourceMonitor(graph, PreviewHub(), config)
+    assert monitor.health()["reasons"] == []
+    media.dropped, media.failed = 17, 1
+    health = monitor.health()
+    assert health["status"] == "degraded"
+    assert health["reasons"] == ["event media: 12 dropped (queue full), 1 failed in the last "
+                                 "0.3 s"]
+    monitor.sample()
+    time.sleep(0.35)
+    monitor.sample()
+    assert monitor.health()["reasons"] == []  # none for a window
+    media.failed = 3
+    assert monitor.health()["reasons"] == ["event media: 2 failed in the last 0.3 s"]
 
 
 def test_a_source_added_late_is_starting_until_it_has_been_shown_stale_after_s(
