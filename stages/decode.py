@@ -27,7 +27,10 @@ how long ago its next frame was due (``Pacer``; the skipped frames move its sche
 a stream, how much more wall-clock time than stream time (packet dts) went by since it was
 last on time (``StreamClock``). The frames skipped count as dropped and keep their frame numbers (a gap in
 the indices, as for frames dropped for want of a slot); one info line per source at most every
-``SKIP_LOG_INTERVAL_S`` says so.
+``SKIP_LOG_INTERVAL_S`` says so. A live file resumed where it left off (moved to another
+worker) reads the packets before that frame without decoding them, and skips on to the next
+keyframe as a camera would (those frames count as dropped), where a file decodes every frame
+before it (its frame numbers exact).
 
 ```
 packets ──lag <= max──> decode ──> frames
@@ -78,6 +81,15 @@ class Skipped:
 
 
 SKIPPED = Skipped()
+
+
+class Passed:
+    """``DecodeStage._pictures``' answer for a packet (a frame) of a live file resumed at
+    ``first_index`` (moved to another worker), read and not decoded: delivered before the
+    move, it keeps its number and is neither sent nor counted."""
+
+
+PASSED = Passed()
 
 
 class SourceError(Exception):
@@ -350,6 +362,9 @@ class DecodeStage(SourceStage):
                                  down_s=round(time.monotonic() - lost_at, 2),
                                  reconnects=self.reconnects)
                         lost_at = None
+                    if picture is PASSED:  # resumed: delivered before the move
+                        index += 1
+                        continue
                     if picture is SKIPPED:  # behind real time: dropped, its number kept
                         self.dropped += 1
                         index += 1
@@ -481,12 +496,14 @@ class DecodeStage(SourceStage):
                      width=width, height=height, rate=rate, image=image, slot=slot)
 
     def _pictures(self, stop_reading: threading.Event, pace: Pacer
-                  ) -> Iterator[tuple[av.VideoFrame | Skipped, Fraction | None]]:
+                  ) -> Iterator[tuple[av.VideoFrame | Skipped | Passed, Fraction | None]]:
         """One session: open, yield (decoded picture, nominal rate) until the end, close.
 
         A live source more than ``max_lag_s`` behind (its ``pace`` schedule when paced, else
         the stream's clock) yields ``SKIPPED`` for each packet it reads without decoding, up
-        to a keyframe at which it is back within the lag (module docstring).
+        to a keyframe at which it is back within the lag (module docstring). A live file
+        resumed at ``first_index`` yields ``PASSED`` for the packets before it, then
+        ``SKIPPED`` up to a keyframe (its first session only).
         """
         source = self.source
         started = time.monotonic()
@@ -517,6 +534,11 @@ class DecodeStage(SourceStage):
             if self.source.pace_fps:  # delivered at this rate: its frames' times (the video)
                 rate = Fraction(self.source.pace_fps).limit_denominator(1001)
             decoded = bad = bad_in_a_row = 0
+            # A live file resumed (moved) jumps ahead as a camera would: the frames before
+            # ``first_index`` are read, not decoded (PASSED), then those up to the next
+            # keyframe (SKIPPED: lost in the move); a file decodes them (its numbers exact).
+            passing = self.first_index if self.live and self.is_file and not self.loop else 0
+            self.first_index = 0 if passing else self.first_index  # once, not at a reconnect
             catch_up = CatchUp(self.max_lag_s) if self.max_lag_s is not None else None
             clock = StreamClock() if catch_up is not None and not pace.period else None
             for passes in itertools.count():  # a file read once, or a looped file's passes
@@ -524,6 +546,12 @@ class DecodeStage(SourceStage):
                 for packet in container.demux(stream):
                     if stop_reading.is_set():
                         return
+                    if passing and packet.size:
+                        if read < passing or not packet.is_keyframe:
+                            read += 1
+                            yield (PASSED if read <= passing else SKIPPED), rate
+                            continue
+                        passing = 0
                     if catch_up is not None and packet.size:  # not the final (flush) packet
                         if catch_up.skips(packet.is_keyframe, self._lag_s(packet, pace, clock)):
                             pace.skip()

@@ -558,3 +558,27 @@ def test_a_camera_read_too_slowly_skips_to_keyframes_and_stays_within_its_lag(
     assert indices == sorted(indices) and not events(logs, "warning")  # no undecodable frame
     lines = [e for e in logs if e["event"] == "live source behind: skipped to a keyframe"]
     assert lines and all(e["source"] == "cam" and e["lag_ms"] > 300 for e in lines)
+
+
+def test_a_live_file_resumed_jumps_to_the_next_keyframe_without_decoding_the_past(
+        make_clip: ClipFactory, monkeypatch) -> None:
+    """A live file moved at frame 25 (``start_frame``) reads frames 0-24 without decoding
+    them (not sent, not counted), skips 25-29 (dropped: lost in the move) and goes on at
+    the keyframe 30, each frame the picture its number says; nothing before 30 is decoded
+    (on the H200 a moved camera decoded its past first: 4-7 s to deliver again)."""
+    clip = make_clip("shapes", 60, SMALL, gop=GOP)
+    decoded = []
+    real_decode = av.Packet.decode
+    monkeypatch.setattr(av.Packet, "decode", lambda packet: decoded.append(packet.pts) or
+                        real_decode(packet))
+    source = SourceConfig(name="cam", uri=str(clip), live=True, start_frame=25)
+    stage = DecodeStage(source)
+    items = list(stage.frames(threading.Event()))
+    frames, end = items[:-1], items[-1]
+    assert [f.index for f in frames] == list(range(30, 60)) and end == EndOfStream("cam", 60)
+    assert stage.dropped == 5 and 30 in keyframes(clip)
+    assert 30 <= len(decoded) <= 31  # from the keyframe on (and the final flush)
+    monkeypatch.undo()
+    reference, _, _ = read_all(SourceConfig(name="ref", uri=str(clip)))
+    for frame in frames:
+        np.testing.assert_array_equal(frame.image, reference[frame.index].image)
