@@ -55,8 +55,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     capacity = parser.add_argument_group(
         "capacity", "run.py capacity --config cams.yaml --clip my.mp4 [--fps 30]: play the clip "
         "as N paced live cameras through the run path (the config's model, inference and "
-        "runtime; its sources replaced by cameras set like its first source) and find the largest N held: 0 dropped, p99 latency "
-        "<= 100 ms, >= 95% of the frames delivered")
+        "runtime; its sources replaced by cameras set like its first source) and find the "
+        "largest N held: 0 dropped, p99 latency <= 100 ms, >= 95% of the frames delivered")
     capacity.add_argument("--clip", type=Path, help="the video every camera plays")
     capacity.add_argument("--fps", type=float, help="each camera's frames/s (default: the clip's)")
     capacity.add_argument("--cameras", metavar="N,N,...",
