@@ -74,6 +74,9 @@ class ViewReport:
             wanted sources whose latest picture is newer than the one last reported.
         reasons: why the host is not healthy, one line each (``SourceMonitor.reasons``:
             sources failed, reconnecting or stalled, queues full); empty while not ``ready``.
+        made_at: wall-clock ``time.time()`` when the host made it (0.0: not known). A report
+            can wait in the pipe (the supervisor busy restarting a process): the ages in it
+            count on from here, not only from its arrival.
     """
 
     host: str
@@ -81,6 +84,7 @@ class ViewReport:
     sources: dict[str, dict[str, Any]]
     pictures: dict[str, tuple[int, bytes]] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
+    made_at: float = 0.0
 
 
 @dataclass
@@ -99,6 +103,13 @@ class _Shown:
     host: str
     data: dict[str, Any]
     at: float  # time.monotonic() when that report came
+    made_at: float = 0.0  # time.time() when its host made it (0.0: not known)
+
+    def waited_s(self, now: float) -> float:
+        """Seconds since the report was made: since it came (``now``: monotonic), or since
+        its host made it where that is longer (it waited in the pipe)."""
+        since_made = time.time() - self.made_at if self.made_at else 0.0
+        return max(now - self.at, since_made)
 
 
 def starting_json(source: SourceConfig) -> dict[str, Any]:
@@ -209,7 +220,7 @@ class SourceBoard:
                     continue  # it is on another host now
                 self._pending.pop(name, None)
                 self._orphaned.discard(name)
-                self._shown[name] = _Shown(host, data, now)
+                self._shown[name] = _Shown(host, data, now, report.made_at)
                 if name not in self._order:
                     self._order.append(name)
             for name in [n for n, shown in self._shown.items() if shown.host == host
@@ -293,8 +304,9 @@ class SourceBoard:
 
     def source(self, name: str) -> dict[str, Any] | None:
         """Source ``name``'s JSON as its host reported it, plus ``"host"``, or None for an
-        unknown name. ``last_frame_age_s`` counts on from the report's arrival, ``viewers``
-        are its open streams here."""
+        unknown name. ``last_frame_age_s`` counts on from when the report was made (its
+        arrival, or its host's ``made_at`` where that is earlier), ``viewers`` are its open
+        streams here."""
         with self._lock:
             return self._source(name, time.monotonic())
 
@@ -309,7 +321,8 @@ class SourceBoard:
             shown = self._shown[name]
             data = dict(shown.data)
             if data.get("last_frame_age_s") is not None:
-                data["last_frame_age_s"] = round(data["last_frame_age_s"] + now - shown.at, 3)
+                data["last_frame_age_s"] = round(data["last_frame_age_s"]
+                                                 + shown.waited_s(now), 3)
             if name in self._orphaned and data["state"] not in (*FINAL_STATES, "removing"):
                 data.update(state="reconnecting", fps=0.0, reconnect=None,
                             error=f"its host {host} stopped: being placed again")

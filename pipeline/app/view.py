@@ -459,4 +459,4 @@ class HostView:
                 if picture is not None and picture[0] > sent:
                     pictures[name] = picture
                     self._sent[name] = picture[0]
-        return ViewReport(self.host, ready, sources, pictures, reasons)
+        return ViewReport(self.host, ready, sources, pictures, reasons, made_at=time.time())

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import cv2
@@ -195,6 +196,21 @@ def report(host: str, *sources: dict, ready: bool = True, pictures: dict | None 
            reasons: tuple[str, ...] = ()) -> ViewReport:
     return ViewReport(host, ready, {s["name"]: s for s in sources}, pictures or {},
                       list(reasons))
+
+
+def test_a_frames_age_counts_from_when_its_report_was_made_not_when_it_came() -> None:
+    """A report that waited 2 s in the pipe (the supervisor busy restarting the engine):
+    its frame is at least 2 s older than the report says (counted from its arrival alone,
+    the failover benchmark took a frame captured before a kill for one after it)."""
+    board = SourceBoard(None, None, preview_fps=5, order=["a"])
+    board.update(replace(report("h0", {**shown("a"), "last_frame_age_s": 0.05}),
+                         made_at=time.time() - 2.0))
+    assert 2.05 <= board.source("a")["last_frame_age_s"] < 2.5
+    board.update(replace(report("h0", {**shown("a"), "last_frame_age_s": 0.05}),
+                         made_at=time.time()))
+    assert 0.05 <= board.source("a")["last_frame_age_s"] < 0.5
+    board.update(report("h0", {**shown("a"), "last_frame_age_s": 0.05}))  # made_at unknown
+    assert 0.05 <= board.source("a")["last_frame_age_s"] < 0.5
 
 
 def test_health_is_starting_until_every_host_is_ready_and_names_hosts_when_several() -> None:
