@@ -30,7 +30,10 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(_Stderr()),
+        # one write per line (the message and its newline together): print() writes them
+        # apart, and unbuffered (PYTHONUNBUFFERED), the processes sharing a stderr pipe (the
+        # supervisor, the engine, the workers) ran their lines together
+        logger_factory=structlog.WriteLoggerFactory(_Stderr()),
         cache_logger_on_first_use=False,
     )
 
