@@ -113,16 +113,9 @@ def check_chain(chain: list[Stage]) -> None:
 def end_part(eos: EndOfStream) -> BatchDetections:
     """A part of no frames of ``eos.source`` that carries ``eos.events`` (the exits the
     analytics stage made when the source ended), for ``on_batch_done``."""
-    frames = FrameBatch(
-        source_names=(eos.source,), source=np.zeros(0, np.int32), index=np.zeros(0, np.int64),
-        pts=np.zeros(0, np.float64), capture_time=np.zeros(0, np.float64),
-        width=np.zeros(0, np.int32), height=np.zeros(0, np.int32),
-        letterbox=np.zeros((0, len(LETTERBOX_COLUMNS)), np.float32),
-        slot=np.zeros(0, np.int32), images=[], rates=[])
-    return BatchDetections(frames, xyxy=np.zeros((0, 4), np.float32),
-                           confidence=np.zeros(0, np.float32), class_id=np.zeros(0, np.int32),
-                           offsets=np.zeros(1, np.int64), tracker_id=np.zeros(0, np.int64),
-                           events=eos.events)
+    frames = FrameBatch.from_frames([], {}, (eos.source,),
+                                    np.zeros((0, len(LETTERBOX_COLUMNS)), np.float32))
+    return replace(BatchDetections.from_lists(frames, [], tracker_ids=[]), events=eos.events)
 
 
 class PipelineError(RuntimeError):

@@ -342,6 +342,9 @@ class DecodeStage(SourceStage):
         self._skips_unlogged = self._skipped_unlogged = 0  # skips and frames since that line
         self.thread_type = "SLICE" if self.live else "AUTO"
         self._container: av.container.InputContainer | None = None
+        # A live file resumed (moved) jumps ahead as a camera would, in its first session:
+        # the frames before ``first_index`` are read, not decoded (``_pictures``)
+        self._jump_to = self.first_index if self.live and self.is_file and not self.loop else 0
         if self.is_file:
             self.expected_frames = probe_frame_count(source)
 
@@ -534,11 +537,10 @@ class DecodeStage(SourceStage):
             if self.source.pace_fps:  # delivered at this rate: its frames' times (the video)
                 rate = Fraction(self.source.pace_fps).limit_denominator(1001)
             decoded = bad = bad_in_a_row = 0
-            # A live file resumed (moved) jumps ahead as a camera would: the frames before
-            # ``first_index`` are read, not decoded (PASSED), then those up to the next
-            # keyframe (SKIPPED: lost in the move); a file decodes them (its numbers exact).
-            passing = self.first_index if self.live and self.is_file and not self.loop else 0
-            self.first_index = 0 if passing else self.first_index  # once, not at a reconnect
+            # A live file resumed: the frames before ``first_index`` are read, not decoded
+            # (PASSED), then those up to the next keyframe (SKIPPED: lost in the move); a
+            # file decodes them (its numbers exact). Once: not again at a reconnect.
+            passing, self._jump_to = self._jump_to, 0
             catch_up = CatchUp(self.max_lag_s) if self.max_lag_s is not None else None
             clock = StreamClock() if catch_up is not None and not pace.period else None
             for passes in itertools.count():  # a file read once, or a looped file's passes
