@@ -198,7 +198,9 @@ def test_the_engine_and_two_workers_give_the_cpu_detections(samples, tmp_path: P
 
 
 def test_nvdec_event_snapshots_show_their_own_frame(samples, tmp_path: Path) -> None:
-    """Tracking and a line on bikes.mp4 through ``run.py`` (the engine and a source worker),
+    """Tracking and a line on bikes.mp4 through ``run.py`` (one source: the whole pipeline in
+    its process, ``BatcherStage`` keeping the pictures; the source workers' path,
+    ``RemoteInferStage``, ran in the H200's 100-camera capacity check),
     decoded on NVDEC, snapshots only (``clip: null``, so nothing asks for host frames): every
     event has a snapshot, and it is the event's own frame, downloaded from the decoder's
     picture: within 1 grey level (mean) of the snapshot made from the CPU-decoded frame with
