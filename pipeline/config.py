@@ -851,6 +851,16 @@ class RuntimeConfig:
                       "length of a gpus list, else the Ray cluster's GPUs on the GPU path, "
                       "else its nodes).", min=1),
     )
+    spare_workers: int | None = field(
+        default=None,
+        metadata=_doc("Idle source workers per GPU (on the CPU path: in all), started with "
+                      "the others and connected to the engine, that take every source of a "
+                      "worker that dies at once: its cameras go on within seconds and the "
+                      "other workers are not touched (without a spare, its sources are "
+                      "shared out among them); the dead worker, restarted, becomes the "
+                      "spare. null: 1 where there are two or more source workers, else 0. "
+                      "Not with --ray (Ray restarts its actors).", min=0),
+    )
     max_restarts: int = field(
         default=3,
         metadata=_doc("Times a source worker, engine or Ray actor that died is restarted "

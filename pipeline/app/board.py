@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,6 +150,7 @@ class SourceBoard:
         self.period_s = 1.0 / preview_fps
         self._lock = threading.Lock()
         self._hosts: dict[str, _Host] = {}
+        self._spares: frozenset[str] = frozenset()  # hosts idle as spares (set_spares)
         self._order: list[str] = list(dict.fromkeys(order))
         self._shown: dict[str, _Shown] = {}
         self._placed: dict[str, str] = {}  # source -> the host it is on
@@ -242,6 +243,10 @@ class SourceBoard:
                 state.gone = True
             self._orphaned |= {name for name, shown in self._shown.items()
                                if shown.host == host and self._placed.get(name) == host}
+
+    def set_spares(self, hosts: Collection[str]) -> None:
+        """``hosts`` are idle spares now (``runtime.spare_workers``): told in ``health``."""
+        self._spares = frozenset(hosts)
 
     def added(self, source: SourceConfig, host: str) -> None:
         """``source`` was placed on ``host`` (added, or moved there): shown at once as
@@ -339,14 +344,15 @@ class SourceBoard:
 
     def health(self) -> dict[str, Any]:
         """``{"status", "reasons", "sources": {name: state}, "hosts": {host: {"ready",
-        "sources", "report_age_s", "gone"}}}``.
+        "sources", "report_age_s", "gone", "spare"}}}``.
 
         ``starting`` while no host has reported yet or a live host is not ready (its model
         warming up: its sources are ``starting`` here); else ``degraded`` when there are
         reasons: each live host's (``ViewReport.reasons``; prefixed ``HOST: `` when there
         are several hosts), a host that has not reported for ``SILENT_AFTER_S``, a host
         gone, a source reconnecting because its host is gone; else ``ok``. ``sources``: the
-        number of sources on that host; ``report_age_s``: seconds since its last report.
+        number of sources on that host; ``report_age_s``: seconds since its last report;
+        ``spare``: an idle spare worker, there to take a dying worker's sources.
         """
         now = time.monotonic()
         with self._lock:
@@ -361,7 +367,8 @@ class SourceBoard:
                 hosts[host] = {"ready": known.report.ready and not known.gone,
                                "sources": sum(1 for n in self._order
                                               if self._host_of(n) == host),
-                               "report_age_s": round(age, 1), "gone": known.gone}
+                               "report_age_s": round(age, 1), "gone": known.gone,
+                               "spare": host in self._spares}
                 tag = f"{host}: " if several else ""
                 if known.gone:
                     reasons.append(f"host {host} stopped")

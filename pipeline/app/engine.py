@@ -400,13 +400,15 @@ class EngineProcess:
         config: the run's configuration (absolute paths).
         device: the GPU (``CUDA_VISIBLE_DEVICES`` of the engine and its workers), or None:
             ``inference.gpu_id`` or the CPU path, as configured.
-        workers: its source workers.
+        workers: its source workers, spares included.
         on_gpu: the GPU path is in use (NVDEC sources take device slots).
         context: the multiprocessing context (spawn).
+        spares: of ``workers``, the spares (``runtime.spare_workers``): each has a share as
+            large as the others', sized as if they ran without it.
     """
 
     def __init__(self, config: PipelineConfig, device: int | None, workers: int, on_gpu: bool,
-                 context: Any) -> None:
+                 context: Any, spares: int = 0) -> None:
         import secrets
         import tempfile
 
@@ -420,7 +422,7 @@ class EngineProcess:
         on_host = host_outputs_reason(config) is not None  # as build.decoder_kind decides
         cpu_sources = sum(1 for s in config.sources if not on_gpu or s.decode == "cpu" or on_host)
         keep_images = on_host or config.runtime.http is not None
-        host, gpu = ring_shares(len(config.sources), workers, cpu_sources, keep_images)
+        host, gpu = ring_shares(len(config.sources), workers - spares, cpu_sources, keep_images)
         self.ring = SlotRing(host * workers, slot_bytes, shared=True)
         self._folder = tempfile.mkdtemp(prefix="streamdet-engine-")
         visible = 0 if device is not None else config.inference.gpu_id

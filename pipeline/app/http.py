@@ -14,7 +14,7 @@ route                                    answer
 ``GET /api/health``                      ``{"status": "starting" | "ok" | "degraded",
                                          "reasons": [...], "sources": {name: state},
                                          "hosts": {host: {"ready", "sources",
-                                         "report_age_s", "gone"}}}`` (200 always;
+                                         "report_age_s", "gone", "spare"}}}`` (200 always;
                                          ``SourceBoard.health``)
 ``GET /api/sources``                     ``{"sources": [source, ...]}`` in config order
 ``GET /api/sources/{name}``              one source (below); 404 for an unknown name

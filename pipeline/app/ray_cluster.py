@@ -150,6 +150,8 @@ class RayExecutor:
                         "scheduling_strategy": "SPREAD"}
         self.config, self.metrics = config, metrics
         self.names = [f"actor{i}" for i in range(count)]
+        self.groups: list[Any] = [None] * count
+        self.spares: set[int] = set()  # none: Ray restarts its actors (runtime.spare_workers)
         self.actors: dict[int, Any] = {}
         self._actor_class = ray.remote(RayPipelineHost)
         log.info("ray cluster", actors=count, gpus_per_actor=self.options["num_gpus"],

@@ -87,6 +87,7 @@ def make_executor(config: PipelineConfig, ray_address: str | None = None, metric
         absolute_paths,
         gpu_count,
         resolve_devices,
+        spare_hosts,
     )
 
     if ray_address is not None:
@@ -109,7 +110,11 @@ def make_executor(config: PipelineConfig, ray_address: str | None = None, metric
         if devices[0] is not None:
             config.inference.gpu_id = devices[0]
         return InProcessExecutor(config, metrics, on_batch_done, frames)
-    return LocalExecutor(absolute_paths(config), devices, metrics, on_gpu())
+    spares = spare_hosts(config, devices)
+    if spares:
+        log.info("spare source workers", spares=len(spares), setting="runtime.spare_workers")
+    return LocalExecutor(absolute_paths(config), devices + spares, metrics, on_gpu(),
+                         spares=range(len(devices), len(devices) + len(spares)))
 
 
 def place_decoders(config: PipelineConfig, gpus: int, on_gpu: Callable[[], bool]) -> None:

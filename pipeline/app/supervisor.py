@@ -15,13 +15,17 @@ run.py / Python API / --ray  ──>  Supervisor (this process)           hosts:
 Each host builds its graph once and keeps it for its life; the supervisor adds sources to it
 and removes them one at a time (``pipeline.app.host``), so placing, moving or removing one
 source never cuts another. When a host dies (a crash, an OOM kill, ``kill -9``, a Ray actor
-or node lost), its unfinished sources are placed on the live hosts after a backoff per
-source; a file source resumes after its last written record (``pipeline.resume``), so its
-records end up complete, in order, each frame once. The dead host is restarted after a
-backoff (``runtime.max_restarts`` times; a Ray actor is restarted by Ray) and the load is
-evened out onto it with files only: those that move are cut short where they were (their
-records stay) and resume on it; a running camera is never moved (a cut loses its frames),
-so the restarted host takes cameras added later. ``add_source`` and ``remove_source``
+or node lost; a local worker's death shows as its pipe closing), its unfinished sources go
+at once to a spare of its group (``runtime.spare_workers``: an idle worker of the same
+engine, started with the others), which is from then on a host like the others; the dead
+host is restarted after a backoff (``runtime.max_restarts`` times; a Ray actor is restarted
+by Ray) as the group's new spare. Without a spare, its sources are placed on the live
+hosts (at once the first time a source moves, after a backoff the next times), and once it
+is restarted the load is evened out onto it with files only: those that move are cut short
+where they were (their records stay) and resume on it; a running camera is never moved (a
+cut loses its frames), so the restarted host takes cameras added later. A file source
+resumes after its last written record (``pipeline.resume``), so its records end up
+complete, in order, each frame once. ``add_source`` and ``remove_source``
 change the set of sources while the run goes on (the live view's ``POST`` and ``DELETE``).
 
 A source ends when its stream ends (its outputs are final) or fails (it is not restarted: a
@@ -44,7 +48,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
@@ -61,6 +65,7 @@ log = structlog.get_logger("supervisor")
 POLL_S = 0.05
 RESTART_INITIAL_S, RESTART_MAX_S = 0.5, 10.0  # backoff of restarts and of moved sources
 JOIN_TIMEOUT_S = 10.0
+EXIT_WAIT_S = 0.2  # a worker whose pipe closed: its exit status is waited for this long
 MAX_RESTART_ATTEMPTS = 8  # a host not back after this many attempts in a row is given up
 REPLY_TIMEOUT_S = 120.0  # add_source waits this long for its host's answer
 VIEW_EVERY_S = 0.1  # how often the hosts are told which sources a viewer watches
@@ -70,6 +75,8 @@ class Executor(Protocol):
     """Starts and reaches the hosts (one per GPU, process or actor), numbered 0..count-1."""
 
     names: list[str]
+    groups: list[Any]  # per host, the engine it feeds: hosts of a group can take each other's
+    spares: set[int]  # hosts started idle, to take every source of a host of their group that dies
 
     def start(self, host: int) -> None:
         """Start host ``host`` (its process or actor): it builds its graph at once."""
@@ -100,6 +107,8 @@ class _HostState:
     ready: bool = False  # its graph has started (the model is warm)
     failed: bool = False  # its graph failed: nothing more is placed on it
     rebalance: bool = False  # restarted: even the loads onto it once it is ready
+    spare: bool = False  # idle, nothing placed on it, until a host of its group dies
+    restart_as_spare: bool = False  # dead: restarted, it is the spare of its group
 
 
 @dataclass
@@ -183,7 +192,8 @@ class Supervisor:
         self.board = board
         self._on_frames = on_frames
         self.loads = {item.name: item for item in (loads or source_loads(config))}
-        self.hosts = {host: _HostState() for host in range(len(executor.names))}
+        self.hosts = {host: _HostState(spare=host in executor.spares)
+                      for host in range(len(executor.names))}
         self.sources: dict[str, SourceRun] = {
             s.name: SourceRun(s, f"sources[{i}]", resume=s.name in resume)
             for i, s in enumerate(config.sources)}
@@ -319,6 +329,7 @@ class Supervisor:
         """
         for host in self.hosts:
             self.executor.start(host)
+        self._tell_spares()
         stopping = aborting = False
         try:
             while True:
@@ -378,7 +389,8 @@ class Supervisor:
     def _placeable_hosts(self) -> list[int]:
         """The hosts sources may go to: alive, not failed, and ready (the model warm) when
         any is: a restarting host takes sources once it can run them."""
-        hosts = [h for h, state in self.hosts.items() if state.alive and not state.failed]
+        hosts = [h for h, state in self.hosts.items()
+                 if state.alive and not state.failed and not state.spare]
         ready = [h for h in hosts if self.hosts[h].ready]
         return ready or hosts
 
@@ -506,8 +518,13 @@ class Supervisor:
             self.placement.pop(name, None)
 
     def _host_died(self, host: int, reason: str) -> None:
+        """``host`` is gone: its sources go to its group's spare, else to the live hosts
+        (``_place``), at once the first time a source moves, after a backoff the next times
+        (a source that kills its host is not passed on to kill the next one at once)."""
         state = self.hosts[host]
-        state.alive = state.ready = False
+        spare = None if state.spare else self._take_spare(host)
+        state.restart_as_spare = state.spare or spare is not None
+        state.alive = state.ready = state.spare = False
         now = time.monotonic()
         moved = []
         with self._lock:
@@ -522,9 +539,12 @@ class Supervisor:
                         self.results.setdefault(name, None)
                         continue
                     moved.append(name)
-                    run.not_before = now + backoff_s(run.moves)
+                    run.not_before = now + (backoff_s(run.moves - 1) if run.moves else 0.0)
                     run.moves += 1
-                    self.placement.pop(name, None)
+                    if spare is None:
+                        self.placement.pop(name, None)
+                    else:
+                        self.placement[name] = spare
             for request_id, pending in list(self._pending.items()):
                 if pending.host == host:
                     del self._pending[request_id]
@@ -532,13 +552,34 @@ class Supervisor:
                     pending.done.set()
         if self.board is not None:
             self.board.host_gone(self.executor.names[host])
+        self._tell_spares()
         if state.restarts < self.max_restarts:
             state.restart_at = now + backoff_s(state.restarts)
         else:
             state.gone = True
-        log.error("source worker died: its sources move to the others",
+        log.error("source worker died: its sources move to " +
+                  ("its spare" if spare is not None else "the others"),
                   host=self.executor.names[host], reason=reason, sources=sorted(moved),
+                  spare=None if spare is None else self.executor.names[spare],
                   restart_in_s=None if state.gone else round(state.restart_at - now, 2))
+
+    def _tell_spares(self) -> None:
+        """The live view shows which hosts are idle spares now."""
+        if self.board is not None:
+            self.board.set_spares([self.executor.names[h] for h, state in self.hosts.items()
+                                   if state.spare])
+
+    def _take_spare(self, dead: int) -> int | None:
+        """A live spare of ``dead``'s group, ready if any is, now a host like the others (it
+        takes ``dead``'s sources), or None."""
+        group = self.executor.groups[dead]
+        spares = [h for h, state in self.hosts.items() if state.spare and state.alive
+                  and not state.failed and self.executor.groups[h] == group]
+        if not spares:
+            return None
+        spare = min(spares, key=lambda h: (not self.hosts[h].ready, h))
+        self.hosts[spare].spare = False
+        return spare
 
     def _restart_hosts(self) -> None:
         now = time.monotonic()
@@ -550,10 +591,15 @@ class Supervisor:
                 state.restarts += 1
                 state.alive, state.restart_at, state.attempts = True, None, 0
                 state.finished = state.ready = False
-                state.rebalance = True  # once it is ready
-                log.info("source worker restarted: files are evened onto it once it is ready "
-                         "(running cameras stay where they are)",
-                         host=self.executor.names[host], restarts=state.restarts)
+                state.spare, state.rebalance = state.restart_as_spare, not state.restart_as_spare
+                self._tell_spares()
+                if state.spare:
+                    log.info("source worker restarted: it is its group's spare",
+                             host=self.executor.names[host], restarts=state.restarts)
+                else:
+                    log.info("source worker restarted: files are evened onto it once it is "
+                             "ready (running cameras stay where they are)",
+                             host=self.executor.names[host], restarts=state.restarts)
             elif back is None or state.attempts >= MAX_RESTART_ATTEMPTS:
                 state.gone = True
                 log.error("source worker gone for good", host=self.executor.names[host])
@@ -564,7 +610,8 @@ class Supervisor:
     def _place(self, max_moves: int) -> None:
         """Place every unfinished source on a live host; cut short the sources that move
         (each resumes on its new host once its old one reported its end)."""
-        live = [h for h, state in self.hosts.items() if state.alive and not state.failed]
+        live = [h for h, state in self.hosts.items()
+                if state.alive and not state.failed and not state.spare]
         with self._lock:
             names = [n for n in self._unfinished() if not self.sources[n].removing]
             loads = [self.loads[name] for name in names if name in self.loads]
@@ -617,6 +664,8 @@ class InProcessExecutor:
                  frames: str | None = None) -> None:
         self.config = config
         self.names = ["pipeline0"]
+        self.groups: list[Any] = [None]
+        self.spares: set[int] = set()
         self.host: PipelineHost | None = None
         self._metrics = metrics
         self._on_batch_done = on_batch_done
@@ -651,29 +700,37 @@ class LocalExecutor:
     their sources meanwhile (cameras drop, files wait) and reconnect. An engine that cannot
     start (the backend cannot run here, say) fails its workers: the run ends with its reason.
 
+    A worker's death shows as its end of the pipe closing (``poll``): at once, where its
+    exit can take a second (the driver tearing down its CUDA context and decoders).
+
     Args:
         config: the configuration every worker gets (all sources).
-        devices: per worker, its GPU, or None.
+        devices: per worker, its GPU, or None; the spares' too.
         metrics: the workers send metrics snapshots.
         on_gpu: the GPU path is in use (NVDEC-decoded sources take device-ring slots).
+        spares: the workers (indices into ``devices``) started as spares
+            (``runtime.spare_workers``).
     """
 
     def __init__(self, config: PipelineConfig, devices: list[int | None],
-                 metrics: bool = False, on_gpu: bool = False) -> None:
+                 metrics: bool = False, on_gpu: bool = False,
+                 spares: Collection[int] = ()) -> None:
         from pipeline.app.engine import EngineProcess
 
         self.config = config
-        self.devices = devices
+        self.devices = self.groups = devices
+        self.spares = set(spares)
         self.metrics = metrics
         self.names = host_names(devices)
-        self.cores = max(1, usable_cores() // len(devices))
+        self.cores = max(1, usable_cores() // (len(devices) - len(self.spares)))
         self.processes: dict[int, Any] = {}
         self.conns: dict[int, Connection] = {}
         self._send_lock = threading.Lock()
         self._context = multiprocessing.get_context("spawn")
-        self.engines = {device: EngineProcess(config, device, devices.count(device), on_gpu,
-                                              self._context)
-                        for device in dict.fromkeys(devices)}
+        self.engines = {device: EngineProcess(
+            config, device, devices.count(device), on_gpu, self._context,
+            spares=sum(1 for h in self.spares if devices[h] == device))
+            for device in dict.fromkeys(devices)}
         self._engine_restart_at: dict[int | None, float] = {}
         self._told_failed: set[int] = set()
 
@@ -690,7 +747,8 @@ class LocalExecutor:
         process = self._context.Process(
             target=host_main, name=f"streamdet-{self.names[host]}", daemon=False,
             args=(self.names[host], device, self.config, theirs, self.metrics, None,
-                  -(-len(self.config.sources) // len(self.devices)), self.cores,
+                  -(-len(self.config.sources) // (len(self.devices) - len(self.spares))),
+                  self.cores,
                   (engine.link, self.worker_number(host))))
         process.start()
         theirs.close()
@@ -716,7 +774,7 @@ class LocalExecutor:
                 _, report = conn.recv()
                 reports.append(report)
         except (EOFError, OSError):
-            pass
+            alive = False  # its end closed: it is gone, though its exit may take a second
         if engine.failure is not None and host not in self._told_failed:
             self._told_failed.add(host)
             self.call(host, "abort_all")
@@ -724,9 +782,12 @@ class LocalExecutor:
             reports.append(HostReport(failure=reason, usage=usage))
         if alive:
             return reports, None
-        process.join()
+        process.join(EXIT_WAIT_S)
         code = process.exitcode
-        how = f"killed by {signal.Signals(-code).name}" if code and code < 0 else \
+        if code is None:  # still exiting: made sure of (the pipe is closed, it cannot serve)
+            process.kill()
+            return reports, f"process {process.pid} closed its connection (exiting)"
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else \
             f"exited with status {code}"
         return reports, f"process {process.pid} {how}"
 
@@ -804,8 +865,9 @@ def default_workers(sources: int, gpus: int = 1, cores: int | None = None) -> in
     own that the GPU time-slices with the others. On the H200 (results-h200.md), 100 paced
     cameras held with 3, 5 and 6 workers and not with 8; with a tracker and a line each
     (event snapshots on) they held with 5 and 6 but not with 3 (the workers' interpreters
-    were the wall), and a killed worker's cameras cost the others 556-728 dropped frames with
-    5, 3,497 with 3 (fewer cameras to move, more room for them)."""
+    were the wall), and a killed worker's cameras, shared out among the others, cost them
+    556-2,696 dropped frames with 5, 3,497 with 3 (``spare_hosts`` adds a spare to take
+    them instead)."""
     cores = cores or usable_cores()
     return max(1, min(-(-sources // gpus), MAX_DEFAULT_WORKERS, cores // (2 * gpus)))
 
@@ -833,6 +895,17 @@ def resolve_devices(config: PipelineConfig) -> list[int | None]:
                           "runtime.gpus out to run on the CPU)")
     per_gpu = runtime.workers or default_workers(len(config.sources), len(gpus))
     return [gpu for gpu in gpus for _ in range(per_gpu)]
+
+
+def spare_hosts(config: PipelineConfig, devices: list[int | None]) -> list[int | None]:
+    """The spare source workers to start beside ``devices`` (``resolve_devices``): per GPU
+    (or in all, on the CPU path), ``runtime.spare_workers``, or when null one where it has
+    two or more workers; none when the whole pipeline runs in this process (one entry)."""
+    if len(devices) < 2:
+        return []
+    spares = config.runtime.spare_workers
+    return [device for device in dict.fromkeys(devices)
+            for _ in range(spares if spares is not None else int(devices.count(device) >= 2))]
 
 
 def gpu_count() -> int:

@@ -9,7 +9,6 @@ import json
 import pytest
 
 from benchmarks.failover import captured_after, check_file, main
-from pipeline.app.supervisor import RESTART_INITIAL_S
 
 
 @pytest.mark.parametrize(("entry", "since", "after"), [
@@ -60,11 +59,13 @@ def test_small_mode_kills_a_worker_and_the_engine_and_everything_comes_back(smal
     status, results, table = small_run
     assert status == 0, table
     worker, engine = results["worker"], results["engine"]
-    # the killed worker's cameras came back, moved after the supervisor's backoff: a frame
-    # seen sooner would be one from before the kill. (How soon is the benchmark's result, on
-    # the H200: on a loaded 2-core CI machine it took 1.2 s once and 11 s another time.)
+    # the killed worker's cameras came back (a frame captured after the kill: the benchmark's
+    # check) on the spare (runtime.spare_workers: 1 by default, worker2), which took its file
+    # too. (How soon is the benchmark's result, on the H200: 0.43 s here once.)
     assert worker["cameras"] and worker["missing"] == [], table
-    assert all(RESTART_INITIAL_S <= s <= 30.0 for s in worker["recovered_s"].values()), table
+    assert all(0.0 < s <= 30.0 for s in worker["recovered_s"].values()), table
+    lost = [name for name, at in worker["files"].items() if at["host"] == "worker1"]
+    assert all(engine["files"][name]["host"] == "worker2" for name in lost), table
     assert set(worker["cameras"]) | set(worker["others"]) == {f"cam{i:03d}" for i in range(4)}
     assert isinstance(worker["others_dropped"], int) and worker["others_dropped"] >= 0, table
     assert worker["new_pid"] not in (None, worker["pid"]), table  # worker1 restarted

@@ -59,7 +59,7 @@ def kill_one_mid_run(supervisor: Supervisor, out: Path, kill) -> tuple[dict, flo
 
 
 def check_records_complete(supervisor: Supervisor, out: Path, killed_at: float,
-                           moved: list[str]) -> None:
+                           moved: list[str], to: int = 0) -> None:
     assert moved, "host 1 had no source"
     for i in range(SOURCES):
         name = f"cam{i}"
@@ -68,11 +68,11 @@ def check_records_complete(supervisor: Supervisor, out: Path, killed_at: float,
         assert frames == list(range(FRAMES)), f"{name}: records not complete and in order"
     kept = 0
     for name in moved:
-        # Continued on host 0, resumed: the records before the kill are the first run's
+        # Continued on host ``to``, resumed: the records before the kill are the first run's
         # (captured before it), the rest the later runs' (it may move back to host 1 once
         # that is restarted, to even the loads); not started over.
         hosts = [host for source, host, _ in supervisor.history if source == name]
-        assert hosts[:2] == [1, 0], f"{name} ran on {hosts}"
+        assert hosts[:2] == [1, to], f"{name} ran on {hosts}"
         captured = [record["capture_time"] for record in records(out / f"{name}.jsonl")]
         before = sum(t < killed_at for t in captured)
         assert before < FRAMES and all(t < killed_at for t in captured[:before])
@@ -82,10 +82,10 @@ def check_records_complete(supervisor: Supervisor, out: Path, killed_at: float,
 
 
 @pytest.mark.slow
-def test_local_processes_a_killed_pipeline_s_sources_continue_on_the_other(samples, tmp_path, clip):
+def test_local_processes_a_killed_worker_s_sources_continue_on_the_spare(samples, tmp_path, clip):
     out = tmp_path / "out"
     config = cluster_config(samples, out, clip)
-    executor = LocalExecutor(config, [None, None])
+    executor = LocalExecutor(config, [None, None, None], spares={2})  # as make_executor does
     supervisor = Supervisor(config, executor, config.runtime.max_restarts)
     pids = {}
 
@@ -94,11 +94,43 @@ def test_local_processes_a_killed_pipeline_s_sources_continue_on_the_other(sampl
 
     results, killed_at, moved = kill_one_mid_run(supervisor, out, kill)
     assert results == {f"cam{i}": None for i in range(SOURCES)}
-    check_records_complete(supervisor, out, killed_at, moved)
-    # It was restarted (a fresh, empty process), and every host process is gone at the end.
-    assert supervisor.hosts[1].restarts == 1
+    check_records_complete(supervisor, out, killed_at, moved, to=2)
+    # Host 0's sources ran there only; host 1 was restarted (a fresh, empty process) as the
+    # spare, and every host process is gone at the end.
+    placed = [(source, host) for source, host, _ in supervisor.history if source not in moved]
+    assert {host for _, host in placed} == {0} and len(placed) == SOURCES - len(moved)
+    assert supervisor.hosts[1].restarts == 1 and supervisor.hosts[1].spare
     assert executor.processes[1].pid != pids["killed"]
     assert not any(process.is_alive() for process in executor.processes.values())
+
+
+def close_and_linger(conn) -> None:
+    """A worker that has closed its end of the pipe and is still exiting (a killed worker
+    while the driver tears down its CUDA context)."""
+    conn.close()
+    time.sleep(60)
+
+
+def test_a_worker_whose_pipe_closed_is_gone_at_once(samples, tmp_path, clip):
+    config = cluster_config(samples, tmp_path / "out", clip)
+    executor = LocalExecutor(config, [None, None])
+    try:
+        ours, theirs = executor._context.Pipe()
+        process = executor._context.Process(target=close_and_linger, args=(theirs,))
+        process.start()
+        theirs.close()
+        executor.processes[0], executor.conns[0] = process, ours
+        deadline = time.monotonic() + 30
+        while True:
+            reports, died = executor.poll(0)
+            if died is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert died == f"process {process.pid} closed its connection (exiting)"
+        process.join(5)
+        assert process.exitcode == -9  # made sure of
+    finally:
+        executor.close()
 
 
 def require_ray():

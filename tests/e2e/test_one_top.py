@@ -76,7 +76,11 @@ def test_two_pipelines_one_live_view_add_and_remove_without_touching_the_others(
         hosts = {s["host"] for s in sources.values()}
         names = ({"worker0", "worker1"} if mode == "processes" else {"actor0", "actor1"})
         assert hosts == names, sources  # both hosts run some
-        assert set(health()["hosts"]) == names
+        if mode == "processes":  # and a spare, idle (runtime.spare_workers: 1 by default)
+            assert {host: state["spare"] for host, state in health()["hosts"].items()} == {
+                "worker0": False, "worker1": False, "worker2": True}
+        else:  # Ray restarts its actors: no spare
+            assert set(health()["hosts"]) == names
 
         with headless_page(chromium) as page:
             page.goto(base)

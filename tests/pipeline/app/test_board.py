@@ -72,6 +72,10 @@ def test_two_hosts_on_one_board(samples, tmp_path: Path,
                 for host, h in health["hosts"].items()} == {"pipeline0": (True, 1, False),
                                                             "pipeline1": (True, 1, False)}
         assert all(h["report_age_s"] < 1 for h in health["hosts"].values())
+        assert not any(h["spare"] for h in health["hosts"].values())
+        board.set_spares(["pipeline1"])  # the supervisor says which hosts are idle spares
+        assert [h["spare"] for h in board.health()["hosts"].values()] == [False, True]
+        board.set_spares([])
 
         # A snapshot asked of the car: only its host is asked for pictures, of it only.
         board.request("car")

@@ -21,6 +21,7 @@ from pipeline.app.supervisor import (
     default_workers,
     host_names,
     resolve_devices,
+    spare_hosts,
 )
 from pipeline.config import ConfigError, SourceConfig, parse_config
 from pipeline.graph import SourceConflict
@@ -36,8 +37,11 @@ class ScriptedExecutor:
     """Hosts that run nothing: every ``add`` is accepted (or refused, ``refuse``); the test
     ends sources and kills hosts. Records every call."""
 
-    def __init__(self, hosts: int) -> None:
+    def __init__(self, hosts: int, spares: set[int] = frozenset(),
+                 groups: list | None = None) -> None:
         self.names = [f"h{i}" for i in range(hosts)]
+        self.spares = set(spares)
+        self.groups = groups or [None] * hosts
         self.calls: list[tuple[int, str, tuple]] = []
         self.running: dict[str, tuple[int, SourceRequest]] = {}  # source -> (host, request)
         self.reports: dict[int, list[HostReport]] = {i: [] for i in range(hosts)}
@@ -150,7 +154,7 @@ def test_sources_are_placed_by_load_one_by_one_and_the_run_ends_when_each_ended(
     assert executor.removed() == []  # no source was ever cut
 
 
-def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restarts(config):
+def test_a_dead_host_s_sources_resume_on_the_other_and_it_restarts(config):
     executor = ScriptedExecutor(2)
     supervisor, thread, results = start(config, executor, max_restarts=1)
     wait_for(lambda: len(executor.running) == 4, "four sources started")
@@ -158,7 +162,9 @@ def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restar
     died_at = time.monotonic()
     executor.die(1)
     wait_for(lambda: sorted(executor.on(0)) == list("abcd"), "the moved sources on host 0")
-    assert time.monotonic() - died_at >= backoff_s(0) * 0.9  # not at once: a backoff
+    # A first move is at once (no backoff: a camera's frames are lost while it waits)
+    assert supervisor.sources["b"].not_before <= time.monotonic()
+    assert supervisor.sources["b"].not_before - died_at < backoff_s(0)
     moved = executor.on(0)
     assert moved["b"].resume and moved["c"].resume  # they resume after their records
     assert moved["a"] is kept["a"] and moved["d"] is kept["d"]  # never touched
@@ -171,9 +177,14 @@ def test_a_dead_host_s_sources_resume_on_the_other_after_a_backoff_and_it_restar
     assert all(r.resume for r in executor.on(1).values())
     cut = [name for host, name in executor.removed()]
     assert cut and set(cut) == set(executor.on(1))  # only the moved ones were cut
-    # It dies again: no restart left (max_restarts=1); the run goes on with host 0.
+    # It dies again: no restart left (max_restarts=1); the run goes on with host 0. The
+    # sources that moved before wait a backoff (one that kills its hosts is slowed down).
+    again = sorted(executor.on(1))
+    died_at = time.monotonic()
     executor.die(1)
     wait_for(lambda: supervisor.hosts[1].gone, "host 1 given up")
+    assert all(supervisor.sources[name].not_before - died_at >= backoff_s(0) * 0.9
+               for name in again if supervisor.sources[name].moves > 1)
     wait_for(lambda: sorted(executor.on(0)) == list("abcd"), "every source on host 0")
     for name in "abcd":
         executor.finish(name)
@@ -201,6 +212,44 @@ def test_a_restarted_host_takes_no_running_camera_back_but_takes_new_ones(sample
     supervisor.request_stop()
     thread.join(5)
     assert results == {name: None for name in "abcde"}
+
+
+def test_a_dead_host_s_sources_go_to_its_spare_which_it_becomes_once_restarted(config):
+    executor = ScriptedExecutor(3, spares={2})
+    supervisor, thread, results = start(config, executor)
+    wait_for(lambda: len(executor.running) == 4, "four sources started")
+    assert executor.on(2) == {}  # a spare takes nothing while the others live
+    kept, lost = dict(executor.on(0)), dict(executor.on(1))
+    executor.die(1)
+    wait_for(lambda: sorted(executor.on(2)) == sorted(lost), "host 1's sources on the spare")
+    assert all(request.resume for request in executor.on(2).values())
+    assert executor.on(0) == kept and executor.removed() == []  # host 0 untouched
+    wait_for(lambda: (1, "restart_host", ()) in executor.calls, "host 1 restarted")
+    wait_for(lambda: supervisor.hosts[1].ready, "host 1 ready")
+    time.sleep(0.3)  # the loop had its turns: nothing was evened onto the new spare
+    assert supervisor.hosts[1].spare and executor.on(1) == {} and executor.removed() == []
+    supervisor.add_source({"name": "e", "uri": "rtsp://h/x"}, SourceLoad("e", 100, 100, 1))
+    assert "e" not in executor.on(1)  # a spare takes no new source either
+    gone = sorted(executor.on(0))
+    executor.die(0)  # and the new spare takes the next one's
+    wait_for(lambda: sorted(executor.on(1)) == gone, "host 0's sources on host 1")
+    supervisor.request_stop()
+    thread.join(5)
+    assert results == {name: None for name in "abcde"}
+
+
+def test_a_spare_takes_only_the_sources_of_its_own_engine_s_workers(config):
+    # hosts 0 and 1 feed one engine (GPU), 2 and 3 another, whose spare is 3
+    executor = ScriptedExecutor(4, spares={3}, groups=[0, 0, 1, 1])
+    supervisor, thread, results = start(config, executor)
+    wait_for(lambda: len(executor.running) == 4, "four sources started")
+    lost = sorted(executor.on(0))
+    executor.die(0)
+    wait_for(lambda: set(lost) <= set(executor.on(1)) | set(executor.on(2)),
+             "host 0's sources on the live hosts")
+    assert executor.on(3) == {}
+    supervisor.request_stop()
+    thread.join(5)
 
 
 class FinishingExecutor(ScriptedExecutor):
@@ -304,6 +353,20 @@ def test_a_pipeline_that_cannot_start_fails_its_sources_once(config):
 def test_resolve_devices(samples, runtime, expected):
     config = parse_config({"sources": [{"name": "a", "uri": str(samples.bikes)}], "runtime": runtime})
     assert resolve_devices(config) == expected
+
+
+@pytest.mark.parametrize("runtime, expected", [
+    ({"workers": 3}, [None]),  # one by default where there are two or more workers
+    ({"workers": 2, "spare_workers": 0}, []),
+    ({"workers": 2, "spare_workers": 2}, [None, None]),
+    ({"workers": 1, "spare_workers": 1}, []),  # the whole pipeline in this process
+    ({"gpus": [0, 1], "workers": 2}, [0, 1]),  # per GPU
+    ({"gpus": [0, 1], "workers": 1}, []),
+    ({"gpus": [0, 1], "workers": 1, "spare_workers": 1}, [0, 1]),
+])
+def test_spare_workers(samples, runtime, expected):
+    config = parse_config({"sources": [{"name": "a", "uri": str(samples.bikes)}], "runtime": runtime})
+    assert spare_hosts(config, resolve_devices(config)) == expected
 
 
 def test_workers_by_default_one_per_source_at_most_five_per_gpu_and_half_the_cores():
