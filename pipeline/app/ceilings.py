@@ -16,6 +16,11 @@ Each runs in a child process, so the process that measures never creates a CUDA 
 
     python -m pipeline.app.ceilings decode --config C.yaml [--decoders K] [--seconds S]
     python -m pipeline.app.ceilings engine --config C.yaml [--seconds S]
+    python -m pipeline.app.ceilings split --config C.yaml --cpu-cores 4,6 [--seconds S]
+
+``split`` measures NVDEC and the CPU at once with the cores shared out between them: for each
+N of ``--cpu-cores``, N CPU decoders pinned to the last N usable cores and the NVDEC
+decoders' threads (FFmpeg's too) to the others; one JSON line per N (``SplitRate``).
 
 ``C.yaml`` is a run's configuration; its first source's ``uri`` is the clip. Each prints one
 JSON line (``DecodeRate`` or ``EngineRate``); errors are one ``error:`` line on stderr, exit
@@ -90,11 +95,15 @@ class EngineRate:
 
 
 def _isolated_worker(clip: str, names: list[str], threads: int, size: tuple[int, int],
-                     counter: Any, start: Any, stop: Any) -> None:
+                     counter: Any, start: Any, stop: Any, cpus: list[int] | None = None) -> None:
+    import os
+
     from pipeline.logging import configure_logging
     from pipeline.slots import SlotRing, i420_bytes
     from stages.decode import DecodeStage
 
+    if cpus:  # before FFmpeg starts its threads: they inherit it
+        os.sched_setaffinity(0, cpus)
     configure_logging(level="warning")
     ended = threading.Event()
     ring = SlotRing(SLOTS_PER_SOURCE * len(names), i420_bytes(*size))
@@ -125,9 +134,9 @@ class CpuDecoders:
     would start for them (``default_worker_count``, sources dealt round-robin,
     ``decoder_threads`` FFmpeg threads each), each into a private slot ring (the planes
     copied as in the pipeline), each slot given back at once: nothing crosses a process
-    boundary per frame."""
+    boundary per frame. ``cpus``: the cores they run on (None: any)."""
 
-    def __init__(self, clip: Path, decoders: int) -> None:
+    def __init__(self, clip: Path, decoders: int, cpus: list[int] | None = None) -> None:
         from pipeline.app.build import probe_frame_size
         from pipeline.app.workers import default_worker_count
         from stages.decode import decoder_threads
@@ -142,7 +151,7 @@ class CpuDecoders:
         self._procs = [context.Process(target=_isolated_worker, daemon=True,
                                        args=(str(clip), names[k::self.processes],
                                              decoder_threads(decoders), size, self._counter,
-                                             self._start, self._stop))
+                                             self._start, self._stop, cpus))
                        for k in range(self.processes)]
         self.cpu_s = 0.0  # CPU s of the children reaped by stop(): its own when run alone
 
@@ -166,13 +175,16 @@ class CpuDecoders:
 
 class NvdecDecoders:
     """``decoders`` threads each decoding ``clip`` on NVDEC (``GpuDecodeStage``; the pictures
-    stay on the device and are dropped)."""
+    stay on the device and are dropped). ``cpus``: the cores they (and FFmpeg's threads
+    they start) run on (None: any)."""
 
-    def __init__(self, clip: Path, decoders: int, device_id: int) -> None:
+    def __init__(self, clip: Path, decoders: int, device_id: int,
+                 cpus: list[int] | None = None) -> None:
         from stages.gpu_decode import GpuDecodeStage  # not installed: raised here, not lost
 
         self._stage = GpuDecodeStage
         self.clip, self.decoders, self.device_id = clip, decoders, device_id
+        self.cpus = cpus
         self._ended = threading.Event()
         self._counts = [0] * decoders
         self.failures: list[str] = []
@@ -180,6 +192,10 @@ class NvdecDecoders:
                          for i in range(decoders)]
 
     def _decode(self, index: int) -> None:
+        import os
+
+        if self.cpus:  # this thread, and the threads it starts
+            os.sched_setaffinity(0, self.cpus)
         source = SourceConfig(name=f"cam{index:03d}", uri=str(self.clip))
         try:
             while not self._ended.is_set():  # from the start again at its end
@@ -274,6 +290,52 @@ def decode_rate(config: PipelineConfig, decoders: int | None, seconds: float) ->
     rate.both_nvdec_fps, rate.both_cpu_fps = measure_at_once(
         [NvdecDecoders(clip, decoders, device), CpuDecoders(clip, cpu_decoders)], seconds)
     return rate
+
+
+@dataclass
+class SplitRate:
+    """NVDEC and the CPU decoding at once on disjoint cores: ``cpu_cores`` cores for
+    ``cpu_cores`` CPU decoders, the other ``nvdec_cores`` for the NVDEC decoders' threads."""
+
+    cpu_cores: int
+    nvdec_cores: int
+    nvdec_fps: float
+    cpu_fps: float
+
+    @property
+    def both_fps(self) -> float:
+        return self.nvdec_fps + self.cpu_fps
+
+
+def split_rates(config: PipelineConfig, cpu_cores: list[int], seconds: float,
+                decoders: int | None = None) -> list[SplitRate]:
+    """``SplitRate`` for each count of ``cpu_cores`` (``split``, module docstring).
+
+    Raises:
+        ConfigError: a count leaves no core for NVDEC, or the first source is not decoded
+            on NVDEC.
+    """
+    from pipeline.app.build import create_gpu_context, decoder_kind
+    from stages.decode import usable_cores
+
+    source = config.sources[0]
+    if decoder_kind(config, source, "sources[0]", create_gpu_context(config)) != "gpu":
+        raise ConfigError("split: sources[0] is not decoded on NVDEC here")
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))[:usable_cores()]
+    rates = []
+    for count in cpu_cores:
+        if not 0 < count < len(cores):
+            raise ConfigError(f"--cpu-cores: {count} leaves no core for one of the two "
+                              f"({len(cores)} usable)")
+        nvdec, cpu = cores[:-count], cores[-count:]
+        nvdec_fps, cpu_fps = measure_at_once(
+            [NvdecDecoders(Path(source.uri), decoders or NVDEC_DECODERS,
+                           config.inference.gpu_id, nvdec),
+             CpuDecoders(Path(source.uri), count, cpu)], seconds)
+        rates.append(SplitRate(count, len(nvdec), nvdec_fps, cpu_fps))
+    return rates
 
 
 # ---- engine alone ----------------------------------------------------------------------
@@ -386,16 +448,24 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m pipeline.app.ceilings",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("decode", "engine"))
+    parser.add_argument("what", choices=("decode", "engine", "split"))
     parser.add_argument("--config", required=True, help="a run's YAML; sources[0].uri: the clip")
     parser.add_argument("--decoders", type=int, default=None,
                         help="decode: parallel decoders (default: 16 on NVDEC, one per core "
                              "on the CPU)")
     parser.add_argument("--seconds", type=float, default=5.0, help="the measured window")
+    parser.add_argument("--cpu-cores", default="4",
+                        help="split: the cores given to CPU decode, one measurement each "
+                             "(comma-separated)")
     args = parser.parse_args(argv)
     configure_logging(level="warning")
     try:
         config = load_config(args.config)
+        if args.what == "split":
+            counts = [int(n) for n in args.cpu_cores.split(",") if n.strip()]
+            for rate in split_rates(config, counts, args.seconds, args.decoders):
+                print(json.dumps({**asdict(rate), "both_fps": rate.both_fps}), flush=True)
+            return 0
         if args.what == "decode":
             found: Any = decode_rate(config, args.decoders, args.seconds)
         else:

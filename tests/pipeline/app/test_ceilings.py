@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import yaml
 
 from pipeline.app.ceilings import (
@@ -17,8 +18,9 @@ from pipeline.app.ceilings import (
     decode_rate,
     engine_rate,
     measure_at_once,
+    split_rates,
 )
-from pipeline.config import parse_config
+from pipeline.config import ConfigError, parse_config
 
 PAD = np.float32(114 / 255)
 
@@ -64,6 +66,23 @@ def test_groups_of_decoders_are_counted_in_the_same_window_each_on_its_own(sampl
     assert one.cpu_s > 0 and two.cpu_s > 0
     both = DecodeRate(4580.0, 16, "gpu", both_nvdec_fps=4100.0, both_cpu_fps=1700.0)
     assert both.both_fps == 5800.0 and DecodeRate(1.0, 1, "cpu").both_fps is None
+
+
+def test_cpu_decoders_pinned_to_cores_run_there(samples):
+    # what split does with the CPU's decoders (and NVDEC's threads, on the GPU path)
+    import os
+
+    core = sorted(os.sched_getaffinity(0))[-1]
+    pinned = CpuDecoders(samples.carphone, 1, [core])
+    assert pinned._procs[0]._args[-1] == [core]  # its process pins itself to them
+    (rate,) = measure_at_once([pinned], 0.5)
+    assert rate > 0
+
+
+def test_split_needs_nvdec(samples):
+    config = parse_config(config_of(samples, samples.carphone))
+    with pytest.raises(ConfigError, match="^split: sources\\[0\\] is not decoded on NVDEC"):
+        split_rates(config, [1], 0.5)
 
 
 def test_the_child_prints_one_json_line_or_one_error_line(samples, tmp_path):
