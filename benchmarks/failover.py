@@ -119,7 +119,7 @@ class Mode:
 
 
 SMALL = Mode(cameras=4, pace_fps=3.0, workers=2, warmup_s=2.0, watch_s=6.0,
-             worker_limit_s=30.0, engine_limit_s=60.0, file_s=60.0, health_s=120.0,
+             worker_limit_s=30.0, engine_limit_s=60.0, file_s=40.0, health_s=120.0,
              run_s=120.0)
 FULL = Mode(cameras=100, pace_fps=30.0, workers=None, warmup_s=10.0, watch_s=10.0,
             worker_limit_s=30.0, engine_limit_s=120.0, file_s=90.0, health_s=420.0,

@@ -700,8 +700,9 @@ class LocalExecutor:
     their sources meanwhile (cameras drop, files wait) and reconnect. An engine that cannot
     start (the backend cannot run here, say) fails its workers: the run ends with its reason.
 
-    A worker's death shows as its end of the pipe closing (``poll``): at once, where its
-    exit can take a second (the driver tearing down its CUDA context and decoders).
+    A worker's death shows at once (``poll``): its end of the pipe closing, or Linux marking
+    it exiting (``exiting``), where its exit status can take most of a second to come (on
+    the H200: 0.8 s, the driver tearing down its CUDA context and 20 decoders).
 
     Args:
         config: the configuration every worker gets (all sources).
@@ -767,7 +768,8 @@ class LocalExecutor:
         engine = self.engines[self.devices[host]]
         self._watch_engine(engine)
         conn, process = self.conns[host], self.processes[host]
-        alive = process.is_alive()  # before reading: what it sent before dying is read
+        # before reading: what it sent before dying is read
+        alive = process.is_alive() and not exiting(process.pid)
         reports = []
         try:
             while conn.poll():
@@ -784,9 +786,9 @@ class LocalExecutor:
             return reports, None
         process.join(EXIT_WAIT_S)
         code = process.exitcode
-        if code is None:  # still exiting: made sure of (the pipe is closed, it cannot serve)
+        if code is None:  # still exiting: made sure of (it cannot serve any more)
             process.kill()
-            return reports, f"process {process.pid} closed its connection (exiting)"
+            return reports, f"process {process.pid} is exiting"
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else \
             f"exited with status {code}"
         return reports, f"process {process.pid} {how}"
@@ -839,6 +841,21 @@ class LocalExecutor:
             self.conns[host].close()
         for engine in self.engines.values():
             engine.close()
+
+
+PF_EXITING = 0x4  # include/linux/sched.h: the task is exiting
+
+
+def exiting(pid: int) -> bool:
+    """Whether Linux says process ``pid``'s main thread is exiting (``PF_EXITING`` in
+    ``/proc/PID/stat``'s flags): set as a kill takes effect, long before its exit status
+    can be had. False where there is no such process or no ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return bool(int(fields[6]) & PF_EXITING)  # after ")": state, ..., flags (the 7th)
+    except (OSError, IndexError, ValueError):
+        return False
 
 
 def usable_cores() -> int:

@@ -54,7 +54,7 @@ def small_run(tmp_path_factory):
     return status, json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
 
 
-@pytest.mark.slow  # about 70 s: a real run, two kills, files playing through both
+@pytest.mark.slow  # about 45 s: a real run, two kills, files playing through both
 def test_small_mode_kills_a_worker_and_the_engine_and_everything_comes_back(small_run):
     status, results, table = small_run
     assert status == 0, table

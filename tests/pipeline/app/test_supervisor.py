@@ -19,6 +19,7 @@ from pipeline.app.supervisor import (
     absolute_paths,
     backoff_s,
     default_workers,
+    exiting,
     host_names,
     resolve_devices,
     spare_hosts,
@@ -367,6 +368,26 @@ def test_resolve_devices(samples, runtime, expected):
 def test_spare_workers(samples, runtime, expected):
     config = parse_config({"sources": [{"name": "a", "uri": str(samples.bikes)}], "runtime": runtime})
     assert spare_hosts(config, resolve_devices(config)) == expected
+
+
+def test_a_process_is_exiting_once_linux_says_so():
+    import os
+
+    assert not exiting(os.getpid())  # running
+    assert not exiting(2**22 + 1)  # no such process (above pid_max's default)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: gone
+    assert not exiting(child.pid)
+    # A process whose main thread has exited while another runs on: exiting, and no exit
+    # status yet (what a killed worker is while the driver tears its GPU work down)
+    code = ("import ctypes, threading, time; threading.Thread(target=time.sleep, args=(3,))"
+            ".start(); ctypes.CDLL(None).pthread_exit(None)")
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        wait_for(lambda: exiting(child.pid), "its main thread exited", 10)
+        assert child.poll() is None
+    finally:
+        child.wait(10)
 
 
 def test_workers_by_default_one_per_source_at_most_five_per_gpu_and_half_the_cores():
