@@ -18,6 +18,8 @@ source worker k                                     engine (one per GPU: the mod
   then the UV rows, no padding), waits for the copies, then submits the slot.
 - A slot of either ring is the worker's again once that frame's results came back: the
   engine read it before the model ran.
+- A worker says ``BYE`` before it closes its connection; a connection that ends without it
+  is a worker that died, and the engine tells the supervisor at once.
 
 Nothing here is pickled per frame: a submit is one bytes message of fixed-size rows, a
 result one tuple of NumPy arrays per batch and worker.
@@ -39,7 +41,8 @@ SUBMIT_DTYPE = np.dtype([
     ("height", np.int32),
 ])
 
-HELLO, READY = "hello", "ready"
+HELLO, READY = "hello", "ready"  # (HELLO, worker number, pid) -> (READY, device ring handle)
+BYE = b""  # a worker's last message, its graph finished: a connection that ends without it died
 
 
 @dataclass(frozen=True)

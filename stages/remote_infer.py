@@ -32,6 +32,7 @@ copied again); a live source's unanswered frames are dropped (counted), they are
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections import deque
@@ -44,7 +45,15 @@ import numpy as np
 import structlog
 
 from kernels.preprocess import letterbox_geometry
-from pipeline.engine_link import HELLO, READY, SUBMIT_DTYPE, DeviceRing, EngineLink, EngineResults
+from pipeline.engine_link import (
+    BYE,
+    HELLO,
+    READY,
+    SUBMIT_DTYPE,
+    DeviceRing,
+    EngineLink,
+    EngineResults,
+)
 from pipeline.records import BatchDetections, EndOfStream, Frame, FrameBatch
 from pipeline.slots import SlotRing
 from pipeline.stage import Stage
@@ -193,7 +202,12 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
             link, self._link = self._link, None
             self._cond.notify_all()
         if link is not None:
-            link.conn.close()
+            with self._send_lock:
+                try:
+                    link.conn.send_bytes(BYE)  # not a death: the engine tells no one
+                except OSError:
+                    pass  # the engine is gone
+                link.conn.close()
             if link.device_ring is not None:
                 link.device_ring.close()
 
@@ -205,7 +219,7 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
         while not self.stop.is_set():
             try:
                 conn = Client(self.link.address, authkey=self.link.authkey)
-                conn.send((HELLO, self.worker))
+                conn.send((HELLO, self.worker, os.getpid()))
                 while not conn.poll(0.2):
                     if self.stop.is_set():
                         conn.close()

@@ -27,6 +27,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ import numpy as np
 import structlog
 
 from pipeline.config import PipelineConfig
-from pipeline.engine_link import HELLO, READY, SUBMIT_DTYPE, DeviceRing, EngineLink
+from pipeline.engine_link import BYE, HELLO, READY, SUBMIT_DTYPE, DeviceRing, EngineLink
 from pipeline.metrics import StageMetrics
 from pipeline.records import Frame, ModelOutputs
 from pipeline.slots import SlotRing
@@ -56,14 +57,17 @@ class Engine:
         link: the rings and address shared with the workers.
     """
 
-    def __init__(self, config: PipelineConfig, link: EngineLink) -> None:
+    def __init__(self, config: PipelineConfig, link: EngineLink,
+                 on_gone: Callable[[int, int | None], None] | None = None) -> None:
         self.config, self.link = config, link
+        self.on_gone = on_gone  # (worker number, pid): its connection closed without a bye
         self.stop = threading.Event()
         self.failed = False  # a thread failed: the process exits with status 1
         self.ready = threading.Event()
         self.metrics = {name: StageMetrics(name) for name in ("batch", "infer", "postprocess")}
         self._conns: dict[int, tuple[Connection, int]] = {}  # source id -> (conn, worker)
         self._sources_of: dict[Connection, int] = {}
+        self._pids: dict[Connection, int | None] = {}  # each worker's pid (its hello)
         self._lock = threading.Lock()
         self._listener: Listener | None = None
         self._device_ring: DeviceRing | None = None
@@ -183,7 +187,7 @@ class Engine:
         while not self.stop.is_set():
             try:
                 conn = self._listener.accept()
-                kind, worker = conn.recv()
+                kind, worker, *pid = conn.recv()
             except (OSError, EOFError):
                 if self.stop.is_set():
                     return
@@ -195,16 +199,24 @@ class Engine:
                 source = self.batcher.add_source(f"worker{worker}")
                 self._conns[source] = (conn, worker)
                 self._sources_of[conn] = source
+                self._pids[conn] = pid[0] if pid else None
             conn.send((READY, handle))
             log.info("worker connected", worker=worker, source_id=source)
 
-    def _forget(self, conn: Connection) -> None:
+    def _forget(self, conn: Connection, said_bye: bool = False) -> None:
+        """A worker's connection ended: said bye (its graph finished), or closed without a
+        word (it died: ``on_gone`` tells the supervisor at once, where its exit status can
+        take most of a second to come)."""
         with self._lock:
             source = self._sources_of.pop(conn, None)
-            if source is not None:
-                _, worker = self._conns.pop(source)
-                log.info("worker gone", worker=worker)
+            pid = self._pids.pop(conn, None)
+            worker = None if source is None else self._conns.pop(source)[1]
         conn.close()
+        if worker is None:
+            return
+        log.info("worker gone", worker=worker, said_bye=said_bye)
+        if not said_bye and self.on_gone is not None and not self.stop.is_set():
+            self.on_gone(worker, pid)
 
     def _intake(self) -> None:
         """Rows in, frames to the batcher, batches onto the GPU."""
@@ -224,10 +236,14 @@ class Engine:
                 batches, frames = [], 0
                 for conn in ready:
                     try:
-                        rows = np.frombuffer(conn.recv_bytes(), SUBMIT_DTYPE)
+                        data = conn.recv_bytes()
                     except (EOFError, OSError):
                         self._forget(conn)
                         continue
+                    if data == BYE:  # its graph finished
+                        self._forget(conn, said_bye=True)
+                        continue
+                    rows = np.frombuffer(data, SUBMIT_DTYPE)
                     source = self._sources_of.get(conn)
                     if source is None:
                         continue
@@ -339,7 +355,16 @@ def engine_main(config: PipelineConfig, link: EngineLink, device: int | None,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(config.runtime.log_format, config.runtime.log_level)
-    engine = Engine(config, link)
+    telling = threading.Lock()  # the serving threads and this one send on ``conn``
+
+    def tell_gone(worker: int, pid: int | None) -> None:
+        try:
+            with telling:
+                conn.send(("gone", worker, pid))
+        except OSError:
+            pass  # the supervisor is gone: so are we, soon
+
+    engine = Engine(config, link, on_gone=tell_gone)
     started = time.monotonic()
     try:
         engine.listen()
@@ -352,7 +377,8 @@ def engine_main(config: PipelineConfig, link: EngineLink, device: int | None,
         conn.send(("failed", f"engine failed to start: {type(error).__name__}: {error}", False))
         engine.close()
         return
-    conn.send(("ready", time.monotonic() - started))
+    with telling:
+        conn.send(("ready", time.monotonic() - started))
     serving = threading.Thread(target=engine.serve, name="engine:serve", daemon=True)
     serving.start()
     try:
@@ -441,6 +467,7 @@ class EngineProcess:
         self.ready_in_s: float | None = None
         self.failure: tuple[str, bool] | None = None  # (reason, a usage error) once it gave up
         self.restarts = 0
+        self.gone: set[int] = set()  # pids of workers whose connection closed without a bye
 
     def start(self) -> None:
         ours, theirs = self._context.Pipe()
@@ -463,6 +490,8 @@ class EngineProcess:
                     log.info("engine ready", seconds=round(message[1], 1), device=self.device)
                 elif message[0] == "failed":
                     self.failure = (message[1], message[2])
+                elif message[0] == "gone" and message[2] is not None:
+                    self.gone.add(message[2])
         except (EOFError, OSError):
             pass
         if alive:

@@ -111,6 +111,30 @@ def close_and_linger(conn) -> None:
     time.sleep(60)
 
 
+def linger(conn) -> None:
+    """A worker that goes on as if alive (its pipe open) while its engine saw it go."""
+    time.sleep(60)
+
+
+def test_a_worker_its_engine_saw_go_is_gone_at_once(samples, tmp_path, clip):
+    config = cluster_config(samples, tmp_path / "out", clip)
+    executor = LocalExecutor(config, [None, None])
+    try:
+        ours, theirs = executor._context.Pipe()
+        process = executor._context.Process(target=linger, args=(theirs,))
+        process.start()
+        theirs.close()
+        executor.processes[0], executor.conns[0] = process, ours
+        assert executor.poll(0) == ([], None)  # alive
+        executor.engines[None].gone.add(process.pid)  # its engine's ("gone", 0, pid)
+        reports, died = executor.poll(0)
+        assert died == f"process {process.pid} ended (its exit status not in yet)"
+        process.join(5)
+        assert process.exitcode == -9 and not executor.engines[None].gone
+    finally:
+        executor.close()
+
+
 def test_a_worker_whose_pipe_closed_is_gone_at_once(samples, tmp_path, clip):
     config = cluster_config(samples, tmp_path / "out", clip)
     executor = LocalExecutor(config, [None, None])
@@ -126,7 +150,7 @@ def test_a_worker_whose_pipe_closed_is_gone_at_once(samples, tmp_path, clip):
             if died is not None or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        assert died == f"process {process.pid} is exiting"
+        assert died == f"process {process.pid} ended (its exit status not in yet)"
         process.join(5)
         assert process.exitcode == -9  # made sure of
     finally:

@@ -91,3 +91,10 @@ def test_after_a_reconnect_the_receiver_never_waits_for_a_device_slot():
     assert not sender.is_alive()
     outputs += stage._take_done()
     assert [i for batch in outputs for i in batch.frames.index.tolist()] == [0, 1, 2, 3, 4]
+
+
+def test_closing_says_bye_so_the_engine_does_not_take_it_for_a_death():
+    connection = FakeConnection()
+    stage = stage_with_file_frames(0, _Link(connection, FakeDeviceRing(), 0, deque()))
+    stage.close()
+    assert connection.sent == [[]]  # BYE: one empty message, before the connection closes

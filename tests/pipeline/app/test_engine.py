@@ -1,9 +1,11 @@
-"""pipeline.app.engine: an engine restarted after a kill binds its predecessor's address."""
+"""pipeline.app.engine: an engine restarted after a kill binds its predecessor's address; a
+worker's connection that ends without a bye is told to the supervisor."""
 
 from __future__ import annotations
 
 import socket
 import threading
+from multiprocessing import Pipe
 from multiprocessing.connection import Client
 
 from pipeline.app.engine import Engine
@@ -37,3 +39,22 @@ def test_a_socket_left_by_a_killed_engine_does_not_stop_its_successor(samples, t
         assert heard == ["hello"]
     finally:
         engine._listener.close()
+
+
+def test_a_worker_gone_without_a_bye_is_told_and_one_that_said_bye_is_not(samples, tmp_path):
+    link = EngineLink(address=str(tmp_path / "engine.sock"), authkey=b"k" * 16, device=None,
+                      host_ring="unused", host_slots=1, slot_bytes=1, host_shares=((0,),),
+                      device_share=0)
+    config = parse_config({"sources": [{"name": "cam", "uri": "rtsp://127.0.0.1/x"}],
+                           "model": {"path": str(samples.model)}})
+    told = []
+    engine = Engine(config, link, on_gone=lambda worker, pid: told.append((worker, pid)))
+    ends = {}
+    for worker, pid in ((0, 100), (1, 101)):  # what ``_accept`` keeps of each HELLO
+        ours, ends[worker] = Pipe()
+        engine._conns[worker], engine._sources_of[ours] = (ours, worker), worker
+        engine._pids[ours] = pid
+    conns = {worker: conn for conn, worker in engine._sources_of.items()}
+    engine._forget(conns[1], said_bye=True)  # its graph finished
+    engine._forget(conns[0])  # its connection closed without a word: killed
+    assert told == [(0, 100)] and not engine._conns and not engine._pids
