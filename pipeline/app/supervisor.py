@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 import time
@@ -727,6 +728,7 @@ class LocalExecutor:
         self.cores = max(1, usable_cores() // (len(devices) - len(self.spares)))
         self.processes: dict[int, Any] = {}
         self.conns: dict[int, Connection] = {}
+        self.inboxes: dict[int, queue.SimpleQueue[HostReport | None]] = {}
         self._send_lock = threading.Lock()
         self._context = multiprocessing.get_context("spawn")
         self.engines = {device: EngineProcess(
@@ -754,9 +756,32 @@ class LocalExecutor:
                   (engine.link, self.worker_number(host))))
         process.start()
         theirs.close()
-        self.processes[host], self.conns[host] = process, ours
+        self._attach(host, process, ours)
         log.info("source worker started", worker=self.names[host], pid=process.pid,
                  device=device)
+
+    def _attach(self, host: int, process: Any, conn: Connection) -> None:
+        """``process`` is ``host`` now, reached through ``conn``, whose reports a thread of
+        its own reads as they come (``_read_reports``)."""
+        inbox: queue.SimpleQueue[HostReport | None] = queue.SimpleQueue()
+        self.processes[host], self.conns[host], self.inboxes[host] = process, conn, inbox
+        threading.Thread(target=self._read_reports, args=(conn, inbox), daemon=True,
+                         name=f"reports:{self.names[host]}").start()
+
+    def _read_reports(self, conn: Connection, inbox: queue.SimpleQueue) -> None:
+        """A host's reports into ``inbox`` until its pipe ends (then None; the pipe is
+        closed here). A thread per host: the loop never waits on one host's pipe, where a
+        host killed in the middle of sending a report leaves half of it, and reading it
+        would wait for the pipe's end (on the H200 that was 0.7 s after the kill: the
+        supervisor saw nothing else meanwhile, its engine's word of it neither)."""
+        try:
+            while True:
+                inbox.put(conn.recv()[1])
+        except (EOFError, OSError):
+            inbox.put(None)
+        finally:
+            with self._send_lock:  # no ``call`` sends on it as it closes
+                conn.close()
 
     def call(self, host: int, method: str, *args: Any) -> None:
         try:
@@ -768,18 +793,17 @@ class LocalExecutor:
     def poll(self, host: int) -> tuple[list[HostReport], str | None]:
         engine = self.engines[self.devices[host]]
         self._watch_engine(engine)
-        conn, process = self.conns[host], self.processes[host]
+        process, inbox = self.processes[host], self.inboxes[host]
         told = process.pid in engine.gone  # its engine saw it go
         engine.gone.discard(process.pid)
-        # before reading: what it sent before dying is read
         alive = process.is_alive() and not told and not exiting(process.pid)
-        reports = []
-        try:
-            while conn.poll():
-                _, report = conn.recv()
-                reports.append(report)
-        except (EOFError, OSError):
-            alive = False  # its end closed: it is gone, though its exit may take a second
+        reports = []  # what it sent before dying too (read as it came)
+        while not inbox.empty():
+            report = inbox.get()
+            if report is None:  # its end closed: gone, though its exit may take a second
+                alive = False
+                break
+            reports.append(report)
         if engine.failure is not None and host not in self._told_failed:
             self._told_failed.add(host)
             self.call(host, "abort_all")
@@ -820,8 +844,7 @@ class LocalExecutor:
             engine.start()
 
     def restart(self, host: int) -> bool:
-        self.conns[host].close()
-        self.start(host)
+        self.start(host)  # (the old pipe is closed by its reader, at its end)
         return True
 
     def kill(self, host: int) -> int:
@@ -841,7 +864,6 @@ class LocalExecutor:
                 log.warning("source worker did not stop: killing it", worker=self.names[host])
                 process.kill()
                 process.join(1.0)
-            self.conns[host].close()
         for engine in self.engines.values():
             engine.close()
 

@@ -124,7 +124,7 @@ def test_a_worker_its_engine_saw_go_is_gone_at_once(samples, tmp_path, clip):
         process = executor._context.Process(target=linger, args=(theirs,))
         process.start()
         theirs.close()
-        executor.processes[0], executor.conns[0] = process, ours
+        executor._attach(0, process, ours)
         assert executor.poll(0) == ([], None)  # alive
         executor.engines[None].gone.add(process.pid)  # its engine's ("gone", 0, pid)
         reports, died = executor.poll(0)
@@ -143,7 +143,7 @@ def test_a_worker_whose_pipe_closed_is_gone_at_once(samples, tmp_path, clip):
         process = executor._context.Process(target=close_and_linger, args=(theirs,))
         process.start()
         theirs.close()
-        executor.processes[0], executor.conns[0] = process, ours
+        executor._attach(0, process, ours)
         deadline = time.monotonic() + 30
         while True:
             reports, died = executor.poll(0)
