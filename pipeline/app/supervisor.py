@@ -15,7 +15,7 @@ run.py / Python API / --ray  ──>  Supervisor (this process)           hosts:
 Each host builds its graph once and keeps it for its life; the supervisor adds sources to it
 and removes them one at a time (``pipeline.app.host``), so placing, moving or removing one
 source never cuts another. When a host dies (a crash, an OOM kill, ``kill -9``, a Ray actor
-or node lost; a local worker's death shows as its pipe closing), its unfinished sources go
+or node lost; a local worker's death is seen at once: ``LocalExecutor``), its unfinished sources go
 at once to a spare of its group (``runtime.spare_workers``: an idle worker of the same
 engine, started with the others), which is from then on a host like the others; the dead
 host is restarted after a backoff (``runtime.max_restarts`` times; a Ray actor is restarted
@@ -66,7 +66,7 @@ log = structlog.get_logger("supervisor")
 POLL_S = 0.05
 RESTART_INITIAL_S, RESTART_MAX_S = 0.5, 10.0  # backoff of restarts and of moved sources
 JOIN_TIMEOUT_S = 10.0
-EXIT_WAIT_S = 0.2  # a worker whose pipe closed: its exit status is waited for this long
+EXIT_WAIT_S = 0.2  # a worker seen dying: its exit status is waited for this long
 MAX_RESTART_ATTEMPTS = 8  # a host not back after this many attempts in a row is given up
 REPLY_TIMEOUT_S = 120.0  # add_source waits this long for its host's answer
 VIEW_EVERY_S = 0.1  # how often the hosts are told which sources a viewer watches
@@ -702,9 +702,10 @@ class LocalExecutor:
     start (the backend cannot run here, say) fails its workers: the run ends with its reason.
 
     A worker's death shows at once (``poll``): its engine telling that its connection closed
-    without a bye, its end of the pipe closing, or Linux marking it exiting (``exiting``),
-    where its exit status can take most of a second to come (on the H200 the engine knew
-    0.7-0.85 s before the supervisor saw the exit).
+    without a bye, its end of the pipe closing, or Linux marking it exiting (``exiting``);
+    its exit status can come most of a second later (the driver tearing down its CUDA work).
+    Each worker's reports are read by a thread of its own (``_read_reports``), so a report
+    half sent by a worker killed mid-send holds up nothing.
 
     Args:
         config: the configuration every worker gets (all sources).
