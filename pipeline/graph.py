@@ -354,8 +354,10 @@ class Graph:
     def source_done(self, name: str) -> bool:
         """Whether source ``name``'s sink thread has ended (its outputs are final)."""
         thread = self._sink_threads.get(name)
-        # (a thread made but not started yet is not alive either)
-        return thread is not None and thread.ident is not None and not thread.is_alive()
+        # Shown once started (``_start_sink``): a thread starting has its ident before it is
+        # alive, and was taken for one that ended (a flaky CI failure: its source placed
+        # again while it ran).
+        return thread is not None and not thread.is_alive()
 
     def reusable(self, name: str) -> bool:
         """Whether ``name`` was a source's that has ended or was removed, its reading
@@ -609,14 +611,14 @@ class Graph:
             target=self._run_stage,
             args=(sink, self._sink_inboxes[name], lambda item: 0.0, lambda: None),
             name=f"sink:{sink.name}", daemon=True)
+        thread.start()  # then shown: a thread seen there is alive until it ends (``source_done``)
         self._sink_threads = {**self._sink_threads, name: thread}
-        thread.start()
 
     def _start_source(self, source: SourceStage) -> None:
         thread = threading.Thread(target=self._run_source, args=(source,),
                                   name=f"source:{source.name}", daemon=True)
+        thread.start()  # then shown, as the sinks' (``_start_sink``)
         self._source_threads = {**self._source_threads, source.name: thread}
-        thread.start()
 
     def _sink_inboxes_final(self) -> list[StageQueue]:
         """Every sink's queue, once no source can be added any more (the last chain stage

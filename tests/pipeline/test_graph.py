@@ -379,6 +379,26 @@ def test_stop_when_never_runs_on_with_no_source_left_and_takes_new_ones() -> Non
         graph.add_source(TinySource("after", 1), PartSink("sink:after"))
 
 
+def test_a_source_s_threads_are_shown_once_started_so_a_starting_sink_is_not_done(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A thread has its ident before it is alive: shown then, a starting sink thread read as
+    # one that ended (source_done), and its source was placed again (a flaky CI failure).
+    sources = [TinySource("a", 3), TinySource("b", 3)]
+    graph, _ = build(sources, chain_of(Tag("one")))
+    shown_at_start = []
+    start = threading.Thread.start
+
+    def checked_start(thread: threading.Thread) -> None:
+        shown = [*graph._sink_threads.values(), *graph._source_threads.values()]
+        shown_at_start.append(any(t is thread for t in shown))
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", checked_start)
+    graph.run()
+    assert len(shown_at_start) >= 4 and not any(shown_at_start)
+    assert graph.source_done("a") and graph.source_done("b")
+
+
 def test_a_removed_source_ends_cleanly_while_another_runs() -> None:
     cam, clip = TinySource("cam", 100_000, delay_s=0.002, live=True), TinySource(
         "clip", 100_000, delay_s=0.002)
