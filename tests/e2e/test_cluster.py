@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -116,34 +117,34 @@ def linger(conn) -> None:
     time.sleep(60)
 
 
-def test_a_worker_its_engine_saw_go_is_gone_at_once(samples, tmp_path, clip):
-    config = cluster_config(samples, tmp_path / "out", clip)
-    executor = LocalExecutor(config, [None, None])
+@contextmanager
+def worker_0_as(samples, tmp_path, clip, target):
+    """A ``LocalExecutor`` whose worker 0 is a process running ``target(conn)`` (its end
+    of the pipe); yields (executor, process)."""
+    executor = LocalExecutor(cluster_config(samples, tmp_path / "out", clip), [None, None])
     try:
         ours, theirs = executor._context.Pipe()
-        process = executor._context.Process(target=linger, args=(theirs,))
+        process = executor._context.Process(target=target, args=(theirs,))
         process.start()
         theirs.close()
         executor._attach(0, process, ours)
+        yield executor, process
+    finally:
+        executor.close()
+
+
+def test_a_worker_its_engine_saw_go_is_gone_at_once(samples, tmp_path, clip):
+    with worker_0_as(samples, tmp_path, clip, linger) as (executor, process):
         assert executor.poll(0) == ([], None)  # alive
         executor.engines[None].gone.add(process.pid)  # its engine's ("gone", 0, pid)
         reports, died = executor.poll(0)
         assert died == f"process {process.pid} ended (its exit status not in yet)"
         process.join(5)
         assert process.exitcode == -9 and not executor.engines[None].gone
-    finally:
-        executor.close()
 
 
 def test_a_worker_whose_pipe_closed_is_gone_at_once(samples, tmp_path, clip):
-    config = cluster_config(samples, tmp_path / "out", clip)
-    executor = LocalExecutor(config, [None, None])
-    try:
-        ours, theirs = executor._context.Pipe()
-        process = executor._context.Process(target=close_and_linger, args=(theirs,))
-        process.start()
-        theirs.close()
-        executor._attach(0, process, ours)
+    with worker_0_as(samples, tmp_path, clip, close_and_linger) as (executor, process):
         deadline = time.monotonic() + 30
         while True:
             reports, died = executor.poll(0)
@@ -153,8 +154,6 @@ def test_a_worker_whose_pipe_closed_is_gone_at_once(samples, tmp_path, clip):
         assert died == f"process {process.pid} ended (its exit status not in yet)"
         process.join(5)
         assert process.exitcode == -9  # made sure of
-    finally:
-        executor.close()
 
 
 def require_ray():

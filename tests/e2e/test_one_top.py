@@ -84,6 +84,9 @@ def test_two_pipelines_one_live_view_add_and_remove_without_touching_the_others(
 
         with headless_page(chromium) as page:
             page.goto(base)
+            if mode == "processes":  # the spare is listed as one, not as a worker with none
+                page.wait_for_function("() => document.getElementById('hosts').textContent"
+                                       ".includes('worker2 (ready, spare)')", timeout=30_000)
             cards = page.locator(".source").evaluate_all("cards => cards.map(c => c.dataset.source)")
             assert cards == ["street", "door", "yard"]
             for name in cards:
