@@ -115,6 +115,7 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
         self.link, self.worker, self.ring = link, worker, ring
         self.input_height, self.input_width = input_size
         self.keep_images, self.stop, self.on_drop = keep_images, stop, on_drop
+        self._closed = False  # ``close`` was called: the graph is done with it
         self.keep_device_pictures = keep_device_pictures
         self.schedule = DetectionSchedule([], [])
         self.source_names: tuple[str, ...] = ()
@@ -199,6 +200,7 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
 
     def close(self) -> None:
         with self._cond:
+            self._closed = True  # the receiver does not reconnect: its connection ends here
             link, self._link = self._link, None
             self._cond.notify_all()
         if link is not None:
@@ -348,7 +350,7 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
             try:
                 results = EngineResults(*link.conn.recv())
             except (EOFError, OSError):
-                if self.stop.is_set() or not self._reconnect(link):
+                if self.stop.is_set() or self._closed or not self._reconnect(link):
                     return
                 continue
             self._take_results(link, results)

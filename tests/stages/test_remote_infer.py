@@ -93,8 +93,23 @@ def test_after_a_reconnect_the_receiver_never_waits_for_a_device_slot():
     assert [i for batch in outputs for i in batch.frames.index.tolist()] == [0, 1, 2, 3, 4]
 
 
-def test_closing_says_bye_so_the_engine_does_not_take_it_for_a_death():
-    connection = FakeConnection()
-    stage = stage_with_file_frames(0, _Link(connection, FakeDeviceRing(), 0, deque()))
+class ClosedConnection(FakeConnection):
+    def recv(self) -> None:
+        raise OSError("handle is closed")
+
+
+def test_closing_says_bye_and_the_receiver_does_not_reconnect():
+    # Else the engine took every worker's clean end for a death, and each receiver, seeing
+    # its connection closed, connected again ("engine lost: reconnecting" at every end)
+    connection = ClosedConnection()
+    link = _Link(connection, FakeDeviceRing(), 0, deque())
+    stage = stage_with_file_frames(0, link)
+    connects = []
+    stage._connect = lambda: connects.append(1)
     stage.close()
     assert connection.sent == [[]]  # BYE: one empty message, before the connection closes
+    stage._link = link  # the receiver read its link before the close
+    receiver = threading.Thread(target=stage._receive, daemon=True)
+    receiver.start()
+    receiver.join(5)
+    assert not receiver.is_alive() and connects == [] and stage.engine_losses == 0
