@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import resource
 import sys
 import threading
@@ -96,8 +97,6 @@ class EngineRate:
 
 def _isolated_worker(clip: str, names: list[str], threads: int, size: tuple[int, int],
                      counter: Any, start: Any, stop: Any, cpus: list[int] | None = None) -> None:
-    import os
-
     from pipeline.logging import configure_logging
     from pipeline.slots import SlotRing, i420_bytes
     from stages.decode import DecodeStage
@@ -192,8 +191,6 @@ class NvdecDecoders:
                          for i in range(decoders)]
 
     def _decode(self, index: int) -> None:
-        import os
-
         if self.cpus:  # this thread, and the threads it starts
             os.sched_setaffinity(0, self.cpus)
         source = SourceConfig(name=f"cam{index:03d}", uri=str(self.clip))
@@ -321,8 +318,6 @@ def split_rates(config: PipelineConfig, cpu_cores: list[int], seconds: float,
     source = config.sources[0]
     if decoder_kind(config, source, "sources[0]", create_gpu_context(config)) != "gpu":
         raise ConfigError("split: sources[0] is not decoded on NVDEC here")
-    import os
-
     cores = sorted(os.sched_getaffinity(0))[:usable_cores()]
     rates = []
     for count in cpu_cores:
