@@ -16,8 +16,9 @@ looped clip as ``{live: true, pace_fps, reconnect: false}``), two file sources (
 is still running at both kills; a file frame waits, it is never dropped), ``runtime.http``
 and ``runtime.metrics_port`` on free loopback ports and ``runtime.log_format: json`` (the
 supervisor's log lines ``source worker started`` and ``engine started`` name each process's
-pid), no other runtime key but ``runtime.workers`` when asked for. It starts run.py as a
-new process (``pipeline.app.measurement.launch``; its output in ``OUT/run.log``), then:
+pid), no other runtime key but ``runtime.workers`` and ``runtime.standby_engine`` when
+asked for. It starts run.py as a new process (``pipeline.app.measurement.launch``; its
+output in ``OUT/run.log``), then:
 
 1. waits for ``/api/health`` ok and every source's first frame, scrapes ``/metrics`` from
    then on (``MetricsPoller``), waits ``--warmup-s`` and reads the device memory of each
@@ -147,6 +148,7 @@ class Plan:
     records: Path  # output.dir
     http_port: int
     metrics_port: int
+    standby_engine: bool = True  # runtime.standby_engine (false: written in the config)
 
     @property
     def camera_names(self) -> list[str]:
@@ -166,6 +168,8 @@ class Plan:
                                    "stop_when": "never", "log_format": "json"}
         if self.workers is not None:
             runtime["workers"] = self.workers
+        if not self.standby_engine:
+            runtime["standby_engine"] = False
         return {
             "sources": cameras + files,
             "model": {"path": str(self.model), "class_names": str(self.names)},
@@ -186,7 +190,11 @@ class Kill:
         recovered_s: camera -> seconds from the kill until it delivered again.
         limit_s: the longest wait.
         replaced_s: the kill until the supervisor logged the new process; new_pid its pid.
+        seen_s: the worker: the kill until the supervisor logged its death;
+            engine_seen_s: until its engine logged its connection gone without a bye.
         ready_s: the engine: the kill until the supervisor logged it ready.
+        from_standby: the engine: its standby took over (``runtime.standby_engine``).
+        phases_s: the engine: where the new engine's start went (its ``engine ready`` line).
         others: the cameras not waited for (the worker kill: all others).
         others_dropped: their drops from the kill over ``watched_s``.
         own_dropped: the waited-for cameras' drops over the same span.
@@ -201,7 +209,11 @@ class Kill:
     limit_s: float = 0.0
     replaced_s: float | None = None
     new_pid: int | None = None
+    seen_s: float | None = None
+    engine_seen_s: float | None = None
     ready_s: float | None = None
+    from_standby: bool | None = None
+    phases_s: dict[str, float] | None = None
     others: list[str] = field(default_factory=list)
     others_dropped: int | None = None
     own_dropped: int | None = None
@@ -474,6 +486,12 @@ def kill_worker(run: Run, mode: Mode, result: Result) -> None:
               if record.get("worker") == VICTIM]
     kill.replaced_s, record = run.since_kill(starts, killed, pid)
     kill.new_pid = None if record is None else record["pid"]
+    died = [(at, {**record, "pid": None}) for event in WORKER_DIED
+            for at, record in logged(run.log, event) if record.get("host") == VICTIM]
+    kill.seen_s, _ = run.since_kill(sorted(died, key=lambda x: x[0]), killed, pid)
+    gone = [(at, {**record, "pid": None}) for at, record in logged(run.log, "worker gone")
+            if not record.get("said_bye")]
+    kill.engine_seen_s, _ = run.since_kill(gone, killed, pid)
 
 
 def kill_engine(run: Run, mode: Mode, result: Result) -> None:
@@ -505,8 +523,11 @@ def kill_engine(run: Run, mode: Mode, result: Result) -> None:
               for at, record in logged(run.log, "engine started")]
     kill.replaced_s, record = run.since_kill(starts, killed, pid)
     kill.new_pid = None if record is None else record["pid"]
+    kill.from_standby = None if record is None else bool(record.get("from_standby"))
     ready = [(at, record) for at, record in logged(run.log, "engine ready")]
     kill.ready_s, _ = run.since_kill(ready, killed, pid)
+    _, own = run.since_kill([(at, r) for at, r in ready if "phases_s" in r], killed, pid)
+    kill.phases_s = None if own is None else own["phases_s"]
 
 
 def wait_files(run: Run, mode: Mode, result: Result) -> None:
@@ -519,6 +540,15 @@ def wait_files(run: Run, mode: Mode, result: Result) -> None:
         time.sleep(0.25)
     if waiting:
         result.notes.append(f"{', '.join(waiting)} had not ended when run.py was stopped")
+
+
+WORKER_DIED = ("source worker died: its sources move to its spare",
+               "source worker died: its sources move to the others")  # the supervisor's log
+
+
+def phases_text(phases: dict[str, float]) -> str:
+    """An engine's ``phases_s`` as ``gpu 1.2, backend 0.4, ...``."""
+    return ", ".join(f"{name} {seconds:g}" for name, seconds in phases.items())
 
 
 def check_file(records: Path, name: str, expected: int) -> FileCheck:
@@ -653,10 +683,16 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
             rows.append((f"{what}: dropped meanwhile", num(kill.own_dropped),
                          f"every camera, from the kill over {num(kill.watched_s, 1)} s (live "
                          f"frames drop while it is away)"))
+        engine = kill.target == "engine"
         rows.append((f"{what}: replaced", f"{num(kill.replaced_s, 2)} s",
-                     f"new pid {kill.new_pid or '-'}" + (
-                         f"; ready after {num(kill.ready_s, 2)} s" if kill.target == "engine"
-                         else "") + " (the supervisor's log)"))
+                     f"new pid {kill.new_pid or '-'}"
+                     + (" (its standby)" if engine and kill.from_standby else "")
+                     + (f"; ready after {num(kill.ready_s, 2)} s" if engine else "")
+                     + " (the supervisor's log)"
+                     + (f"; the supervisor saw it die after {num(kill.seen_s, 2)} s, its "
+                        f"engine after {num(kill.engine_seen_s, 2)} s" if not engine else "")
+                     + (f"; its start's phases (s): {phases_text(kill.phases_s)}"
+                        if engine and kill.phases_s else "")))
         rows.append((f"{what}: files at the kill", "", "; ".join(
             f"{n}: on {at['host']}, {at['frames']} frames there, {at['state']}"
             for n, at in kill.files.items()) or "-"))
@@ -699,6 +735,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pace-fps", type=float, default=None, help="default 30; small: 3")
     parser.add_argument("--warmup-s", type=float, default=None,
                         help="before the first kill and between the kills (default 10; small: 2)")
+    parser.add_argument("--no-standby-engine", action="store_true",
+                        help="runtime.standby_engine: false (a dead engine is started anew)")
     parser.add_argument("--engine-cache", type=Path, default=REPO_ROOT / "assets" / "engines")
     parser.add_argument("--assets", type=Path, default=REPO_ROOT / "assets")
     parser.add_argument("--budget-s", type=float, default=None,
@@ -751,7 +789,8 @@ def main(argv: list[str] | None = None) -> int:
         records = Path(tempfile.mkdtemp(prefix="failover-records-"))
         plan = Plan(small, cameras, workers, pace_fps, round(file_frames / mode.file_s, 2),
                     file_frames, warmup_s, mode.watch_s, clip, file_clip, model, names,
-                    args.engine_cache.resolve(), out, records, free_port(), free_port())
+                    args.engine_cache.resolve(), out, records, free_port(), free_port(),
+                    not args.no_standby_engine)
         config_path = out / "config.yaml"
         config_path.write_text(yaml.safe_dump(plan.config(), sort_keys=False))
         command = [sys.executable, "run.py", "--config", str(config_path)]

@@ -61,7 +61,8 @@
 # nothing), then the engine (every camera again within 20 s); then the files' records are
 # checked (complete, each frame once) and the exit status after SIGINT. The start gets what
 # the rest leaves of the time left (--budget-s); its table, run.log and the files' JSONL go
-# under $OUT/failover. Needs starlette and uvicorn there, like livecontrol:
+# under $OUT/failover. FAIL_ARGS: more flags (--no-standby-engine). Needs starlette and
+# uvicorn there, like livecontrol:
 #   BUDGET_S=570 bash benchmarks/gpu_check.sh failover
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
@@ -176,7 +177,7 @@ EOF
             run_step failover "$limit" python3 -m benchmarks.failover \
                 --cameras "${FAIL_CAMERAS:-100}" ${FAIL_WORKERS:+--workers "$FAIL_WORKERS"} \
                 --pace-fps "${FAIL_PACE_FPS:-30}" --warmup-s "${FAIL_WARMUP_S:-10}" \
-                --budget-s "$((limit - 20))" --out "$OUT/failover" ;;
+                --budget-s "$((limit - 20))" ${FAIL_ARGS:-} --out "$OUT/failover" ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done

@@ -861,6 +861,16 @@ class RuntimeConfig:
                       "spare. null: 1 where there are two or more source workers, else 0. "
                       "Not with --ray (Ray restarts its actors).", min=0),
     )
+    standby_engine: bool = field(
+        default=True,
+        metadata=_doc("Keep a standby beside each GPU's engine (on the CPU path, beside the "
+                      "one engine): a process started once the engine is ready, that has "
+                      "imported what an engine needs and converted the model on the host, "
+                      "and holds host memory only, no GPU memory. When "
+                      "the engine dies it takes over at once, which saves a restart those "
+                      "seconds; a new standby starts once it is ready. false: none (a dead "
+                      "engine is started anew). Not with --ray or runtime.workers: 1."),
+    )
     max_restarts: int = field(
         default=3,
         metadata=_doc("Times a source worker, engine or Ray actor that died is restarted "

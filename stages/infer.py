@@ -111,14 +111,31 @@ class InferStage(Stage[FrameBatch, ModelOutputs]):
         self.backend.close()
 
 
+def prepare_backend(config: InferenceConfig, model_path: Path, on_gpu: bool) -> Any:
+    """What the backend ``create_backend`` will build can do before the GPU is touched, done
+    ahead (a standby engine, ``pipeline.app.engine``): on the GPU path, with torch installed
+    and the backend ``torch`` or ``auto``, the model converted on the host and dynamo
+    imported (``stages.backends.torch.prepare_module``). Returns it for
+    ``create_backend(prepared=...)``, or None where nothing is prepared (the CPU path,
+    TensorRT: their starts read a file). ``auto`` may still pick TensorRT then: the
+    prepared module is left unused."""
+    if not on_gpu or config.backend not in ("auto", "torch") or not module_installed("torch") \
+            or not module_installed("onnx2torch"):
+        return None
+    from stages.backends.torch import prepare_module
+
+    return prepare_module(model_path, config.compile)
+
+
 def create_backend(config: InferenceConfig, model_path: Path, info: ModelInfo,
-                   gpu: GpuContext | None = None, calibration_video: str | None = None
-                   ) -> InferenceBackend:
+                   gpu: GpuContext | None = None, calibration_video: str | None = None,
+                   prepared: Any = None) -> InferenceBackend:
     """The backend named in the config; ``auto`` picks the best one available.
 
     ``auto`` prefers tensorrt (TensorRT-RTX only on the GPUs its runtime supports), then
     torch, on a GPU and onnxruntime on the CPU, and logs which it took and why.
-    ``calibration_video`` is used for int8 when the config names none.
+    ``calibration_video`` is used for int8 when the config names none; ``prepared`` is what
+    ``prepare_backend`` gave for this config and model (used by torch), or None.
     """
     name = config.backend
     if name == "auto":
@@ -138,7 +155,7 @@ def create_backend(config: InferenceConfig, model_path: Path, info: ModelInfo,
 
         return TorchBackend(model_path, info, config.batch_size, config.precision, gpu,
                             compile=config.compile, cache_dir=Path(config.engine_cache),
-                            buckets=config.buckets())
+                            buckets=config.buckets(), module=prepared)
     if config.backend == "tensorrt":  # forced: say so at once on a GPU it cannot run on
         check_tensorrt_runs(compute_capability(gpu.device_id))
     from stages.backends.precision import CalibrationSettings

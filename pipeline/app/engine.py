@@ -55,11 +55,15 @@ class Engine:
         config: the run's configuration (model, inference, nms; the sources only size the
             preprocess geometries of the files).
         link: the rings and address shared with the workers.
+        on_gone: called with (worker number, pid) for a worker whose connection closed
+            without a bye.
+        prepared: what ``stages.infer.prepare_backend`` gave ahead (a standby's), or None.
     """
 
     def __init__(self, config: PipelineConfig, link: EngineLink,
-                 on_gone: Callable[[int, int | None], None] | None = None) -> None:
-        self.config, self.link = config, link
+                 on_gone: Callable[[int, int | None], None] | None = None,
+                 prepared: Any = None) -> None:
+        self.config, self.link, self.prepared = config, link, prepared
         self.on_gone = on_gone  # (worker number, pid): its connection closed without a bye
         self.stop = threading.Event()
         self.failed = False  # a thread failed: the process exits with status 1
@@ -86,7 +90,7 @@ class Engine:
         phases: dict[str, float] = {}  # where the start's seconds go (the log's "phases_s")
 
         def phase(name: str) -> None:
-            phases[name] = round(time.monotonic() - started - sum(phases.values()), 2)
+            phases[name] = max(0.0, round(time.monotonic() - started - sum(phases.values()), 2))
 
         config, link, inference = self.config, self.link, self.config.inference
         info = model_setup(config).info
@@ -101,7 +105,8 @@ class Engine:
                                                         link.slot_bytes)
         phase("rings")
         backend = create_backend(inference, Path(config.model.path), info, gpu,
-                                 first_file_source(config))
+                                 first_file_source(config), self.prepared)
+        self.prepared = None  # (the backend holds it now)
         phase("backend")
         size = (info.input_height, info.input_width)
         self.batcher = BatcherStage("batch", size, inference.batch_size,
@@ -334,10 +339,15 @@ class Engine:
 
 
 def engine_main(config: PipelineConfig, link: EngineLink, device: int | None,
-                conn: Connection) -> None:
+                conn: Connection, standby: bool = False) -> None:
     """The engine's process: build, tell the supervisor (``("ready", seconds)`` or
     ``("failed", reason, usage)``), serve until told ``("exit",)`` or the supervisor's end
     of ``conn`` closes.
+
+    A standby (``standby``) first does what needs no GPU (``prepare_standby``), says
+    ``("prepared", seconds, MiB)`` and waits: told ``("go",)`` (its engine died), it goes on as
+    the engine, from the GPU's context on; told ``("exit",)``, or its pipe's end closing, it
+    ends, having touched no GPU.
 
     Args:
         device: the GPU (seen as device 0 here: ``CUDA_VISIBLE_DEVICES``), or None.
@@ -350,11 +360,17 @@ def engine_main(config: PipelineConfig, link: EngineLink, device: int | None,
     if device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
         config.inference.gpu_id = 0
-    name_this_process("streamdet-engine")
+    name_this_process("streamdet-standby" if standby else "streamdet-engine")
     register_stack_dump()  # kill -USR1: every thread's stack
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(config.runtime.log_format, config.runtime.log_level)
+    prepared = None
+    if standby:
+        prepared = prepare_standby(config, link, conn)
+        if prepared is STANDBY_ENDS:
+            return
+        name_this_process("streamdet-engine")
     telling = threading.Lock()  # the serving threads and this one send on ``conn``
 
     def tell_gone(worker: int, pid: int | None) -> None:
@@ -364,7 +380,7 @@ def engine_main(config: PipelineConfig, link: EngineLink, device: int | None,
         except OSError:
             pass  # the supervisor is gone: so are we, soon
 
-    engine = Engine(config, link, on_gone=tell_gone)
+    engine = Engine(config, link, on_gone=tell_gone, prepared=prepared)
     started = time.monotonic()
     try:
         engine.listen()
@@ -396,10 +412,51 @@ def engine_main(config: PipelineConfig, link: EngineLink, device: int | None,
         os._exit(1)  # the supervisor restarts it
 
 
+STANDBY_ENDS = object()  # prepare_standby's answer when the standby is to end, not take over
+
+
+def prepare_standby(config: PipelineConfig, link: EngineLink, conn: Connection) -> Any:
+    """A standby engine's wait: import what an engine's build imports, prepare the backend
+    (``stages.infer.prepare_backend``: the model converted on the host, dynamo imported),
+    say ``("prepared", seconds, peak host memory in MiB)``, then wait for the supervisor's
+    word. Returns what was prepared (None where nothing could be) once told
+    ``("go",)``, or ``STANDBY_ENDS`` when told ``("exit",)`` or when the supervisor is gone.
+    Nothing here touches the GPU: a standby holds no device memory."""
+    started = time.monotonic()
+    import pipeline.app.build  # noqa: F401 - imported ahead, as each import below
+    import stages.batcher  # noqa: F401
+    import stages.postprocess  # noqa: F401
+    import stages.preprocess  # noqa: F401
+    from stages.infer import prepare_backend
+
+    prepared = None
+    try:
+        prepared = prepare_backend(config.inference, Path(config.model.path),
+                                   link.device is not None)
+    except Exception as error:  # noqa: BLE001 - the takeover builds it as any start does
+        log.warning("standby engine: preparing the model failed; a takeover builds it",
+                    error=f"{type(error).__name__}: {error}")
+    try:
+        import resource
+
+        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # (Linux: KiB)
+        conn.send(("prepared", time.monotonic() - started, peak_kb / 1024))
+        while True:
+            message = conn.recv()
+            if message[0] == "go":
+                log.info("standby engine takes over", pid=os.getpid(),
+                         prepared=prepared is not None)
+                return prepared
+            if message[0] == "exit":
+                return STANDBY_ENDS
+    except (EOFError, OSError):
+        return STANDBY_ENDS
+
 
 HOST_SLOTS_PER_SOURCE, DEVICE_SLOTS_PER_SOURCE = 4, 3  # a worker's ring shares, per source
 SLOTS_PER_WORKER = 16  # plus this many each (frames of a batch being formed)
 ENGINE_JOIN_S = 15.0
+STANDBY_JOIN_S = 1.0  # then it is killed: it holds nothing to free
 
 
 def ring_shares(sources: int, workers: int, cpu_sources: int, keep_images: bool
@@ -422,6 +479,13 @@ class EngineProcess:
     """The supervisor's side of one engine: the shared host ring (it outlives the engine),
     the link its workers get, and the process, restarted when it dies.
 
+    With ``standby``, a second process waits beside the engine once it is ready, having done
+    what a start does before it touches the GPU (``prepare_standby``: the imports, the model
+    converted on the host); it holds no device memory. When the engine dies, ``take_over``
+    tells it to go on as the engine, which skips those seconds of a restart (torch's import
+    and the conversion, the start's "backend" phase: 7.5-14.9 s beside 100 cameras' workers
+    on the H200); a new standby starts once it is ready.
+
     Args:
         config: the run's configuration (absolute paths).
         device: the GPU (``CUDA_VISIBLE_DEVICES`` of the engine and its workers), or None:
@@ -431,10 +495,11 @@ class EngineProcess:
         context: the multiprocessing context (spawn).
         spares: of ``workers``, the spares (``runtime.spare_workers``): each has a share as
             large as the others', sized as if they ran without it.
+        standby: keep a standby engine (``runtime.standby_engine``).
     """
 
     def __init__(self, config: PipelineConfig, device: int | None, workers: int, on_gpu: bool,
-                 context: Any, spares: int = 0) -> None:
+                 context: Any, spares: int = 0, standby: bool = False) -> None:
         import secrets
         import tempfile
 
@@ -468,16 +533,66 @@ class EngineProcess:
         self.failure: tuple[str, bool] | None = None  # (reason, a usage error) once it gave up
         self.restarts = 0
         self.gone: set[int] = set()  # pids of workers whose connection closed without a bye
+        self.standby_enabled = standby
+        self.standby: Any = None  # the standby's process, once started
+        self._standby_conn: Connection | None = None
+        self._standby_deaths = 0
+
+    def _spawn(self, standby: bool) -> tuple[Any, Connection]:
+        ours, theirs = self._context.Pipe()
+        process = self._context.Process(
+            target=engine_main, name="streamdet-standby" if standby else "streamdet-engine",
+            daemon=False, args=(self.config, self.link, self.device, theirs, standby))
+        process.start()
+        theirs.close()
+        return process, ours
 
     def start(self) -> None:
-        ours, theirs = self._context.Pipe()
-        self.process = self._context.Process(
-            target=engine_main, name="streamdet-engine", daemon=False,
-            args=(self.config, self.link, self.device, theirs))
-        self.process.start()
-        theirs.close()
-        self.conn, self.ready_in_s = ours, None
-        log.info("engine started", pid=self.process.pid, device=self.device)
+        self.process, self.conn = self._spawn(False)
+        self.ready_in_s = None
+        log.info("engine started", pid=self.process.pid, device=self.device,
+                 from_standby=False)
+
+    def take_over(self) -> bool:
+        """The engine died: its standby, where one is alive, goes on as the engine (True);
+        False where there is none (then ``start`` a new engine)."""
+        if self.standby is None or not self.standby.is_alive():
+            return False
+        try:
+            self._standby_conn.send(("go",))
+        except OSError:
+            return False
+        self.process, self.conn, self.ready_in_s = self.standby, self._standby_conn, None
+        self.standby = self._standby_conn = None
+        log.info("engine started", pid=self.process.pid, device=self.device,
+                 from_standby=True)
+        return True
+
+    def _watch_standby(self) -> None:
+        """Start a standby once the engine is ready (not before: a start has the machine to
+        itself), and again when one dies (up to ``runtime.max_restarts`` times)."""
+        if self.standby is not None:
+            try:
+                while self._standby_conn.poll():
+                    message = self._standby_conn.recv()
+                    if message[0] == "prepared":
+                        log.info("standby engine prepared", pid=self.standby.pid,
+                                 seconds=round(message[1], 1), host_mib=round(message[2]),
+                                 device=self.device)
+            except (EOFError, OSError):
+                pass
+            if self.standby.is_alive():
+                return
+            self.standby.join()
+            self._standby_conn.close()
+            log.warning("standby engine died", pid=self.standby.pid,
+                        exitcode=self.standby.exitcode, device=self.device)
+            self.standby = self._standby_conn = None
+            self._standby_deaths += 1
+        if self.standby_enabled and self.ready_in_s is not None \
+                and self._standby_deaths <= self.config.runtime.max_restarts:
+            self.standby, self._standby_conn = self._spawn(True)
+            log.info("standby engine started", pid=self.standby.pid, device=self.device)
 
     def poll(self) -> str | None:
         """Read its news; returns why it died (then it is not running), else None."""
@@ -495,6 +610,7 @@ class EngineProcess:
         except (EOFError, OSError):
             pass
         if alive:
+            self._watch_standby()
             return None
         self.process.join()
         code = self.process.exitcode
@@ -508,9 +624,20 @@ class EngineProcess:
         return self.process.pid
 
     def close(self) -> None:
-        """Stop the engine (after its workers), free the ring and the socket's folder."""
+        """Stop the engine (after its workers) and its standby, free the ring and the
+        socket's folder."""
         import shutil
 
+        if self.standby is not None:
+            try:
+                self._standby_conn.send(("exit",))
+            except OSError:
+                pass
+            self.standby.join(STANDBY_JOIN_S)  # (it reads the word once prepared)
+            if self.standby.is_alive():
+                self.standby.kill()
+                self.standby.join(1.0)
+            self._standby_conn.close()
         if self.process is not None:
             try:
                 self.conn.send(("exit",))

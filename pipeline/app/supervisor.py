@@ -697,9 +697,11 @@ class LocalExecutor:
     each fed by its GPU's engine process (``pipeline.app.engine``): one engine per device of
     ``devices`` (None: ``inference.gpu_id``, or the CPU path, as configured).
 
-    An engine that dies is restarted (``runtime.max_restarts`` times); its workers keep
-    their sources meanwhile (cameras drop, files wait) and reconnect. An engine that cannot
-    start (the backend cannot run here, say) fails its workers: the run ends with its reason.
+    An engine that dies is restarted (``runtime.max_restarts`` times): its standby
+    (``runtime.standby_engine``) takes over at once, else a new one starts after a backoff;
+    its workers keep their sources meanwhile (cameras drop, files wait) and reconnect. An
+    engine that cannot start (the backend cannot run here, say) fails its workers: the run
+    ends with its reason.
 
     A worker's death shows at once (``poll``): its engine telling that its connection closed
     without a bye, its end of the pipe closing, or Linux marking it exiting (``exiting``);
@@ -734,7 +736,8 @@ class LocalExecutor:
         self._context = multiprocessing.get_context("spawn")
         self.engines = {device: EngineProcess(
             config, device, devices.count(device), on_gpu, self._context,
-            spares=sum(1 for h in self.spares if devices[h] == device))
+            spares=sum(1 for h in self.spares if devices[h] == device),
+            standby=config.runtime.standby_engine)
             for device in dict.fromkeys(devices)}
         self._engine_restart_at: dict[int | None, float] = {}
         self._told_failed: set[int] = set()
@@ -834,6 +837,11 @@ class LocalExecutor:
                 engine.failure = (f"the engine died {engine.restarts + 1} times; last: {died}",
                                   False)
                 log.error("engine gone for good", reason=died)
+                return
+            if engine.take_over():  # its standby goes on at once
+                engine.restarts += 1
+                log.error("engine died: its standby takes over; its workers hold their "
+                          "sources until it is ready", reason=died)
                 return
             delay = backoff_s(engine.restarts)
             self._engine_restart_at[engine.device] = time.monotonic() + delay

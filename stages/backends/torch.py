@@ -227,6 +227,20 @@ def convert(model_path: str | Path) -> fx.GraphModule:
     return make_capture_safe(onnx2torch.convert(str(model_path))).eval()
 
 
+def prepare_module(model_path: str | Path, compile: bool) -> fx.GraphModule:
+    """What :class:`TorchBackend` does before it touches the GPU, done ahead: the ONNX model
+    converted (:func:`convert`; made compile-friendly when ``compile``) and, when compiling,
+    dynamo imported (``torch.compile`` imports it: seconds). A standby engine
+    (``pipeline.app.engine``) calls this while the engine it will replace still serves, and
+    hands the module to ``TorchBackend(module=...)`` when it takes over."""
+    if compile:
+        import torch._dynamo  # noqa: F401 - imported ahead
+    module = convert(model_path)
+    if compile:
+        make_compile_friendly(module)
+    return module
+
+
 class SizeListReshape(nn.Module):
     """ONNX ``Reshape`` (allowzero=0) reading its shape as a list of ints, which dynamo traces.
 
@@ -499,6 +513,8 @@ class TorchBackend(InferenceBackend):
             None: inductor's default cache folder.
         buckets: the batch sizes captured as CUDA graphs (each 1..max_batch; max_batch is
             added); None: ``default_batch_buckets(max_batch)``.
+        module: the model as :func:`prepare_module` (with the same ``compile``) gave it, on
+            the host in fp32; None: converted here.
 
     Raises:
         ValueError: an unknown precision or device; "int8" (only the tensorrt backend has it).
@@ -509,8 +525,8 @@ class TorchBackend(InferenceBackend):
     def __init__(self, model_path: str | Path, info: ModelInfo, max_batch: int, precision: str,
                  gpu: Any, *, device: str = "cuda", cuda_graphs: bool = True,
                  channels_last: bool | None = None, compile: bool = False,
-                 cache_dir: str | Path | None = None, buckets: Sequence[int] | None = None
-                 ) -> None:
+                 cache_dir: str | Path | None = None, buckets: Sequence[int] | None = None,
+                 module: fx.GraphModule | None = None) -> None:
         started = time.perf_counter()
         super().__init__(info, max_batch)
         if buckets is not None and (not buckets or min(buckets) < 1 or max(buckets) > max_batch):
@@ -540,9 +556,8 @@ class TorchBackend(InferenceBackend):
         self.compile = compile
         self.channels_last = self.compile if channels_last is None else channels_last
         begun = time.perf_counter()
-        module = convert(model_path)
-        if self.compile:
-            make_compile_friendly(module)
+        if module is None:
+            module = prepare_module(model_path, self.compile)
         converted = time.perf_counter()
         module = module.to(self._device, self._dtype)
         self.module = module.to(memory_format=torch.channels_last) if self.channels_last else module

@@ -72,6 +72,10 @@ def test_small_mode_kills_a_worker_and_the_engine_and_everything_comes_back(smal
     # every camera came back through the new engine: not before the supervisor started it
     assert len(engine["cameras"]) == 4 and engine["missing"] == [], table
     assert engine["new_pid"] not in (None, engine["pid"]) and engine["ready_s"] is not None
+    # the standby (runtime.standby_engine: true by default) took over: it had done the
+    # imports, so the new engine's start went straight to building (the CPU path prepares
+    # no model: onnxruntime reads its file)
+    assert engine["from_standby"] is True and "backend" in engine["phases_s"], table
     assert all(engine["replaced_s"] <= s <= 30.0 for s in engine["recovered_s"].values()), table
     # the files were still playing at both kills, and their records are whole
     for kill in (worker, engine):

@@ -19,6 +19,7 @@ from stages.infer import (
     best_gpu_backend,
     check_tensorrt_runs,
     create_backend,
+    prepare_backend,
 )
 from stages.preprocess import HostPreprocess
 from tests.support.batches import make_frame
@@ -29,6 +30,22 @@ def test_auto_without_gpu_picks_onnxruntime(samples) -> None:
     info = read_model_info(samples.model)
     backend = create_backend(InferenceConfig(backend="auto"), Path(samples.model), info, gpu=None)
     assert backend.name == "onnxruntime" and backend.device == "cpu"
+
+
+@pytest.mark.parametrize(("backend", "on_gpu", "prepared"), [
+    ("auto", True, True), ("torch", True, True),  # the model converted ahead (torch)
+    ("tensorrt", True, False), ("onnxruntime", True, False),  # their starts read a file
+    ("auto", False, False),  # the CPU path: onnxruntime
+])
+def test_a_standby_prepares_the_torch_model_only(samples, backend, on_gpu, prepared) -> None:
+    if prepared:
+        pytest.importorskip("onnx2torch", reason="onnx2torch is not installed (extra: torch)")
+    got = prepare_backend(InferenceConfig(backend=backend), Path(samples.model), on_gpu)
+    assert (got is not None) is prepared
+    if prepared:
+        import torch
+
+        assert isinstance(got, torch.nn.Module) and not got.training
 
 
 @pytest.mark.parametrize("name", ["torch", "tensorrt"])

@@ -1,14 +1,16 @@
 """pipeline.app.engine: an engine restarted after a kill binds its predecessor's address; a
-worker's connection that ends without a bye is told to the supervisor."""
+worker's connection that ends without a bye is told to the supervisor; the standby."""
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
 import threading
+import time
 from multiprocessing import Pipe
 from multiprocessing.connection import Client
 
-from pipeline.app.engine import Engine
+from pipeline.app.engine import Engine, EngineProcess
 from pipeline.config import parse_config
 from pipeline.engine_link import EngineLink
 
@@ -58,3 +60,42 @@ def test_a_worker_gone_without_a_bye_is_told_and_one_that_said_bye_is_not(sample
     engine._forget(conns[1], said_bye=True)  # its graph finished
     engine._forget(conns[0])  # its connection closed without a word: killed
     assert told == [(0, 100)] and not engine._conns and not engine._pids
+
+
+def test_a_standby_takes_over_a_dead_engine_and_is_replaced_when_it_dies(samples):
+    """Real processes on the CPU path: the standby starts once the engine is ready, one that
+    dies is started again, one told to go becomes the engine, and none outlives close()."""
+    config = parse_config({"sources": [{"name": "cam", "uri": "rtsp://127.0.0.1/x"}],
+                           "model": {"path": str(samples.model)}})
+    engine = EngineProcess(config, None, 2, False, multiprocessing.get_context("spawn"),
+                           standby=True)
+
+    def until(done, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not done():
+            assert engine.poll() is None, f"the engine died waiting for {what}"
+            assert time.monotonic() < deadline, f"no {what} within 60 s"
+            time.sleep(0.05)
+
+    engine.start()
+    seen = [engine.process]
+    try:
+        assert engine.standby is None  # not beside a start
+        until(lambda: engine.standby is not None, "standby")
+        assert engine.ready_in_s is not None
+        first = engine.standby
+        seen.append(first)
+        first.kill()
+        until(lambda: engine.standby not in (None, first), "second standby")
+        second = engine.standby
+        seen.append(second)
+        engine.kill()
+        seen[0].join(10)
+        assert engine.poll() is not None  # died: the supervisor then asks the standby
+        assert engine.take_over() and engine.process is second and engine.standby is None
+        until(lambda: engine.ready_in_s is not None and engine.standby is not None,
+              "the standby ready as the engine, and a new standby")
+        seen.append(engine.standby)
+    finally:
+        engine.close()
+    assert not [p.pid for p in seen if p.is_alive()]

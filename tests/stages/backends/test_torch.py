@@ -37,6 +37,7 @@ from stages.backends.torch import (  # noqa: E402
     compile_cache_key,
     make_capture_safe,
     make_compile_friendly,
+    prepare_module,
 )
 
 warnings.filterwarnings("ignore", module="onnx2torch")  # its Resize warns about nearest modes
@@ -158,6 +159,17 @@ def test_backend_matches_onnxruntime_on_real_frames(samples, frames, channels_la
     assert got.shape == (2, 84, 2535) and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     assert (got[:, 4:].max(axis=(1, 2)) > 0.1).all()  # objects found, not noise
+
+
+def test_a_module_prepared_ahead_gives_what_one_converted_here_gives(samples, frames) -> None:
+    """A standby engine's module (converted before any GPU work) builds the same backend."""
+    info = read_model_info(samples.model)
+    prepared = prepare_module(samples.model, compile=False)
+    ahead = TorchBackend(samples.model, info, 2, "fp32", None, device="cpu", cuda_graphs=False,
+                         module=prepared)
+    here = TorchBackend(samples.model, info, 2, "fp32", None, device="cpu", cuda_graphs=False)
+    assert ahead.module is prepared and ahead.build_seconds["convert"] < 0.05
+    np.testing.assert_array_equal(ahead.infer(frames[:2]), here.infer(frames[:2]))
 
 
 def test_fixed_batch_model_runs_image_by_image(tmp_path) -> None:
