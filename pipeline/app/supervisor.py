@@ -69,6 +69,7 @@ JOIN_TIMEOUT_S = 10.0
 EXIT_WAIT_S = 0.2  # a worker seen dying: its exit status is waited for this long
 MAX_RESTART_ATTEMPTS = 8  # a host not back after this many attempts in a row is given up
 REPLY_TIMEOUT_S = 120.0  # add_source waits this long for its host's answer
+SLOW_TURN_S = 0.25  # a turn of the loop this long is logged, with where its time went
 VIEW_EVERY_S = 0.1  # how often the hosts are told which sources a viewer watches
 
 
@@ -210,6 +211,7 @@ class Supervisor:
         self._changed = threading.Event()
         self._lock = threading.RLock()  # add_source / remove_source vs the loop
         self._next_view = 0.0  # when the hosts are told next which sources are watched
+        self._turn: dict[str, float] = {}  # the loop's turn: seconds of each part (``run``)
 
     @property
     def frames(self) -> dict[str, int]:
@@ -334,6 +336,8 @@ class Supervisor:
         stopping = aborting = False
         try:
             while True:
+                turn_started = time.monotonic()
+                self._turn = dict.fromkeys(("poll", "reports", "want", "place"), 0.0)
                 if self._abort.is_set() and not aborting:
                     aborting = stopping = True
                     for host in self._live_hosts():
@@ -345,12 +349,18 @@ class Supervisor:
                         self.executor.call(host, "stop")
                 self._poll_hosts()
                 if not stopping:
+                    placing = time.monotonic()
                     if self._changed.is_set():
                         self._changed.clear()
                         self._place(max_moves=len(self.loads))
                     self._restart_hosts()
                     self._place(max_moves=0)
                     self._start_placed()
+                    self._turn["place"] = time.monotonic() - placing
+                took = time.monotonic() - turn_started
+                if took >= SLOW_TURN_S:  # a worker's death waits this long to be seen
+                    log.warning("supervisor turn slow", seconds=round(took, 2),
+                                **{f"{part}_s": round(t, 2) for part, t in self._turn.items()})
                 if stopping and all(state.finished or not state.alive
                                     for state in self.hosts.values()):
                     break
@@ -407,8 +417,12 @@ class Supervisor:
         if want_view:
             self._next_view = now + VIEW_EVERY_S
         done = 0
+        turn = self._turn
         for host in self._live_hosts():
+            began = time.monotonic()
             reports, died = self.executor.poll(host)
+            polled = time.monotonic()
+            turn["poll"] += polled - began
             name = self.executor.names[host]
             for report in reports:
                 done += self._report(host, report)
@@ -416,10 +430,13 @@ class Supervisor:
                     self.exporter.update(name, list(report.metrics))
                 if report.view is not None and self.board is not None:
                     self.board.update(report.view)
+            reported = time.monotonic()
+            turn["reports"] += reported - polled
             if died is not None:
                 self._host_died(host, died)
             elif want_view:
                 self.executor.call(host, "want", self.board.wanted(name))
+                turn["want"] += time.monotonic() - reported
         if done and self._on_frames is not None:
             self._on_frames(done)
 
@@ -705,9 +722,10 @@ class LocalExecutor:
 
     A worker's death shows at once (``poll``): its engine telling that its connection closed
     without a bye, its end of the pipe closing, or Linux marking it exiting (``exiting``);
-    its exit status can come most of a second later (the driver tearing down its CUDA work).
-    Each worker's reports are read by a thread of its own (``_read_reports``), so a report
-    half sent by a worker killed mid-send holds up nothing.
+    its exit status can come most of a second later (the driver tearing down its CUDA work),
+    so it is polled, never waited for (``exit_status``). Each worker's reports are read by a
+    thread of its own (``_read_reports``), so a report half sent by a worker killed mid-send
+    holds up nothing.
 
     Args:
         config: the configuration every worker gets (all sources).
@@ -741,6 +759,7 @@ class LocalExecutor:
             for device in dict.fromkeys(devices)}
         self._engine_restart_at: dict[int | None, float] = {}
         self._told_failed: set[int] = set()
+        self._dying: list[Any] = []  # dead workers whose exit status was not in yet
 
     def worker_number(self, host: int) -> int:
         """``host``'s number among its engine's workers (its ring shares)."""
@@ -795,6 +814,7 @@ class LocalExecutor:
             pass  # it died: the next poll says so
 
     def poll(self, host: int) -> tuple[list[HostReport], str | None]:
+        self._dying = [process for process in self._dying if process.exitcode is None]
         engine = self.engines[self.devices[host]]
         self._watch_engine(engine)
         process, inbox = self.processes[host], self.inboxes[host]
@@ -815,10 +835,10 @@ class LocalExecutor:
             reports.append(HostReport(failure=reason, usage=usage))
         if alive:
             return reports, None
-        process.join(EXIT_WAIT_S)
-        code = process.exitcode
+        code = exit_status(process, EXIT_WAIT_S)
         if code is None:  # still exiting: made sure of (it cannot serve any more)
             process.kill()
+            self._dying.append(process)  # reaped once it has exited (in ``poll``)
             return reports, f"process {process.pid} ended (its exit status not in yet)"
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else \
             f"exited with status {code}"
@@ -873,8 +893,22 @@ class LocalExecutor:
                 log.warning("source worker did not stop: killing it", worker=self.names[host])
                 process.kill()
                 process.join(1.0)
+        for process in self._dying:
+            process.join(1.0)
         for engine in self.engines.values():
             engine.close()
+
+
+def exit_status(process: Any, wait_s: float) -> int | None:
+    """``process``'s exit status, waited for ``wait_s`` at most; None if not in by then.
+
+    Never ``join``: a killed worker's end of the sentinel pipe closes as soon as its files
+    do, before the driver has torn its CUDA work down, and ``join`` then blocks in
+    ``waitpid`` until it has (0.86 s on the H200, the supervisor's whole loop with it)."""
+    deadline = time.monotonic() + wait_s
+    while (code := process.exitcode) is None and time.monotonic() < deadline:  # (WNOHANG)
+        time.sleep(0.01)
+    return code
 
 
 PF_EXITING = 0x4  # include/linux/sched.h: the task is exiting

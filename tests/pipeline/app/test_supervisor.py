@@ -4,6 +4,9 @@ in tests/e2e/test_cluster.py, the real hosts' graphs in tests/e2e/test_one_top.p
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.connection
+import os
 import subprocess
 import sys
 import threading
@@ -19,6 +22,7 @@ from pipeline.app.supervisor import (
     absolute_paths,
     backoff_s,
     default_workers,
+    exit_status,
     exiting,
     host_names,
     resolve_devices,
@@ -459,3 +463,31 @@ def test_a_normal_run_imports_nothing_of_ray(repo_root):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def close_files_then_sleep() -> None:
+    """A worker being killed, as the supervisor sees it: its files closed (its end of the
+    sentinel pipe among them) while it has not exited yet (the driver tearing its CUDA work
+    down)."""
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        if fd > 2:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    time.sleep(5)
+
+
+def test_a_dying_worker_s_exit_status_is_polled_not_waited_for():
+    process = multiprocessing.get_context("spawn").Process(target=close_files_then_sleep)
+    process.start()
+    try:
+        assert multiprocessing.connection.wait([process.sentinel], 30)  # its files closed
+        started = time.monotonic()
+        assert exit_status(process, 0.2) is None
+        # join(0.2) waited here until the process had exited: 5 s (on the H200, the 0.8 s
+        # a killed worker's CUDA teardown took, the supervisor's loop with it)
+        assert time.monotonic() - started < 1.0
+    finally:
+        process.kill()
+    assert exit_status(process, 5.0) == -9
