@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,24 @@ log = structlog.get_logger("engine")
 IDLE_WAIT_S = 0.05  # the longest the intake waits for input when no batch is pending
 SUMMARY_EVERY_S = 10.0
 REPLY_QUEUE = 2  # batches between the infer and reply threads (with 3 batch sets)
+
+
+@dataclass(frozen=True)
+class ConnectedWorker:
+    """A source worker connected to the engine (its HELLO).
+
+    Attributes:
+        conn: its connection (SUBMIT rows in, RESULTS out).
+        worker: its number among the engine's workers (its ring shares).
+        source: its source id in the batcher (a worker is one batcher source: its frames'
+            detections go back to it).
+        pid: its process id (None: an older worker's HELLO without it).
+    """
+
+    conn: Connection
+    worker: int
+    source: int
+    pid: int | None
 
 
 class Engine:
@@ -69,9 +88,7 @@ class Engine:
         self.failed = False  # a thread failed: the process exits with status 1
         self.ready = threading.Event()
         self.metrics = {name: StageMetrics(name) for name in ("batch", "infer", "postprocess")}
-        self._conns: dict[int, tuple[Connection, int]] = {}  # source id -> (conn, worker)
-        self._sources_of: dict[Connection, int] = {}
-        self._pids: dict[Connection, int | None] = {}  # each worker's pid (its hello)
+        self._workers: dict[Connection, ConnectedWorker] = {}  # the connected ones
         self._lock = threading.Lock()
         self._listener: Listener | None = None
         self._device_ring: DeviceRing | None = None
@@ -165,7 +182,7 @@ class Engine:
         """One "engine stages" line: each stage's counters since the engine started (read
         from the log by ``pipeline.app.run_log``; the pid tells engines and restarts apart)."""
         infer = self.metrics["infer"]
-        log.info("engine stages", pid=os.getpid(), workers=len(self._conns),
+        log.info("engine stages", pid=os.getpid(), workers=len(self._workers),
                  batches=infer.calls, mean_batch=round(infer.frames / max(1, infer.calls), 1),
                  **{name: m.summary() for name, m in self.metrics.items()})
 
@@ -202,9 +219,8 @@ class Engine:
                 continue
             with self._lock:
                 source = self.batcher.add_source(f"worker{worker}")
-                self._conns[source] = (conn, worker)
-                self._sources_of[conn] = source
-                self._pids[conn] = pid[0] if pid else None
+                self._workers[conn] = ConnectedWorker(conn, worker, source,
+                                                      pid[0] if pid else None)
             conn.send((READY, handle))
             log.info("worker connected", worker=worker, source_id=source)
 
@@ -213,22 +229,20 @@ class Engine:
         word (it died: ``on_gone`` tells the supervisor at once, where its exit status can
         take most of a second to come)."""
         with self._lock:
-            source = self._sources_of.pop(conn, None)
-            pid = self._pids.pop(conn, None)
-            worker = None if source is None else self._conns.pop(source)[1]
+            gone = self._workers.pop(conn, None)
         conn.close()
-        if worker is None:
+        if gone is None:
             return
-        log.info("worker gone", worker=worker, said_bye=said_bye)
+        log.info("worker gone", worker=gone.worker, said_bye=said_bye)
         if not said_bye and self.on_gone is not None and not self.stop.is_set():
-            self.on_gone(worker, pid)
+            self.on_gone(gone.worker, gone.pid)
 
     def _intake(self) -> None:
         """Rows in, frames to the batcher, batches onto the GPU."""
         try:
             while not self.stop.is_set():
                 with self._lock:
-                    conns = list(self._sources_of)
+                    conns = list(self._workers)
                 timeout = self.batcher.poll_interval_s
                 timeout = IDLE_WAIT_S if timeout is None else timeout
                 if conns:
@@ -249,11 +263,11 @@ class Engine:
                         self._forget(conn, said_bye=True)
                         continue
                     rows = np.frombuffer(data, SUBMIT_DTYPE)
-                    source = self._sources_of.get(conn)
-                    if source is None:
+                    sender = self._workers.get(conn)
+                    if sender is None:
                         continue
                     frames += len(rows)
-                    for frame in self._frames(source, rows):
+                    for frame in self._frames(sender.source, rows):
                         batches += self.batcher.process(frame)
                 if not ready:
                     batches += self.batcher.on_idle()
@@ -321,9 +335,10 @@ class Engine:
                 return
             frames = detections.frames
             source = frames.source
+            with self._lock:
+                conn_of = {worker.source: worker.conn for worker in self._workers.values()}
             for source_id in np.unique(source).tolist():
-                with self._lock:
-                    conn = self._conns.get(source_id, (None, 0))[0]
+                conn = conn_of.get(source_id)
                 if conn is None:
                     continue  # its worker went away
                 rows = np.flatnonzero(source == source_id)

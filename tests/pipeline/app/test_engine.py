@@ -10,7 +10,7 @@ import time
 from multiprocessing import Pipe
 from multiprocessing.connection import Client
 
-from pipeline.app.engine import Engine, EngineProcess
+from pipeline.app.engine import ConnectedWorker, Engine, EngineProcess
 from pipeline.config import parse_config
 from pipeline.engine_link import EngineLink
 
@@ -51,15 +51,13 @@ def test_a_worker_gone_without_a_bye_is_told_and_one_that_said_bye_is_not(sample
                            "model": {"path": str(samples.model)}})
     told = []
     engine = Engine(config, link, on_gone=lambda worker, pid: told.append((worker, pid)))
-    ends = {}
+    ends, conns = {}, {}
     for worker, pid in ((0, 100), (1, 101)):  # what ``_accept`` keeps of each HELLO
-        ours, ends[worker] = Pipe()
-        engine._conns[worker], engine._sources_of[ours] = (ours, worker), worker
-        engine._pids[ours] = pid
-    conns = {worker: conn for conn, worker in engine._sources_of.items()}
+        conns[worker], ends[worker] = Pipe()
+        engine._workers[conns[worker]] = ConnectedWorker(conns[worker], worker, worker, pid)
     engine._forget(conns[1], said_bye=True)  # its graph finished
     engine._forget(conns[0])  # its connection closed without a word: killed
-    assert told == [(0, 100)] and not engine._conns and not engine._pids
+    assert told == [(0, 100)] and not engine._workers
 
 
 def test_a_standby_takes_over_a_dead_engine_and_is_replaced_when_it_dies(samples):
