@@ -34,7 +34,7 @@ output in ``OUT/run.log``), then:
    hosts it ran on (``measurement.dropped_between``), from the kill until ``watch_s`` after
    it (or the last of its cameras' return, if later);
 3. waits until every camera delivers (a frame captured in the last ``FRESH_S``), waits
-   ``--warmup-s``, kills the engine (``streamdet-engine``: its pid from the log) and
+   ``--warmup-s``, kills the engine (``sd.engine``: its pid from the log) and
    measures the same way the seconds until each camera delivers again (a frame captured
    after the kill went through the new engine);
 4. waits for both files to end (their final JSONL), stops run.py with SIGINT and reads its
@@ -42,9 +42,8 @@ output in ``OUT/run.log``), then:
    once, n the clip's frame count.
 
 Writes ``OUT/results.md`` (the table, also printed) and ``OUT/results.json`` (every number,
-each camera's seconds). The process names: ``name_this_process`` sets ``streamdet-engine``
-and ``streamdet-worker1``, but Linux keeps 15 bytes of a name (``streamdet-worke``,
-``streamdet-engin``), too few to tell the workers apart: the pids come from the log.
+each camera's seconds). The pids come from the log (the process names, ``sd.engine``,
+``sd.worker1``, are shown in the table).
 
 Full mode (the H200): YOLOv8s-fall 640, torch FP16, batch 64, compile cache
 ``--engine-cache``; 100 cameras of the 1080p clip at 30 fps, decode auto, the default count
@@ -490,7 +489,7 @@ def kill_worker(run: Run, mode: Mode, result: Result) -> None:
             for at, record in logged(run.log, event) if record.get("host") == VICTIM]
     kill.seen_s, _ = run.since_kill(sorted(died, key=lambda x: x[0]), killed, pid)
     gone = [(at, {**record, "pid": None}) for at, record in logged(run.log, "worker gone")
-            if not record.get("said_bye")]
+            if not record.get("said_bye") and record.get("pid") in (pid, None)]
     kill.engine_seen_s, _ = run.since_kill(gone, killed, pid)
 
 

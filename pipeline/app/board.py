@@ -151,6 +151,7 @@ class SourceBoard:
         self._lock = threading.Lock()
         self._hosts: dict[str, _Host] = {}
         self._spares: frozenset[str] = frozenset()  # hosts idle as spares (set_spares)
+        self._engines: dict[str, dict[str, Any]] = {}  # each engine's state (set_engines)
         self._order: list[str] = list(dict.fromkeys(order))
         self._shown: dict[str, _Shown] = {}
         self._placed: dict[str, str] = {}  # source -> the host it is on
@@ -248,6 +249,11 @@ class SourceBoard:
         """``hosts`` are idle spares now (``runtime.spare_workers``): told in ``health``."""
         self._spares = frozenset(hosts)
 
+    def set_engines(self, engines: dict[str, dict[str, Any]]) -> None:
+        """Each engine process's state now (``EngineProcess.state``; none where the model
+        runs in the hosts): told in ``health``."""
+        self._engines = engines
+
     def added(self, source: SourceConfig, host: str) -> None:
         """``source`` was placed on ``host`` (added, or moved there): shown at once as
         ``starting`` (a moved one keeps its last counters) until that host reports it. A source
@@ -344,7 +350,7 @@ class SourceBoard:
 
     def health(self) -> dict[str, Any]:
         """``{"status", "reasons", "sources": {name: state}, "hosts": {host: {"ready",
-        "sources", "report_age_s", "gone", "spare"}}}``.
+        "sources", "report_age_s", "gone", "spare"}}, "engines": {name: {...}}}``.
 
         ``starting`` while no host has reported yet or a live host is not ready (its model
         warming up: its sources are ``starting`` here); else ``degraded`` when there are
@@ -353,6 +359,9 @@ class SourceBoard:
         gone, a source reconnecting because its host is gone; else ``ok``. ``sources``: the
         number of sources on that host; ``report_age_s``: seconds since its last report;
         ``spare``: an idle spare worker, there to take a dying worker's sources.
+        ``engines``: each engine process's state (``EngineProcess.state``: ``pid``,
+        ``ready``, ``restarts``, ``standby``, ``failed``; empty where the model runs in the
+        hosts); an engine restarting or failed is a reason.
         """
         now = time.monotonic()
         with self._lock:
@@ -388,8 +397,15 @@ class SourceBoard:
                 states[name] = "starting" if warming else source["state"]
                 if name in self._orphaned and source["state"] == "reconnecting":
                     reasons.append(f"source {name} is reconnecting ({source['error']})")
+        engines = self._engines
+        for name, engine in engines.items():
+            if engine["failed"] is not None:
+                reasons.append(f"{name} failed: {engine['failed']}")
+            elif not engine["ready"] and engine["restarts"]:
+                reasons.append(f"{name} is restarting: its workers' cameras drop, files wait")
         status = "starting" if starting else "degraded" if reasons else "ok"
-        return {"status": status, "reasons": reasons, "sources": states, "hosts": hosts}
+        return {"status": status, "reasons": reasons, "sources": states, "hosts": hosts,
+                "engines": engines}
 
     # -- pictures and viewers --------------------------------------------------------------
     def picture(self, name: str) -> tuple[int, bytes] | None:

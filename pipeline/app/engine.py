@@ -233,7 +233,7 @@ class Engine:
         conn.close()
         if gone is None:
             return
-        log.info("worker gone", worker=gone.worker, said_bye=said_bye)
+        log.info("worker gone", worker=gone.worker, pid=gone.pid, said_bye=said_bye)
         if not said_bye and self.on_gone is not None and not self.stop.is_set():
             self.on_gone(gone.worker, gone.pid)
 
@@ -360,7 +360,7 @@ def engine_main(config: PipelineConfig, link: EngineLink, device: int | None,
     of ``conn`` closes.
 
     A standby (``standby``) first does what needs no GPU (``prepare_standby``), says
-    ``("prepared", seconds, MiB)`` and waits: told ``("go",)`` (its engine died), it goes on as
+    ``("prepared", ...)`` and waits: told ``("go",)`` (its engine died), it goes on as
     the engine, from the GPU's context on; told ``("exit",)``, or its pipe's end closing, it
     ends, having touched no GPU.
 
@@ -375,7 +375,8 @@ def engine_main(config: PipelineConfig, link: EngineLink, device: int | None,
     if device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
         config.inference.gpu_id = 0
-    name_this_process("streamdet-standby" if standby else "streamdet-engine")
+    gpu = "" if device is None else f"gpu{device}."
+    name_this_process(f"{gpu}standby" if standby else f"{gpu}engine")
     register_stack_dump()  # kill -USR1: every thread's stack
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -385,7 +386,7 @@ def engine_main(config: PipelineConfig, link: EngineLink, device: int | None,
         prepared = prepare_standby(config, link, conn)
         if prepared is STANDBY_ENDS:
             return
-        name_this_process("streamdet-engine")
+        name_this_process(f"{gpu}engine")
     telling = threading.Lock()  # the serving threads and this one send on ``conn``
 
     def tell_gone(worker: int, pid: int | None) -> None:
@@ -433,8 +434,9 @@ STANDBY_ENDS = object()  # prepare_standby's answer when the standby is to end, 
 def prepare_standby(config: PipelineConfig, link: EngineLink, conn: Connection) -> Any:
     """A standby engine's wait: import what an engine's build imports, prepare the backend
     (``stages.infer.prepare_backend``: the model converted on the host, dynamo imported),
-    say ``("prepared", seconds, peak host memory in MiB)``, then wait for the supervisor's
-    word. Returns what was prepared (None where nothing could be) once told
+    say ``("prepared", seconds, peak host memory in MiB, whether the model was converted)``
+    (on the CPU path, or with TensorRT, only the imports are done ahead), then wait for the
+    supervisor's word. Returns what was prepared (None where nothing could be) once told
     ``("go",)``, or ``STANDBY_ENDS`` when told ``("exit",)`` or when the supervisor is gone.
     Nothing here touches the GPU: a standby holds no device memory."""
     started = time.monotonic()
@@ -455,12 +457,12 @@ def prepare_standby(config: PipelineConfig, link: EngineLink, conn: Connection) 
         import resource
 
         peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # (Linux: KiB)
-        conn.send(("prepared", time.monotonic() - started, peak_kb / 1024))
+        conn.send(("prepared", time.monotonic() - started, peak_kb / 1024, prepared is not None))
         while True:
             message = conn.recv()
             if message[0] == "go":
                 log.info("standby engine takes over", pid=os.getpid(),
-                         prepared=prepared is not None)
+                         model_converted=prepared is not None)
                 return prepared
             if message[0] == "exit":
                 return STANDBY_ENDS
@@ -551,6 +553,7 @@ class EngineProcess:
         self.standby_enabled = standby
         self.standby: Any = None  # the standby's process, once started
         self._standby_conn: Connection | None = None
+        self._standby_prepared = False  # it said ("prepared", ...)
         self._standby_deaths = 0
 
     def _spawn(self, standby: bool) -> tuple[Any, Connection]:
@@ -591,9 +594,10 @@ class EngineProcess:
                 while self._standby_conn.poll():
                     message = self._standby_conn.recv()
                     if message[0] == "prepared":
+                        self._standby_prepared = True
                         log.info("standby engine prepared", pid=self.standby.pid,
                                  seconds=round(message[1], 1), host_mib=round(message[2]),
-                                 device=self.device)
+                                 model_converted=message[3], device=self.device)
             except (EOFError, OSError):
                 pass
             if self.standby.is_alive():
@@ -607,6 +611,7 @@ class EngineProcess:
         if self.standby_enabled and self.ready_in_s is not None \
                 and self._standby_deaths <= self.config.runtime.max_restarts:
             self.standby, self._standby_conn = self._spawn(True)
+            self._standby_prepared = False
             log.info("standby engine started", pid=self.standby.pid, device=self.device)
 
     def poll(self) -> str | None:
@@ -632,6 +637,23 @@ class EngineProcess:
         how = f"killed by {signal.Signals(-code).name}" if code and code < 0 else \
             f"exited with status {code}"
         return f"engine process {self.process.pid} {how}"
+
+    @property
+    def name(self) -> str:
+        """``engine``, or ``gpuN.engine`` for GPU N of ``runtime.gpus``."""
+        return "engine" if self.device is None else f"gpu{self.device}.engine"
+
+    def state(self) -> dict[str, Any]:
+        """What the live view's health tells of it: ``pid``, ``ready`` (it serves),
+        ``restarts``, ``standby`` (None, ``starting`` or ``ready``: prepared to take over)
+        and ``failed`` (why it gave up, or None)."""
+        alive = self.process is not None and self.process.is_alive()
+        standby = None if self.standby is None or not self.standby.is_alive() else \
+            "ready" if self._standby_prepared else "starting"
+        return {"pid": None if self.process is None else self.process.pid,
+                "ready": alive and self.ready_in_s is not None, "restarts": self.restarts,
+                "standby": standby,
+                "failed": None if self.failure is None else self.failure[0]}
 
     def kill(self) -> int:
         """SIGKILL the engine (tests: a crash). Returns its pid."""

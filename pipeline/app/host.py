@@ -447,7 +447,7 @@ def host_main(name: str, device: int | None, config: PipelineConfig, conn: Conne
     if device is not None:  # before anything touches CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
         config.inference.gpu_id = 0
-    name_this_process(f"streamdet-{name}")
+    name_this_process(name)
     register_stack_dump()  # kill -USR1: every thread's stack
     # Ctrl-C, or a SIGTERM to the whole group, reaches the supervisor, which stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

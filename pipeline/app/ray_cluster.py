@@ -187,6 +187,9 @@ class RayExecutor:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False
 
+    def engine_states(self) -> dict[str, dict[str, Any]]:
+        return {}  # each actor holds its own model
+
     def kill(self, host: int) -> None:
         """Kill an actor's process, as a crash would (tests); Ray restarts it."""
         self.ray.kill(self.actors[host], no_restart=False)

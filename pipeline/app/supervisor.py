@@ -94,6 +94,10 @@ class Executor(Protocol):
         """Bring a dead host back (empty): True when it is back, False when not yet (ask
         again later), None when it never will."""
 
+    def engine_states(self) -> dict[str, dict[str, Any]]:
+        """Each engine process's state by name (``EngineProcess.state``); empty where the
+        model runs in the hosts."""
+
     def close(self) -> None:
         """End every host (after ``stop``: once their graphs finished) and release them."""
 
@@ -437,6 +441,8 @@ class Supervisor:
             elif want_view:
                 self.executor.call(host, "want", self.board.wanted(name))
                 turn["want"] += time.monotonic() - reported
+        if want_view:
+            self.board.set_engines(self.executor.engine_states())
         if done and self._on_frames is not None:
             self._on_frames(done)
 
@@ -703,6 +709,9 @@ class InProcessExecutor:
     def restart(self, host: int) -> bool | None:
         return None  # it is this process
 
+    def engine_states(self) -> dict[str, dict[str, Any]]:
+        return {}  # the model runs in the host
+
     def close(self) -> None:
         if self.host is not None:
             self.host.stop()
@@ -875,6 +884,9 @@ class LocalExecutor:
     def restart(self, host: int) -> bool:
         self.start(host)  # (the old pipe is closed by its reader, at its end)
         return True
+
+    def engine_states(self) -> dict[str, dict[str, Any]]:
+        return {engine.name: engine.state() for engine in self.engines.values()}
 
     def kill(self, host: int) -> int:
         """SIGKILL a source worker process (tests: a crash). Returns its pid."""

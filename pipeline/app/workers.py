@@ -80,13 +80,15 @@ def default_worker_count(sources: int, cores: int | None = None) -> int:
 # The worker process
 
 
-def name_this_process(name: str) -> None:
-    """Set the process name ``ps``, ``top`` and ``pgrep`` show (Linux, at most 15 bytes;
-    elsewhere nothing happens): a worker is otherwise just ``python -c ...spawn_main``."""
+def name_this_process(role: str) -> None:
+    """Name this process ``sd.ROLE`` where ``ps``, ``top`` and ``pgrep`` show it (Linux keeps
+    15 bytes: ``sd.engine``, ``sd.standby``, ``sd.worker3``, ``sd.gpu1.worker2``,
+    ``sd.decode0``; elsewhere nothing happens): a process is otherwise just ``python -c
+    ...spawn_main``."""
     try:
         import ctypes
 
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        ctypes.CDLL(None).prctl(15, f"sd.{role}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
 
@@ -110,7 +112,7 @@ def worker_main(worker: int, sources: list[tuple[int, SourceConfig, int]], shm_n
     from pipeline.logging import configure_logging
     from stages.decode import DecodeStage
 
-    name_this_process(f"streamdet-w{worker}")
+    name_this_process(f"decode{worker}")
     if nice:
         os.nice(nice)
     # Ctrl-C, or a SIGTERM sent to the whole group, reaches the pipeline, which stops us.

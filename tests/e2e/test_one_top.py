@@ -79,8 +79,11 @@ def test_two_pipelines_one_live_view_add_and_remove_without_touching_the_others(
         if mode == "processes":  # and a spare, idle (runtime.spare_workers: 1 by default)
             assert {host: state["spare"] for host, state in health()["hosts"].items()} == {
                 "worker0": False, "worker1": False, "worker2": True}
-        else:  # Ray restarts its actors: no spare
-            assert set(health()["hosts"]) == names
+            engine = health()["engines"]["engine"]  # the one engine, with its standby
+            assert (engine["ready"], engine["restarts"], engine["failed"]) == (True, 0, None)
+            assert engine["standby"] in ("starting", "ready"), engine
+        else:  # Ray restarts its actors: no spare, and no engine process (each holds a model)
+            assert set(health()["hosts"]) == names and health()["engines"] == {}
 
         with headless_page(chromium) as page:
             page.goto(base)

@@ -76,6 +76,18 @@ def test_two_hosts_on_one_board(samples, tmp_path: Path,
         board.set_spares(["pipeline1"])  # the supervisor says which hosts are idle spares
         assert [h["spare"] for h in board.health()["hosts"].values()] == [False, True]
         board.set_spares([])
+        # the engine (EngineProcess.state) restarting, then back: told, and a reason
+        engine = {"pid": 7, "ready": False, "restarts": 1, "standby": None, "failed": None}
+        board.set_engines({"engine": engine})
+        health = board.health()
+        assert (health["status"], health["reasons"], health["engines"]) == (
+            "degraded", ["engine is restarting: its workers' cameras drop, files wait"],
+            {"engine": engine})
+        board.set_engines({"engine": {**engine, "ready": True, "standby": "ready"}})
+        assert (board.health()["status"], board.health()["reasons"]) == ("ok", [])
+        board.set_engines({"engine": {**engine, "failed": "the engine died 4 times"}})
+        assert board.health()["reasons"] == ["engine failed: the engine died 4 times"]
+        board.set_engines({})
 
         # A snapshot asked of the car: only its host is asked for pictures, of it only.
         board.request("car")
@@ -220,7 +232,7 @@ def test_a_frames_age_counts_from_when_its_report_was_made_not_when_it_came() ->
 def test_health_is_starting_until_every_host_is_ready_and_names_hosts_when_several() -> None:
     board = SourceBoard(None, None, preview_fps=5, order=["a", "b"])
     assert board.health() == {"status": "starting", "reasons": ["no pipeline has reported yet"],
-                              "sources": {}, "hosts": {}}
+                              "sources": {}, "hosts": {}, "engines": {}}
     board.update(report("h0", shown("a"), ready=False))
     health = board.health()
     assert (health["status"], health["reasons"], health["sources"]) == (

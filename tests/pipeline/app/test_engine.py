@@ -81,6 +81,9 @@ def test_a_standby_takes_over_a_dead_engine_and_is_replaced_when_it_dies(samples
         assert engine.standby is None  # not beside a start
         until(lambda: engine.standby is not None, "standby")
         assert engine.ready_in_s is not None
+        until(lambda: engine.state()["standby"] == "ready", "the standby prepared")
+        assert engine.state() == {"pid": seen[0].pid, "ready": True, "restarts": 0,
+                                  "standby": "ready", "failed": None}
         first = engine.standby
         seen.append(first)
         first.kill()
@@ -90,6 +93,7 @@ def test_a_standby_takes_over_a_dead_engine_and_is_replaced_when_it_dies(samples
         engine.kill()
         seen[0].join(10)
         assert engine.poll() is not None  # died: the supervisor then asks the standby
+        assert not engine.state()["ready"]
         assert engine.take_over() and engine.process is second and engine.standby is None
         until(lambda: engine.ready_in_s is not None and engine.standby is not None,
               "the standby ready as the engine, and a new standby")
