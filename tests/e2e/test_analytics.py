@@ -24,6 +24,7 @@ from pipeline.config import parse_config
 from stages.analytics import AnalyticsStage
 from tests.e2e.conftest import pipeline_config, records
 from tests.support.batches import batch_detections, make_frame
+from tests.support.harness import wait_for
 from tests.support.metrics import HostMetrics, value
 from tests.support.webhook_receiver import WebhookReceiver
 
@@ -316,7 +317,10 @@ def test_events_reach_a_real_broker_across_its_restart(samples, tmp_path: Path) 
         assert [json.loads(p) for p in received] == events
         (stage,) = [s for s in graph.chain if isinstance(s, AnalyticsStage)]
         assert json.loads(subscriber.last("streamdet/bikes/counts")) == stage.counts()["bikes"]
-        assert subscriber.last("streamdet/availability") == "offline"  # closed at the end
+        # closed at the end: the broker has it (close() waits for its PUBACK); the
+        # subscriber gets it a moment later
+        wait_for(lambda: subscriber.last("streamdet/availability") == "offline",
+                 "offline published at the end", 10)
     finally:
         subscriber.close()
         broker.kill()
