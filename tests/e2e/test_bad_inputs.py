@@ -274,6 +274,34 @@ def test_a_fault_while_starting_is_not_called_a_bad_configuration(
     assert errors == [message]
 
 
+def test_a_live_view_port_in_use_ends_the_run_before_it_begins_and_frees_its_engine(
+        samples, media, tmp_path, monkeypatch, capfd):
+    """The engine's shared ring and socket folder are made with the workers' executor, before
+    the live view binds its port: a port in use ends the run (exit 1, one line) and frees
+    them (the folder was left in the temporary folder)."""
+    import socket
+    import tempfile
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # where the engine's folder goes
+    monkeypatch.setattr(tempfile, "tempdir", None)  # (read again)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(pipeline_config(
+        samples, tmp_path / "out", [{"name": "cam", "uri": media["clean"]}],
+        runtime={"workers": 2, "http": {"port": port}})))
+    try:
+        assert main(["--config", str(path), "--no-progress"]) == FAILED
+    finally:
+        taken.close()
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: failed to start: "), errors
+    assert list((tmp_path / "tmp").iterdir()) == []  # no streamdet-engine-* folder left
+
+
 def write_lossless(path: Path, pictures: list[av.VideoFrame]) -> Path:
     """``pictures`` (yuv420p, any size) as an FFV1 MKV: decoded back bit for bit."""
     with av.open(str(path), "w") as container:
