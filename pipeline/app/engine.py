@@ -375,8 +375,7 @@ def engine_main(config: PipelineConfig, link: EngineLink, device: int | None,
     if device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
         config.inference.gpu_id = 0
-    gpu = "" if device is None else f"gpu{device}."
-    name_this_process(f"{gpu}standby" if standby else f"{gpu}engine")
+    name_this_process(engine_name(device, "standby" if standby else "engine"))
     register_stack_dump()  # kill -USR1: every thread's stack
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -386,7 +385,7 @@ def engine_main(config: PipelineConfig, link: EngineLink, device: int | None,
         prepared = prepare_standby(config, link, conn)
         if prepared is STANDBY_ENDS:
             return
-        name_this_process(f"{gpu}engine")
+        name_this_process(engine_name(device))
     telling = threading.Lock()  # the serving threads and this one send on ``conn``
 
     def tell_gone(worker: int, pid: int | None) -> None:
@@ -426,6 +425,12 @@ def engine_main(config: PipelineConfig, link: EngineLink, device: int | None,
     engine.close()
     if engine.failed:
         os._exit(1)  # the supervisor restarts it
+
+
+def engine_name(device: int | None, role: str = "engine") -> str:
+    """An engine's name (``engine``, ``standby``), or ``gpuN.engine`` for GPU N of
+    ``runtime.gpus``: in the live view's health and, as ``sd.NAME``, in ``ps``."""
+    return role if device is None else f"gpu{device}.{role}"
 
 
 STANDBY_ENDS = object()  # prepare_standby's answer when the standby is to end, not take over
@@ -640,8 +645,7 @@ class EngineProcess:
 
     @property
     def name(self) -> str:
-        """``engine``, or ``gpuN.engine`` for GPU N of ``runtime.gpus``."""
-        return "engine" if self.device is None else f"gpu{self.device}.engine"
+        return engine_name(self.device)
 
     def state(self) -> dict[str, Any]:
         """What the live view's health tells of it: ``pid``, ``ready`` (it serves),

@@ -146,9 +146,6 @@ def place_decoders(config: PipelineConfig, gpus: int, on_gpu: Callable[[], bool]
 def run(config: PipelineConfig, ray_address: str | None = None, restart: bool = False) -> int:
     """Run ``config`` through the supervisor with signals, the live view, Prometheus, the
     progress bar, the summary and the exit status (module docstring)."""
-    from pipeline.app.progress import Progress
-    from pipeline.app.supervisor import Supervisor
-
     runtime = config.runtime
     try:
         resume = prepare(config, restart)
@@ -156,57 +153,64 @@ def run(config: PipelineConfig, ray_address: str | None = None, restart: bool = 
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    ran = False
     try:
-        exporter = server = board = None
-        if runtime.metrics_port is not None:
-            from pipeline.app.cluster_metrics import ClusterExporter
+        return supervise(config, executor, resume)
+    finally:  # (already closed when the supervisor ran: a run that never began closes it
+        executor.close()  # here, its engines' rings and folders with it)
 
-            exporter = ClusterExporter(runtime.metrics_port, runtime.metrics_host,
-                                       runtime.metrics_token)
-        supervisor: Supervisor | None = None
-        with Progress(enabled=runtime.progress) as progress:
-            progress.set_total(frame_counts(config))
-            if runtime.http is not None:
-                from pipeline.app.board import SourceBoard
 
-                board = SourceBoard(lambda data: supervisor.add_source(data),
-                                    lambda name, wait_s: remove_and_wait(supervisor, name, wait_s),
-                                    runtime.http.preview_fps, [s.name for s in config.sources])
-            supervisor = Supervisor(config, executor, runtime.max_restarts, exporter,
-                                    resume=resume, board=board, on_frames=progress.frames_done)
-            try:
-                if exporter is not None:
-                    port = exporter.start()
-                    log.info("serving Prometheus metrics",
-                             url=f"http://{runtime.metrics_host}:{port}/metrics")
-                if board is not None:
-                    from pipeline.app.http import HttpServer
+def supervise(config: PipelineConfig, executor: Any, resume: tuple[str, ...]) -> int:
+    """``run``'s part once the executor exists: the live view, Prometheus, the progress bar,
+    the supervisor's run, the summary and the exit status."""
+    from pipeline.app.progress import Progress
+    from pipeline.app.supervisor import Supervisor
 
-                    server = HttpServer(runtime.http, board, config)
-                    server.start()  # logs "serving the live view" with its URL
-            except (OSError, RuntimeError) as error:
-                if exporter is not None:
-                    exporter.stop()
-                print(f"error: failed to start: {error}", file=sys.stderr)
-                return EXIT_FAILED
-            log.info("sources placed by load", workers=executor.names, sources=len(config.sources))
-            interrupts, previous = install_signal_handlers(supervisor)
-            started = time.monotonic()
-            try:
-                ran = True  # supervisor.run closes the executor, whatever happens
-                results = supervisor.run()
-            finally:
-                for signum, handler in previous.items():
-                    signal.signal(signum, handler)
-                if exporter is not None:
-                    exporter.stop()
-                if server is not None:
-                    server.close()
-        return finish(supervisor, results, interrupts["count"], time.monotonic() - started)
-    finally:
-        if not ran:  # the run never began (a port in use, a write that failed): its
-            executor.close()  # engines' rings and folders are freed all the same
+    runtime = config.runtime
+    exporter = server = board = None
+    if runtime.metrics_port is not None:
+        from pipeline.app.cluster_metrics import ClusterExporter
+
+        exporter = ClusterExporter(runtime.metrics_port, runtime.metrics_host,
+                                   runtime.metrics_token)
+    supervisor: Supervisor | None = None
+    with Progress(enabled=runtime.progress) as progress:
+        progress.set_total(frame_counts(config))
+        if runtime.http is not None:
+            from pipeline.app.board import SourceBoard
+
+            board = SourceBoard(lambda data: supervisor.add_source(data),
+                                lambda name, wait_s: remove_and_wait(supervisor, name, wait_s),
+                                runtime.http.preview_fps, [s.name for s in config.sources])
+        supervisor = Supervisor(config, executor, runtime.max_restarts, exporter,
+                                resume=resume, board=board, on_frames=progress.frames_done)
+        try:
+            if exporter is not None:
+                port = exporter.start()
+                log.info("serving Prometheus metrics",
+                         url=f"http://{runtime.metrics_host}:{port}/metrics")
+            if board is not None:
+                from pipeline.app.http import HttpServer
+
+                server = HttpServer(runtime.http, board, config)
+                server.start()  # logs "serving the live view" with its URL
+        except (OSError, RuntimeError) as error:
+            if exporter is not None:
+                exporter.stop()
+            print(f"error: failed to start: {error}", file=sys.stderr)
+            return EXIT_FAILED
+        log.info("sources placed by load", workers=executor.names, sources=len(config.sources))
+        interrupts, previous = install_signal_handlers(supervisor)
+        started = time.monotonic()
+        try:
+            results = supervisor.run()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            if exporter is not None:
+                exporter.stop()
+            if server is not None:
+                server.close()
+    return finish(supervisor, results, interrupts["count"], time.monotonic() - started)
 
 
 def remove_and_wait(supervisor: Any, name: str, wait_s: float) -> dict[str, Any]:

@@ -99,7 +99,8 @@ class Executor(Protocol):
         model runs in the hosts."""
 
     def close(self) -> None:
-        """End every host (after ``stop``: once their graphs finished) and release them."""
+        """End every host (after ``stop``: once their graphs finished) and release them;
+        again, nothing more (``run`` closes it whether or not the supervisor ran)."""
 
 
 @dataclass
