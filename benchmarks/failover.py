@@ -194,6 +194,9 @@ class Kill:
         ready_s: the engine: the kill until the supervisor logged it ready.
         from_standby: the engine: its standby took over (``runtime.standby_engine``).
         phases_s: the engine: where the new engine's start went (its ``engine ready`` line).
+        steps_s: the worker: where its cameras' time to deliver again went, step ->
+            (median, slowest) over its cameras of the seconds from the kill until the log
+            said it of the camera (``MOVE_STEPS``), and ``delivered`` (``recovered_s``).
         others: the cameras not waited for (the worker kill: all others).
         others_dropped: their drops from the kill over ``watched_s``.
         own_dropped: the waited-for cameras' drops over the same span.
@@ -213,6 +216,7 @@ class Kill:
     ready_s: float | None = None
     from_standby: bool | None = None
     phases_s: dict[str, float] | None = None
+    steps_s: dict[str, tuple[float, float]] | None = None
     others: list[str] = field(default_factory=list)
     others_dropped: int | None = None
     own_dropped: int | None = None
@@ -491,6 +495,30 @@ def kill_worker(run: Run, mode: Mode, result: Result) -> None:
     gone = [(at, {**record, "pid": None}) for at, record in logged(run.log, "worker gone")
             if not record.get("said_bye") and record.get("pid") in (pid, None)]
     kill.engine_seen_s, _ = run.since_kill(gone, killed, pid)
+    kill.steps_s = move_steps(run, killed, kill)
+
+
+MOVE_STEPS = {"placed": "source added", "opened": "source opened",
+              "first frame": "source first frame"}  # a moved camera's log lines, in order
+
+
+def move_steps(run: Run, killed: float, kill: Kill) -> dict[str, tuple[float, float]]:
+    """``Kill.steps_s`` of the worker kill: per step of ``MOVE_STEPS``, the seconds from the
+    kill until each of its cameras' first such line after the kill (the log's seconds since
+    the launch, as read by ``measurement.launch``), as (median, slowest)."""
+    steps: dict[str, tuple[float, float]] = {}
+    for step, event in MOVE_STEPS.items():
+        seconds: dict[str, float] = {}
+        for at, record in logged(run.log, event):
+            after = run.started + at - killed
+            if after >= 0 and record.get("source") in kill.cameras:
+                seconds.setdefault(record["source"], after)
+        if seconds:
+            steps[step] = (statistics.median(seconds.values()), max(seconds.values()))
+    if kill.recovered_s:
+        steps["delivered"] = (statistics.median(kill.recovered_s.values()),
+                              max(kill.recovered_s.values()))
+    return steps
 
 
 def kill_engine(run: Run, mode: Mode, result: Result) -> None:
@@ -692,6 +720,12 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
                         f"engine after {num(kill.engine_seen_s, 2)} s" if not engine else "")
                      + (f"; its start's phases (s): {phases_text(kill.phases_s)}"
                         if engine and kill.phases_s else "")))
+        if kill.steps_s:
+            rows.append((f"{what}: its cameras' steps, median / slowest", "", "; ".join(
+                f"{step} {median:.2f} / {slowest:.2f} s"
+                for step, (median, slowest) in kill.steps_s.items())
+                + " after the kill (run.log's lines: " + ", ".join(
+                f"{step}: '{event}'" for step, event in MOVE_STEPS.items()) + ")"))
         rows.append((f"{what}: files at the kill", "", "; ".join(
             f"{n}: on {at['host']}, {at['frames']} frames there, {at['state']}"
             for n, at in kill.files.items()) or "-"))

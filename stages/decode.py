@@ -356,6 +356,7 @@ class DecodeStage(SourceStage):
             first = index
             error, fatal = None, False
             self._shift = self._session_pts = None  # a new session: its clock starts anew
+            session_started, delivered = time.monotonic(), False
             try:
                 for picture, rate in self._pictures(stop_reading, pace):
                     if self.link is not None and self.link.state != "connected":
@@ -383,6 +384,10 @@ class DecodeStage(SourceStage):
                     if frame is None:  # stopped while waiting for a free slot
                         index -= 1
                         break
+                    if not delivered:  # how long an open, a reconnect or a move takes
+                        delivered = True
+                        log.info("source first frame", source=self.name, index=frame.index,
+                                 since_open_s=round(time.monotonic() - session_started, 3))
                     yield frame
             except Exception as failure:  # noqa: BLE001 - one source's failure ends or reconnects it
                 error = describe(failure, self.source)

@@ -69,6 +69,11 @@ def test_small_mode_kills_a_worker_and_the_engine_and_everything_comes_back(smal
     assert set(worker["cameras"]) | set(worker["others"]) == {f"cam{i:03d}" for i in range(4)}
     assert isinstance(worker["others_dropped"], int) and worker["others_dropped"] >= 0, table
     assert worker["new_pid"] not in (None, worker["pid"]), table  # worker1 restarted
+    # where the moved cameras' time went, from run.log: each step's median after the one before
+    steps = worker["steps_s"]
+    assert list(steps) == ["placed", "opened", "first frame", "delivered"], table
+    medians = [median for median, slowest in steps.values()]
+    assert medians == sorted(medians) and all(m <= s for m, s in steps.values()), table
     # every camera came back through the new engine: not before the supervisor started it
     assert len(engine["cameras"]) == 4 and engine["missing"] == [], table
     assert engine["new_pid"] not in (None, engine["pid"]) and engine["ready_s"] is not None
