@@ -498,7 +498,7 @@ def kill_worker(run: Run, mode: Mode, result: Result) -> None:
     kill.steps_s = move_steps(run, killed, kill)
 
 
-MOVE_STEPS = {"placed": "source added", "opened": "source opened",
+MOVE_STEPS = {"placed": "source placed", "added": "source added", "opened": "source opened",
               "first frame": "source first frame"}  # a moved camera's log lines, in order
 
 

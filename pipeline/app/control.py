@@ -32,6 +32,7 @@ number whose final and ``.partial`` names are all free on disk and unused in thi
 from __future__ import annotations
 
 import dataclasses
+import time
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -138,7 +139,14 @@ class SourceControl:
             SourceConflict: its name is in use (a source running, or one whose outputs are
                 being finalised), or the run is ending.
         """
+        started = time.monotonic()
+        phases_s: dict[str, float] = {}  # where the add went (its log line)
+
+        def phase(name: str) -> None:
+            phases_s[name] = round(time.monotonic() - started - sum(phases_s.values()), 3)
+
         with self._lock:
+            phase("lock")
             index = len(self.sources)
             key = key or f"sources[{index}]"
             earlier = [i for i, s in enumerate(self.sources) if s.name == getattr(
@@ -166,11 +174,14 @@ class SourceControl:
                 point = resume_point(sink_config.output_path(sink_config.output.jsonl,
                                                              source.name))
                 source = dataclasses.replace(source, start_frame=max(source.start_frame, point))
+            phase("check")
             in_pool = self.pool is not None and self.decoded_by_pool(source, key)
             stage = (self.pool.add_source(index, source, source.start_frame) if in_pool
                      else self.make_decoder(index, source, key))
+            phase("decoder")
             sink = self.make_sink(sink_config, source, parts["tracker"] is not None,
                                   bool(parts["regions"]))
+            phase("sink")
             if resume and source.start_frame > 0:  # appends to the records (see SinkStage)
                 sink.resume_from = source.start_frame
             assigned = self._first_stage.add_source(source.name, source.detect_every,
@@ -190,8 +201,10 @@ class SourceControl:
                 raise
             if in_pool:
                 self.pool.start_source(index)
+            phase("start")
         log.info("source added", source=source.name, id=index, live=source.is_live,
-                 resumed_at=source.start_frame if resume else None)
+                 resumed_at=source.start_frame if resume else None,
+                 took_s=round(time.monotonic() - started, 3), phases_s=phases_s)
         return source
 
     def remove(self, name: str) -> bool:

@@ -71,7 +71,7 @@ def test_small_mode_kills_a_worker_and_the_engine_and_everything_comes_back(smal
     assert worker["new_pid"] not in (None, worker["pid"]), table  # worker1 restarted
     # where the moved cameras' time went, from run.log: each step's median after the one before
     steps = worker["steps_s"]
-    assert list(steps) == ["placed", "opened", "first frame", "delivered"], table
+    assert list(steps) == ["placed", "added", "opened", "first frame", "delivered"], table
     medians = [median for median, slowest in steps.values()]
     assert medians == sorted(medians) and all(m <= s for m, s in steps.values()), table
     # every camera came back through the new engine: not before the supervisor started it
