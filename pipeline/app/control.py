@@ -32,8 +32,8 @@ number whose final and ``.partial`` names are all free on disk and unused in thi
 from __future__ import annotations
 
 import dataclasses
-import time
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
