@@ -489,9 +489,9 @@ def kill_worker(run: Run, mode: Mode, result: Result) -> None:
               if record.get("worker") == VICTIM]
     kill.replaced_s, record = run.since_kill(starts, killed, pid)
     kill.new_pid = None if record is None else record["pid"]
-    died = [(at, {**record, "pid": None}) for event in WORKER_DIED
-            for at, record in logged(run.log, event) if record.get("host") == VICTIM]
-    kill.seen_s, _ = run.since_kill(sorted(died, key=lambda x: x[0]), killed, pid)
+    died = [(at, {**record, "pid": None}) for at, record in logged(run.log, "source worker died")
+            if record.get("host") == VICTIM]
+    kill.seen_s, _ = run.since_kill(died, killed, pid)
     gone = [(at, {**record, "pid": None}) for at, record in logged(run.log, "worker gone")
             if not record.get("said_bye") and record.get("pid") in (pid, None)]
     kill.engine_seen_s, _ = run.since_kill(gone, killed, pid)
@@ -567,10 +567,6 @@ def wait_files(run: Run, mode: Mode, result: Result) -> None:
         time.sleep(0.25)
     if waiting:
         result.notes.append(f"{', '.join(waiting)} had not ended when run.py was stopped")
-
-
-WORKER_DIED = ("source worker died: its sources move to its spare",
-               "source worker died: its sources move to the others")  # the supervisor's log
 
 
 def phases_text(phases: dict[str, float]) -> str:

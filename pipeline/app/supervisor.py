@@ -582,9 +582,9 @@ class Supervisor:
             state.restart_at = now + backoff_s(state.restarts)
         else:
             state.gone = True
-        log.error("source worker died: its sources move to " +
-                  ("its spare" if spare is not None else "the others"),
-                  host=self.executor.names[host], reason=reason, sources=sorted(moved),
+        log.error("source worker died", host=self.executor.names[host], reason=reason,
+                  sources=sorted(moved),
+                  moved_to="its spare" if spare is not None else "the others",
                   spare=None if spare is None else self.executor.names[spare],
                   restart_in_s=None if state.gone else round(state.restart_at - now, 2))
 
