@@ -32,13 +32,6 @@ non-blocking, so the consumer must order itself after that stream (an event; see
 returns to the decoder's pool only when the CuPy views are dropped; FFmpeg's CUDA frame pool
 grows on demand, so holding frames in queues never stalls the decoder.
 
-**Warm-up.** A process's first NVDEC decode pays one-time costs (FFmpeg loading the CUDA
-and NVDEC libraries, the first decoder), and PyAV holds the GIL while it decodes, so every
-other thread of the process waits meanwhile. A source worker pays them at its start
-(``warm_up``: one tiny picture, encoded here and decoded on the device), so that a spare
-taking over a dead worker's cameras does not pay them then (issue 25: 0.5 s of its first
-camera's add on the H200).
-
 **Previews.** The live view needs host pictures, which GPU-decoded frames do not have. Given
 a ``PictureTap`` (the app's preview hub), the stage asks ``tap.wanted(name)`` at most once
 per ``tap.period_s`` and, only while a viewer wants the source, downloads that one frame's
@@ -133,47 +126,6 @@ def cuda_hwaccel(hwaccel_type: Any, device_id: int) -> Any:
     except TypeError:  # later PyAV spells it output_format="hw"
         return hwaccel_type("cuda", device=device_id, allow_software_fallback=False,
                             options=options, output_format="hw")
-
-
-WARM_UP_SIZE = (64, 64)  # the warm-up's picture: NVDEC's smallest H.264 is 48 x 16
-
-
-def warm_up_picture() -> bytes:
-    """One black ``WARM_UP_SIZE`` picture as a raw H.264 stream (libx264, about 1 kB)."""
-    width, height = WARM_UP_SIZE
-    encoder = av.CodecContext.create("libx264", "w")
-    encoder.width, encoder.height, encoder.pix_fmt = width, height, "yuv420p"
-    encoder.time_base = Fraction(1, 25)
-    picture = av.VideoFrame.from_ndarray(np.zeros((height * 3 // 2, width), np.uint8),
-                                         format="yuv420p")
-    return b"".join(bytes(packet) for packet in [*encoder.encode(picture), *encoder.encode(None)])
-
-
-def warm_up(device_id: int) -> float:
-    """Decode one tiny H.264 picture with NVDEC the way ``GpuDecodeStage`` does (module
-    docstring, "Warm-up"); a no-op where GPU decode cannot run.
-
-    Returns:
-        The seconds it took (0.0 when skipped).
-
-    Raises:
-        av.FFmpegError: the picture could not be encoded or decoded.
-        RuntimeError: it was decoded, but not on the device.
-    """
-    if gpu_decode_unavailable_reason() is not None:
-        return 0.0
-    import io
-
-    from av.codec.hwaccel import HWAccel
-
-    started = time.monotonic()
-    activate_primary_context(device_id)
-    with av.open(io.BytesIO(warm_up_picture()), format="h264",
-                 hwaccel=cuda_hwaccel(HWAccel, device_id)) as container:
-        decoded = [frame for packet in container.demux(video=0) for frame in packet.decode()]
-    if not decoded or decoded[0].format.name != "cuda":
-        raise RuntimeError("NVDEC did not decode the warm-up picture on the device")
-    return time.monotonic() - started
 
 
 def activate_primary_context(device_id: int) -> int:

@@ -31,7 +31,7 @@ from stages.batcher import BatcherStage, DetectionSchedule
 from stages.decode import DecodeStage, decoder_threads
 from stages.event_media import EventMedia
 from stages.filters import DetectionFilterStage, SourceFilter
-from stages.gpu_decode import GpuDecodeStage, gpu_decode_unavailable_reason, warm_up
+from stages.gpu_decode import GpuDecodeStage, gpu_decode_unavailable_reason
 from stages.infer import InferStage, create_backend
 from stages.pictures import PictureStage
 from stages.postprocess import DeviceNms, PostprocessStage
@@ -284,8 +284,6 @@ def build_graph(config: PipelineConfig,
                                list(link.host_shares[worker]))
         kinds = [decoder_kind(config, source, f"sources[{i}]", gpu, host_frames)
                  for i, source in enumerate(config.sources)]
-        if gpu is not None and ("gpu" in kinds or not kinds):
-            warm_up_nvdec(gpu.device_id)
         expected = len(config.sources) if expected_sources is None else expected_sources
         on_cpu = math.ceil(kinds.count("cpu") * expected / max(1, len(config.sources)))
         threads = decoder_threads(max(1, on_cpu), cores)
@@ -543,17 +541,6 @@ def host_outputs_reason(config: PipelineConfig) -> str | None:
     if media is not None and media.clip is not None:  # a ring of recent frames (no recording)
         return "output.event_media.clip needs the frames on the host"
     return None
-
-
-def warm_up_nvdec(device_id: int) -> None:
-    """A source worker pays NVDEC's one-time costs as it starts, not at its first camera
-    (``stages.gpu_decode.warm_up``); a failure is logged, the sources then say theirs."""
-    try:
-        seconds = warm_up(device_id)
-    except Exception as error:  # noqa: BLE001 - a warm-up never stops a worker
-        log.warning("NVDEC warm-up failed", error=f"{type(error).__name__}: {error}")
-    else:
-        log.info("NVDEC warmed up", seconds=round(seconds, 3))
 
 
 def decoder_kind(config: PipelineConfig, source: SourceConfig, key: str,

@@ -4,25 +4,15 @@ the live view's pictures of a GPU-decoded source, downloaded only while it is wa
 
 from __future__ import annotations
 
-import io
 import itertools
 import threading
 from types import SimpleNamespace
 
-import av
 import pytest
 
 from pipeline.config import SourceConfig
 from pipeline.records import EndOfStream
-from stages.gpu_decode import (
-    HWACCEL_OPTIONS,
-    WARM_UP_SIZE,
-    GpuDecodeStage,
-    cuda_hwaccel,
-    gpu_decode_unavailable_reason,
-    warm_up,
-    warm_up_picture,
-)
+from stages.gpu_decode import HWACCEL_OPTIONS, cuda_hwaccel, gpu_decode_unavailable_reason
 
 
 def test_hwaccel_keeps_frames_on_the_device_in_the_current_context():
@@ -338,21 +328,3 @@ def test_a_watched_gpu_source_hands_its_pictures_to_the_live_view(samples, monke
     assert np.abs(picture.astype(np.int16) - want).max() <= 1
     seq, jpeg = hub.jpeg("bikes")  # drawn with frame 0's box
     assert seq == 1 and jpeg[:2] == b"\xff\xd8"
-
-
-def test_the_warm_up_picture_is_one_small_h264_picture():
-    with av.open(io.BytesIO(warm_up_picture()), format="h264") as container:
-        pictures = [p for packet in container.demux(video=0) for p in packet.decode()]
-    assert [(p.width, p.height) for p in pictures] == [WARM_UP_SIZE]
-    assert pictures[0].to_ndarray()[: WARM_UP_SIZE[1]].max() <= 16  # black (limited range)
-
-
-@pytest.mark.gpu
-def test_the_warm_up_decodes_on_the_device_and_the_sources_decode_after_it(samples):
-    if reason := gpu_reason():
-        pytest.skip(f"GPU decode unavailable: {reason}")
-    assert warm_up(0) > 0.0  # raises unless NVDEC gave a CUDA picture
-    stage = GpuDecodeStage(SourceConfig(name="bikes", uri=str(samples.bikes)))
-    frames = list(itertools.islice(stage.frames(threading.Event()), 3))
-    assert [f.index for f in frames] == [0, 1, 2] and frames[0].pixel_format == "nv12"
-
