@@ -136,8 +136,13 @@ def activate_primary_context(device_id: int) -> int:
     """
     import cupy
 
-    cupy.cuda.Device(device_id).use()
-    cupy.cuda.runtime.memGetInfo()  # any runtime call creates the context and binds it
+    cupy.cuda.Device(device_id).use()  # cudaSetDevice: binds the primary context (CUDA >= 12)
+    context = int(cupy.cuda.driver.ctxGetCurrent())
+    if context:
+        return context
+    # Before CUDA 12 only a runtime call binds it. Not the first choice: CuPy holds the GIL
+    # through it, and on a busy H200 cudaMemGetInfo took 0.5 s (a spare's first camera).
+    cupy.cuda.runtime.memGetInfo()
     return int(cupy.cuda.driver.ctxGetCurrent())
 
 
