@@ -8,7 +8,7 @@
 #   # two GPUs (nvidia-h200-x2):
 #   CAP_CAMERAS=200,300 CAP_ARGS="--set runtime.gpus=[0,1]" bash benchmarks/gpu_check.sh capacity
 #
-# Steps: tests (pytest -m gpu), nms, preprocess, overlap, startup, capacity, and livecontrol
+# Steps: tests (pytest -m gpu), nms, preprocess, overlap, nvdecopen, startup, capacity, and livecontrol
 # and failover (not in the default set: each takes a call of its own). Needs CuPy, Numba,
 # torch, torchvision, onnx2torch, PyAV and the assets (python -m samples.fetch, and
 # python -m samples.yolov8 for capacity, livecontrol and failover) on that machine.
@@ -30,6 +30,9 @@
 # the time left as --budget-s: a run that would not end in time is not started (its row says
 # so) and the table is always printed; the table, each run's config and log go under
 # $OUT/capacity.
+#
+# nvdecopen: benchmarks.nvdec_open: 20 NVDEC sources of the 1080p clip opened at once, in 1, 2
+# and 4 processes: the seconds to their first frames (a spare taking a dead worker's cameras).
 #
 # startup: benchmarks.startup, in this order: a cold start (a fresh compile cache, STARTUP_CACHE,
 # default /tmp/startup-cache), a warm start (the same cache), both one paced camera through
@@ -71,7 +74,7 @@ CAPACITY_RESERVE_S=${CAPACITY_RESERVE_S:-330}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests nms preprocess overlap startup capacity)
+[ ${#steps[@]} -eq 0 ] && steps=(tests nms preprocess overlap nvdecopen startup capacity)
 rows=()
 capacity_pending=0
 for step in "${steps[@]}"; do [ "$step" = capacity ] && capacity_pending=1; done
@@ -113,6 +116,7 @@ for step in "${steps[@]}"; do
         nms) run_step nms "$(step_limit)" python3 -m benchmarks.nms_benchmark ;;
         preprocess) run_step preprocess "$(step_limit)" python3 -m benchmarks.preprocess_benchmark ;;
         overlap) run_step overlap "$(step_limit)" python3 -m benchmarks.overlap_benchmark ;;
+        nvdecopen) run_step nvdecopen "$(step_limit)" python3 -m benchmarks.nvdec_open ;;
         startup)
             cache=${STARTUP_CACHE:-/tmp/startup-cache}; rm -rf "$cache"
             run_step startup "$(step_limit)" bash -c "
