@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from pipeline.app.workers import exit_text
 from pipeline.config import PipelineConfig
 from pipeline.engine_link import BYE, HELLO, READY, SUBMIT_DTYPE, DeviceRing, EngineLink
 from pipeline.metrics import StageMetrics
@@ -638,10 +639,7 @@ class EngineProcess:
             self._watch_standby()
             return None
         self.process.join()
-        code = self.process.exitcode
-        how = f"killed by {signal.Signals(-code).name}" if code and code < 0 else \
-            f"exited with status {code}"
-        return f"engine process {self.process.pid} {how}"
+        return f"engine process {self.process.pid} {exit_text(self.process.exitcode)}"
 
     @property
     def name(self) -> str:

@@ -58,6 +58,7 @@ import structlog
 
 from pipeline.app.host import HostReport, PipelineHost, Reply, SourceEnded, SourceRequest, host_main
 from pipeline.app.placement import SourceLoad, rebalance, source_loads
+from pipeline.app.workers import exit_text
 from pipeline.config import ConfigError, PipelineConfig, SourceConfig, build_section, check_config
 from pipeline.graph import SourceConflict
 
@@ -66,7 +67,9 @@ log = structlog.get_logger("supervisor")
 POLL_S = 0.05
 RESTART_INITIAL_S, RESTART_MAX_S = 0.5, 10.0  # backoff of restarts and of moved sources
 JOIN_TIMEOUT_S = 10.0
-EXIT_WAIT_S = 0.2  # a worker seen dying: its exit status is waited for this long
+EXIT_WAIT_S = 0.02  # a worker seen dying: its exit status is waited for this long (on the
+# H200 a killed worker's comes only once the driver has torn its CUDA work down, ~0.8 s:
+# its sources move at once, its status is logged when it comes)
 MAX_RESTART_ATTEMPTS = 8  # a host not back after this many attempts in a row is given up
 REPLY_TIMEOUT_S = 120.0  # add_source waits this long for its host's answer
 SLOW_TURN_S = 0.25  # a turn of the loop this long is logged, with where its time went
@@ -824,7 +827,9 @@ class LocalExecutor:
             pass  # it died: the next poll says so
 
     def poll(self, host: int) -> tuple[list[HostReport], str | None]:
-        self._dying = [process for process in self._dying if process.exitcode is None]
+        for process in [p for p in self._dying if p.exitcode is not None]:
+            self._dying.remove(process)
+            log.info("source worker exited", pid=process.pid, how=exit_text(process.exitcode))
         engine = self.engines[self.devices[host]]
         self._watch_engine(engine)
         process, inbox = self.processes[host], self.inboxes[host]
@@ -850,9 +855,7 @@ class LocalExecutor:
             process.kill()
             self._dying.append(process)  # reaped once it has exited (in ``poll``)
             return reports, f"process {process.pid} ended (its exit status not in yet)"
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else \
-            f"exited with status {code}"
-        return reports, f"process {process.pid} {how}"
+        return reports, f"process {process.pid} {exit_text(code)}"
 
     def _watch_engine(self, engine: Any) -> None:
         """Restart ``engine`` when it died (after a backoff), up to runtime.max_restarts."""

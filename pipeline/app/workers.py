@@ -80,6 +80,11 @@ def default_worker_count(sources: int, cores: int | None = None) -> int:
 # The worker process
 
 
+def exit_text(code: int) -> str:
+    """A process's exit status in words: ``killed by SIGKILL``, ``exited with status 1``."""
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+
+
 def name_this_process(role: str) -> None:
     """Name this process ``sd.ROLE`` where ``ps``, ``top`` and ``pgrep`` show it (Linux keeps
     15 bytes: ``sd.engine``, ``sd.standby``, ``sd.worker3``, ``sd.gpu1.worker2``,

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from pipeline.app.supervisor import LocalExecutor, Supervisor, absolute_paths
 from pipeline.config import PipelineConfig, parse_config, partial_path
@@ -141,6 +142,10 @@ def test_a_worker_its_engine_saw_go_is_gone_at_once(samples, tmp_path, clip):
         assert died == f"process {process.pid} ended (its exit status not in yet)"
         process.join(5)
         assert process.exitcode == -9 and not executor.engines[None].gone
+        with capture_logs() as logs:  # reaped at the next poll: its status said then
+            executor.poll(0)
+        assert {"event": "source worker exited", "pid": process.pid, "how": "killed by SIGKILL",
+                "log_level": "info"} in logs
 
 
 def test_a_worker_whose_pipe_closed_is_gone_at_once(samples, tmp_path, clip):
