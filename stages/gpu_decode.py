@@ -136,7 +136,7 @@ def activate_primary_context(device_id: int) -> int:
     """
     import cupy
 
-    cupy.cuda.Device(device_id).use()  # cudaSetDevice: binds the primary context (CUDA >= 12)
+    cupy.cuda.runtime.setDevice(device_id)  # binds the primary context (CUDA >= 12)
     context = int(cupy.cuda.driver.ctxGetCurrent())
     if context:
         return context

@@ -328,3 +328,40 @@ def test_a_watched_gpu_source_hands_its_pictures_to_the_live_view(samples, monke
     assert np.abs(picture.astype(np.int16) - want).max() <= 1
     seq, jpeg = hub.jpeg("bikes")  # drawn with frame 0's box
     assert seq == 1 and jpeg[:2] == b"\xff\xd8"
+
+
+@pytest.mark.parametrize(("bound", "calls"), [
+    (True, ["setDevice(0)", "ctxGetCurrent"]),  # CUDA 12: cudaSetDevice binds it
+    (False, ["setDevice(0)", "ctxGetCurrent", "memGetInfo", "ctxGetCurrent"]),
+])
+def test_the_primary_context_is_bound_without_a_runtime_call_where_set_device_binds_it(
+        monkeypatch, bound, calls):
+    """cudaMemGetInfo, which CuPy runs holding the GIL, took 0.5 s on a busy H200: it is only
+    the fallback for a CUDA that binds no context at cudaSetDevice (a stand-in CuPy records
+    the calls: none runs here)."""
+    import sys
+
+    from stages.gpu_decode import activate_primary_context
+
+    made: list[str] = []
+    state = {"context": 0}
+
+    def set_device(device):
+        made.append(f"setDevice({device})")
+        state["context"] = 0xC0 if bound else 0
+
+    def mem_get_info():
+        made.append("memGetInfo")
+        state["context"] = 0xC0
+        return (1, 2)
+
+    def ctx_get_current():
+        made.append("ctxGetCurrent")
+        return state["context"]
+
+    cuda = SimpleNamespace(runtime=SimpleNamespace(setDevice=set_device, memGetInfo=mem_get_info),
+                           driver=SimpleNamespace(ctxGetCurrent=ctx_get_current))
+    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(cuda=cuda))
+    assert activate_primary_context(0) == 0xC0
+    assert made == calls
+
