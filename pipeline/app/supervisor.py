@@ -172,6 +172,7 @@ class SourceRun:
     moves: int = 0
     not_before: float = 0.0
     running_frames: int = 0  # frames reported by its current host
+    first_frame: int | None = None  # the frame its first host in this run started at
     request: int | None = None  # the id of its latest ``add``
 
 
@@ -491,7 +492,8 @@ class Supervisor:
                 source = reply.source
                 self.sources[source.name] = SourceRun(
                     source, request.key, added=True, host=host,
-                    output_number=reply.output_number, hosts=[self.executor.names[host]])
+                    output_number=reply.output_number, hosts=[self.executor.names[host]],
+                    first_frame=source.start_frame)
                 self.results.pop(source.name, None)
                 self.placement[source.name] = host
                 self._count += 1
@@ -516,6 +518,13 @@ class Supervisor:
                           reason=reply.error)
         else:
             run.output_number = reply.output_number
+            if run.first_frame is None:
+                run.first_frame = reply.source.start_frame
+            elif not run.config.is_live:
+                # A moved file resumes after its last record, and its records before that
+                # are this run's frames, each once: more than its dead host had reported
+                # (the frames it wrote after its last report, up to 0.1 s of them).
+                run.frames = max(run.frames, reply.source.start_frame - run.first_frame)
         if pending is not None:
             pending.reply = reply
             pending.done.set()

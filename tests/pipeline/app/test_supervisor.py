@@ -4,6 +4,7 @@ in tests/e2e/test_cluster.py, the real hosts' graphs in tests/e2e/test_one_top.p
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -52,6 +53,7 @@ class ScriptedExecutor:
         self.reports: dict[int, list[HostReport]] = {i: [] for i in range(hosts)}
         self.dead: dict[int, str] = {}
         self.refuse: dict[str, tuple[str, bool]] = {}  # source -> (error, conflict)
+        self.records: dict[str, int] = {}  # source -> its records' count: where a move resumes
         self.lock = threading.Lock()
         self.closed = False
 
@@ -71,6 +73,8 @@ class ScriptedExecutor:
                     self.reports[host].append(Report(
                         (Reply(request.id, error=error, conflict=conflict),)))
                     return
+                if request.resume and source.name in self.records:  # as SourceControl.add
+                    source = dataclasses.replace(source, start_frame=self.records[source.name])
                 self.running[source.name] = (host, request)
                 self.reports[host].append(Report((Reply(request.id, source),)))
             elif method == "remove" and args[0] in self.running:
@@ -198,6 +202,23 @@ def test_a_dead_host_s_sources_resume_on_the_other_and_it_restarts(config):
         executor.finish(name)
     thread.join(5)
     assert results == {name: None for name in "abcd"}
+
+
+def test_a_moved_file_counts_the_frames_its_records_hold_not_only_those_reported(config):
+    executor = ScriptedExecutor(2)
+    supervisor, thread, results = start(config, executor, max_restarts=0)
+    wait_for(lambda: len(executor.running) == 4, "four sources started")
+    with executor.lock:  # host 1 reported 40 frames of b, then wrote 2 more and died
+        executor.reports[1].append(Report(frames={"b": 40}))
+    wait_for(lambda: supervisor.frames["b"] == 40, "b's report")
+    executor.records["b"] = 42
+    executor.die(1)
+    wait_for(lambda: "b" in executor.on(0), "b moved to host 0")
+    wait_for(lambda: supervisor.frames["b"] == 42, "b counted from its records")
+    for name in "abcd":
+        executor.finish(name)  # each ends having done 5 frames where it ran last
+    thread.join(5)
+    assert supervisor.frames["b"] == 47 and supervisor.frames["a"] == 5
 
 
 def test_a_restarted_host_takes_no_running_camera_back_but_takes_new_ones(samples):
