@@ -1299,6 +1299,17 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = (),
         ConfigError: the file is missing, is not YAML, holds a bad value, or uses an unset
             environment variable.
     """
+    data = read_config_data(path, overrides)
+    return parse_config(substitute_env(data, os.environ if environ is None else environ))
+
+
+def read_config_data(path: str | Path, overrides: typing.Sequence[str] = ()) -> Any:
+    """A YAML configuration file as written (``${VAR}`` kept), ``overrides`` applied; not
+    validated (``load_config`` does that).
+
+    Raises:
+        ConfigError: the file is missing or is not YAML, or an override is malformed.
+    """
     path = Path(path)
     try:
         text = path.read_text()
@@ -1312,8 +1323,7 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = (),
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"config: {str(path)!r} is not valid YAML{where}") from None
-    data = apply_overrides(data, overrides)
-    return parse_config(substitute_env(data, os.environ if environ is None else environ))
+    return apply_overrides(data, overrides)
 
 
 class _DuplicateKey(Exception):

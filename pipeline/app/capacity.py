@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -83,7 +84,14 @@ from pipeline.app.measurement import (
     window_numbers,
 )
 from pipeline.app.run_log import engine_lines, engine_windows
-from pipeline.config import ConfigError, apply_overrides, load_config
+from pipeline.config import (
+    ConfigError,
+    PipelineConfig,
+    apply_overrides,
+    parse_config,
+    read_config_data,
+    substitute_env,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_START = 4  # cameras of the first run when no ceiling gives an estimate
@@ -133,21 +141,19 @@ def camera_sources(count: int, clip: Path, fps: float | None,
 
 
 def read_user_config(path: Path, overrides: list[str], clip: Path, fps: float
-                     ) -> dict[str, Any]:
+                     ) -> tuple[dict[str, Any], PipelineConfig]:
     """The user's YAML as written (``${VAR}`` kept for the child to fill), ``overrides``
-    applied, after checking that it is valid with its sources replaced by cameras of
-    ``clip``.
+    applied, and the configuration of one camera of ``clip`` set like its first source
+    (``camera_sources``), validated: the cameras of every run are valid so too.
 
     Raises:
         ConfigError: the file is missing, not YAML, or holds a bad value (the key named).
     """
-    cameras = f"sources={json.dumps(camera_sources(1, clip, fps))}"
-    load_config(path, [*overrides, cameras])
-    data = apply_overrides(yaml.safe_load(path.read_text()) or {}, overrides)
-    if data.get("sources"):  # the cameras are set like its first source: valid so too
-        like = f"sources={json.dumps(camera_sources(1, clip, fps, data))}"
-        load_config(path, [*overrides, like])
-    return data
+    data = read_config_data(path, overrides)
+    if not isinstance(data, dict):
+        parse_config(data)  # raises the one-line error of a file that is not a mapping
+    one = camera_sources(1, clip, fps, data)
+    return data, parse_config(substitute_env({**data, "sources": one}, os.environ))
 
 
 def run_config(user: dict[str, Any], cameras: int, clip: Path, fps: float | None,
@@ -441,9 +447,7 @@ def prepare_inputs(options: Options) -> tuple[Any, dict[str, Any], Path, int, fl
     if not fps:
         raise ConfigError("--fps: the clip states no frame rate: give one")
     clip = options.clip.resolve()
-    user = read_user_config(options.config, options.overrides, clip, fps)
-    one = json.dumps(camera_sources(1, clip, fps, user))
-    single = load_config(options.config, [*options.overrides, f"sources={one}"])
+    user, single = read_user_config(options.config, options.overrides, clip, fps)
     prepare(single, restart=True)  # the model, its classes, the clip's first frame
     return single, user, clip, frames, fps
 
