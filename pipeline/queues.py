@@ -218,3 +218,44 @@ class StageQueue:
 
 
 _NOTHING = object()
+
+
+class Backlog:
+    """What waits for a slow consumer (an MQTT broker, a webhook endpoint): at most ``size``
+    items, in order; a full backlog drops its oldest item to take a new one and counts it in
+    ``dropped``, so the newest are kept. Not locked: its owner guards it.
+
+    ``append`` says when a drop is the first since the consumer last caught up
+    (``caught_up``), so that an overflow is logged once per outage, not once per item.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.dropped = 0
+        self._items: deque[Any] = deque()
+        self._overflowing = False  # dropped since the consumer last caught up
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def append(self, item: Any) -> bool:
+        """Add ``item`` (dropping the oldest when full); True on an outage's first drop."""
+        full = len(self._items) >= self.size
+        if full:
+            self._items.popleft()
+            self.dropped += 1
+        self._items.append(item)
+        first = full and not self._overflowing
+        self._overflowing = self._overflowing or full
+        return first
+
+    def popleft(self) -> Any:
+        """The oldest item (IndexError when empty)."""
+        return self._items.popleft()
+
+    def caught_up(self) -> int:
+        """The consumer takes items again: the next drop is an outage's first. Returns how
+        many wait."""
+        self._overflowing = False
+        return len(self._items)
+

@@ -48,13 +48,13 @@ import socket
 import ssl
 import threading
 import time
-from collections import deque
 from typing import Any
 
 import paho.mqtt.client as mqtt
 import structlog
 
 from pipeline.config import ConfigError, MqttConfig
+from pipeline.queues import Backlog
 
 log = structlog.get_logger("mqtt")
 
@@ -102,16 +102,14 @@ class MqttPublisher:
         self.availability_topic = f"{prefix}/availability"
         self._event_topics = {source: f"{prefix}/{source}/events" for source in sources}
         self._counts_topics = {source: f"{prefix}/{source}/counts" for source in sources}
-        self.dropped = 0
         self.published = 0
 
         # Shared with the callers (under _lock): what waits to be handed to paho.
         self._lock = threading.Lock()
-        self._waiting_events: deque[tuple[str, Any]] = deque()  # (topic, event dict)
+        self._waiting_events = Backlog(config.queue_size)  # (topic, event dict)
         self._waiting_counts: dict[str, Any] = {}  # topic -> the latest counts dict
         self._waiting_snapshots: dict[str, bytes] = {}  # topic -> the latest JPEG
         self._prefix = prefix
-        self._overflow_logged = False
         self._unknown_sources: set[str] = set()
 
         # The publisher thread's own state.
@@ -142,6 +140,11 @@ class MqttPublisher:
         self._thread = threading.Thread(target=self._run, name="mqtt-publisher", daemon=True)
         self._thread.start()
 
+    @property
+    def dropped(self) -> int:
+        """Events dropped because ``queue_size`` were waiting (the oldest waiting ones)."""
+        return self._waiting_events.dropped
+
     def publish_event(self, source: str, event: dict) -> None:
         """Queue one event of ``source`` for ``<prefix>/<source>/events`` (JSON, QoS 1).
 
@@ -156,14 +159,7 @@ class MqttPublisher:
         if self._closing.is_set():
             return
         with self._lock:
-            overflow = len(self._waiting_events) >= self._config.queue_size
-            if overflow:
-                self._waiting_events.popleft()
-                self.dropped += 1
-            self._waiting_events.append((topic, event))
-            first_overflow = overflow and not self._overflow_logged
-            if first_overflow:
-                self._overflow_logged = True
+            first_overflow = self._waiting_events.append((topic, event))
         if first_overflow:
             log.warning("mqtt queue full: dropping the oldest events until the broker is back",
                         queue_size=self._config.queue_size)
@@ -358,8 +354,7 @@ class MqttPublisher:
         self._failed_attempts = 0
         self._last_failure = None
         with self._lock:
-            waiting = len(self._waiting_events)
-            self._overflow_logged = False
+            waiting = self._waiting_events.caught_up()
         log.info("mqtt connected", host=self._config.host, port=self._config.port,
                  tls=self._config.tls, waiting=waiting, resending=len(self._in_flight),
                  dropped=self.dropped)

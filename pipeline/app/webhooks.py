@@ -4,9 +4,9 @@ the run.
 ```
 AnalyticsStage ─publish_event(source, event)─> WebhookPublisher
   (any thread; O(1), no I/O)                     │ one WebhookEndpoint per output.webhooks[i]
-                                                 ├─> deque (queue_size; full: drop the oldest)
+                                                 ├─> Backlog (queue_size; full: drop the oldest)
                                                  │     └─> thread "webhook:0" ─POST─> url 0
-                                                 └─> deque ─> thread "webhook:1" ─POST─> url 1
+                                                 └─> Backlog ─> thread "webhook:1" ─POST─> url 1
 ```
 
 Each request carries one event: the body is the event's JSON, byte for byte its line of the
@@ -51,13 +51,13 @@ import random
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from pipeline.config import WebhookConfig, redact_url
+from pipeline.queues import Backlog
 
 if TYPE_CHECKING:
     import httpx
@@ -110,14 +110,13 @@ class WebhookEndpoint:
         self.url = redact_url(config.url)
         self.key = key
         self._kinds = None if config.events is None else frozenset(config.events)
-        self.delivered = self.failed = self.rejected = self.dropped = 0
+        self.delivered = self.failed = self.rejected = 0
 
         # Shared with the callers (under _cond): the events waiting, and closing.
         self._cond = threading.Condition()
-        self._waiting: deque[tuple[str, dict[str, Any]]] = deque()  # (idempotency key, event)
+        self._waiting = Backlog(config.queue_size)  # (idempotency key, event)
         self._closing = False
         self._flush_deadline = 0.0
-        self._overflow_logged = False
 
         # The thread's own state (read by stats() without a lock: plain assignments).
         self._sending: tuple[str, dict[str, Any]] | None = None
@@ -148,14 +147,7 @@ class WebhookEndpoint:
         with self._cond:
             if self._closing:
                 return
-            overflow = len(self._waiting) >= self.config.queue_size
-            if overflow:
-                self._waiting.popleft()
-                self.dropped += 1
-            self._waiting.append((event_id, event))
-            first_overflow = overflow and not self._overflow_logged
-            if first_overflow:
-                self._overflow_logged = True
+            first_overflow = self._waiting.append((event_id, event))
             self._cond.notify()
         if first_overflow:
             log.warning("webhook queue full: dropping the oldest events until the endpoint "
@@ -187,8 +179,9 @@ class WebhookEndpoint:
         with self._cond:
             waiting = len(self._waiting) + (self._sending is not None)
         since = self._failing_since
-        return WebhookStats(self.url, self.delivered, self.failed, self.rejected, self.dropped,
-                            waiting, None if since is None else time.monotonic() - since,
+        return WebhookStats(self.url, self.delivered, self.failed, self.rejected,
+                            self._waiting.dropped, waiting,
+                            None if since is None else time.monotonic() - since,
                             self._last_error if since is not None else None)
 
     # -- the thread ---------------------------------------------------------------------------
@@ -265,10 +258,10 @@ class WebhookEndpoint:
         self.delivered += 1
         if self._failing_since is not None:
             with self._cond:
-                waiting, self._overflow_logged = len(self._waiting), False
+                waiting = self._waiting.caught_up()
             log.info("webhook delivering again", url=self.url,
                      failed_for_s=round(time.monotonic() - self._failing_since, 1),
-                     waiting=waiting, dropped=self.dropped)
+                     waiting=waiting, dropped=self._waiting.dropped)
         self._failing_since = self._last_error = self._logged_error = None
         self._failures_in_row = 0
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pipeline import queues
-from pipeline.queues import CLOSED, StageQueue, Stopped
+from pipeline.queues import CLOSED, Backlog, StageQueue, Stopped
 from pipeline.records import EndOfStream
 
 
@@ -381,3 +381,16 @@ def test_drop_oldest_under_load_accounts_for_every_item() -> None:
         end = next(j for j, item in enumerate(received)
                    if isinstance(item, EndOfStream) and item.source == name)
         assert not any(isinstance(x, tuple) and x[0] == name for x in received[end + 1:])
+
+
+def test_a_full_backlog_drops_its_oldest_and_tells_the_first_drop_of_each_outage():
+    backlog = Backlog(3)
+    assert [backlog.append(i) for i in range(3)] == [False] * 3 and backlog.dropped == 0
+    assert backlog.append(3) is True  # full: 0 dropped, told once
+    assert backlog.append(4) is False and backlog.dropped == 2
+    assert [backlog.popleft() for _ in range(len(backlog))] == [2, 3, 4]  # the newest kept
+    assert backlog.caught_up() == 0
+    for i in range(4):
+        told = backlog.append(i)
+    assert told is True and backlog.dropped == 3  # a new outage is told again
+
