@@ -139,11 +139,13 @@ class SourceControl:
             SourceConflict: its name is in use (a source running, or one whose outputs are
                 being finalised), or the run is ending.
         """
-        started = time.monotonic()
+        started = last = time.monotonic()
         phases_s: dict[str, float] = {}  # where the add went (its log line)
 
         def phase(name: str) -> None:
-            phases_s[name] = round(time.monotonic() - started - sum(phases_s.values()), 3)
+            nonlocal last
+            now = time.monotonic()
+            phases_s[name], last = round(now - last, 3), now
 
         with self._lock:
             phase("lock")
