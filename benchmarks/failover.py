@@ -6,6 +6,8 @@ records complete?
     python -m benchmarks.failover [--small] [--cameras 100] [--workers N] [--pace-fps 30]
         [--warmup-s S] [--budget-s S] [--out DIR] [--engine-cache DIR]
 
+Needs the live view's packages (``pip install -e '.[live]'``: ``runtime.http`` is on).
+
 The targets: kill -9 of a worker at 100 cameras: its cameras deliver again within 3 s, the
 others drop nothing; kill -9 of the engine: every camera delivers again within 20 s; file
 records complete, in order, each frame once.
@@ -717,11 +719,12 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
                      + (f"; its start's phases (s): {phases_text(kill.phases_s)}"
                         if engine and kill.phases_s else "")))
         if kill.steps_s:
-            rows.append((f"{what}: its cameras' steps, median / slowest", "", "; ".join(
-                f"{step} {median:.2f} / {slowest:.2f} s"
+            rows.append((f"{what}: its cameras' steps", "seconds after the kill", "; ".join(
+                f"{step} {median:.2f} / {slowest:.2f}"
                 for step, (median, slowest) in kill.steps_s.items())
-                + " after the kill (run.log's lines: " + ", ".join(
-                f"{step}: '{event}'" for step, event in MOVE_STEPS.items()) + ")"))
+                + " (median / slowest over its cameras, when run.log said it of each: "
+                + ", ".join(f"{step}: '{event}'" for step, event in MOVE_STEPS.items())
+                + "; delivered: as above)"))
         rows.append((f"{what}: files at the kill", "", "; ".join(
             f"{n}: on {at['host']}, {at['frames']} frames there, {at['state']}"
             for n, at in kill.files.items()) or "-"))
@@ -792,6 +795,9 @@ def main(argv: list[str] | None = None) -> int:
     deadline = (began + args.budget_s - STOP_RESERVE_S if args.budget_s is not None
                 else float("inf"))
     try:
+        import starlette  # noqa: F401 - runtime.http needs it (and uvicorn): said before the run
+        import uvicorn  # noqa: F401
+
         from pipeline.app.clips import clip_frames
         from samples.fetch import SamplePaths
 
@@ -843,7 +849,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(records, ignore_errors=True)
     except ImportError as error:
-        print(f"error: {error.name or error} is not installed", file=sys.stderr)
+        print(f"error: {error.name or error} is not installed (the live view's packages: "
+              "pip install -e '.[live]')", file=sys.stderr)
         return 1
     except (BenchmarkError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -1,5 +1,7 @@
-"""How long NVDEC sources opened at once take to give their first frame (issue 25: a spare
-worker taking a dead worker's cameras opens them all at once).
+"""How long NVDEC sources opened at once take to give their first frame.
+
+A spare source worker taking a dead worker's cameras opens them all at once (issue 25: one
+engine per GPU, its cameras back within 3 s).
 
     python -m benchmarks.nvdec_open [--clip PATH] [--sources 20] [--processes 1,2,4] [--cpu]
 
@@ -82,12 +84,17 @@ def open_sources(clip: str, gpu: bool, count: int, at: float, gil_check: bool,
     results.put((seconds, longest_sleep[0] if gil_check else None))
 
 
+def shares_of(sources: int, processes: int) -> list[int]:
+    """The sources of each process: ``sources`` dealt as evenly as they go."""
+    return [sources // processes + (i < sources % processes) for i in range(processes)]
+
+
 def measure(clip: str, gpu: bool, sources: int, processes: int) -> dict[str, float | None]:
     """One split: ``sources`` over ``processes`` processes, opened at the same moment."""
     context = multiprocessing.get_context("spawn")
     results: multiprocessing.Queue = context.Queue()
     at = time.time() + START_DELAY_S * processes + 2.0  # spawned and past their first open
-    shares = [sources // processes + (i < sources % processes) for i in range(processes)]
+    shares = shares_of(sources, processes)
     workers = [context.Process(target=open_sources, args=(clip, gpu, n, at, i == 0, results))
                for i, n in enumerate(shares)]
     for worker in workers:
@@ -107,26 +114,39 @@ def measure(clip: str, gpu: bool, sources: int, processes: int) -> dict[str, flo
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.nvdec_open",
-                                     description=__doc__.splitlines()[0])
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--clip", type=Path, default=None,
-                        help="default: the benchmarks' 1080p clip (made when missing)")
-    parser.add_argument("--sources", type=int, default=20)
-    parser.add_argument("--processes", default="1,2,4", help="splits, comma-separated")
+                        help="the video each source plays (default: the benchmarks' 1080p "
+                        "clip, made when missing)")
+    parser.add_argument("--sources", type=int, default=20,
+                        help="sources opened at once (default 20)")
+    parser.add_argument("--processes", default="1,2,4",
+                        help="the splits: the sources spread over this many processes, "
+                        "comma-separated (default 1,2,4)")
     parser.add_argument("--cpu", action="store_true", help="CPU decoding instead of NVDEC")
     args = parser.parse_args(argv)
+    try:
+        splits = [int(p) for p in args.processes.split(",")]
+    except ValueError:
+        parser.error(f"--processes: expected numbers separated by commas, got {args.processes!r}")
+    if args.sources < 1 or any(not 1 <= p <= args.sources for p in splits):
+        parser.error("--sources at least 1, and each of --processes from 1 to --sources")
     clip = args.clip
     if clip is None:
         from benchmarks.live_control import camera_clip
 
         clip = camera_clip(False, Path("assets"))
+    if not clip.is_file():
+        parser.error(f"--clip: {clip} is not a file")
     print(f"python -m benchmarks.nvdec_open --clip {clip} --sources {args.sources} "
           f"--processes {args.processes}{' --cpu' if args.cpu else ''}")
     print("| processes x threads | first frame: min / median / max | longest 1 ms sleep |")
     print("|---|---|---|")
-    for processes in (int(p) for p in args.processes.split(",")):
+    for processes in splits:
         row = measure(str(clip), not args.cpu, args.sources, processes)
         sleep = row["longest_sleep_ms"]
-        print(f"| {processes} x {args.sources // processes} | {row['min_s']:.3f} / "
+        threads = sorted(set(shares_of(args.sources, processes)), reverse=True)  # 2-1: uneven
+        print(f"| {processes} x {'-'.join(map(str, threads))} | {row['min_s']:.3f} / "
               f"{row['median_s']:.3f} / {row['max_s']:.3f} s | "
               f"{'-' if sleep is None else f'{sleep:.1f} ms'} |", flush=True)
     return 0

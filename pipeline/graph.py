@@ -330,7 +330,7 @@ class Graph:
                     raise
                 self._start_sink(source.name, sink)
                 self._start_source(source)
-        log.info("source added", source=source.name, live=source.live,
+        log.debug("source lane added", source=source.name, live=source.live,
                  started=self._running)
 
     def remove_source(self, name: str) -> None:

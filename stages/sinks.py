@@ -571,7 +571,7 @@ class SinkStage(Stage[BatchDetections, None]):
             writer.close(complete)
             if complete and writer.path.exists():
                 log.info("output written", sink=self.name, path=str(writer.path),
-                         frames=writer.frames)
+                         frames=writer.frames, resumed_at=self.resume_from)  # frames: this part's
             elif complete:
                 log.warning("no output written: no frame came", sink=self.name,
                             path=str(writer.path))

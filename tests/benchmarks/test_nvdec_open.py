@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.nvdec_open import main, measure
 
 
@@ -18,3 +20,16 @@ def test_it_prints_one_row_per_split(samples, capsys):
                  "--cpu"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0] for row in rows[1:]] == ["| 1 x 2", "| 2 x 1"], rows
+
+
+def test_uneven_splits_show_their_threads_and_bad_arguments_are_one_line(samples, capsys):
+    assert main(["--clip", str(samples.bikes), "--sources", "3", "--processes", "2",
+                 "--cpu"]) == 0
+    assert "| 2 x 2-1 |" in capsys.readouterr().out  # 3 sources: 2 in one process, 1 in the other
+    for bad in (["--processes", "1,x"], ["--sources", "2", "--processes", "3"],
+                ["--clip", "/no/such.mp4"]):
+        with pytest.raises(SystemExit) as stop:
+            main([*bad, "--cpu"] if "--clip" in bad else ["--clip", str(samples.bikes), *bad,
+                                                          "--cpu"])
+        assert stop.value.code == 2
+
