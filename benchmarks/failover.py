@@ -283,23 +283,24 @@ class Result:
 # ---- the run's processes -----------------------------------------------------------------
 
 
-def logged(log: Path, event: str) -> list[tuple[float, dict[str, Any]]]:
-    """The JSON log records of ``event`` in run.log, each with its second since the launch
-    (the prefix ``measurement.launch`` writes)."""
+def logged(log: Path, *events: str) -> list[tuple[float, dict[str, Any]]]:
+    """The JSON log records of any of ``events`` in run.log, in order, each with its second
+    since the launch (the prefix ``measurement.launch`` writes)."""
     found = []
     try:
         text = log.read_text(errors="replace")
     except OSError:
         return found
+    quoted = [f'"{event}"' for event in events]
     for line in text.splitlines():
         at, _, rest = line.strip().partition(" ")
-        if not rest.startswith("{") or f'"{event}"' not in rest:
+        if not rest.startswith("{") or not any(q in rest for q in quoted):
             continue
         try:
             record, seconds = json.loads(rest), float(at)
         except ValueError:
             continue
-        if record.get("event") == event:
+        if record.get("event") in events:
             found.append((seconds, record))
     return found
 
@@ -508,12 +509,13 @@ def move_steps(run: Run, killed: float, kill: Kill) -> dict[str, tuple[float, fl
     """``Kill.steps_s`` of the worker kill: per step of ``MOVE_STEPS``, the seconds from the
     kill until each of its cameras' first such line after the kill (the log's seconds since
     the launch, as read by ``measurement.launch``), as (median, slowest)."""
+    lines = logged(run.log, *MOVE_STEPS.values())  # the log read once
     steps: dict[str, tuple[float, float]] = {}
     for step, event in MOVE_STEPS.items():
         seconds: dict[str, float] = {}
-        for at, record in logged(run.log, event):
+        for at, record in lines:
             after = run.started + at - killed
-            if after >= 0 and record.get("source") in kill.cameras:
+            if record["event"] == event and after >= 0 and record.get("source") in kill.cameras:
                 seconds.setdefault(record["source"], after)
         if seconds:
             steps[step] = (statistics.median(seconds.values()), max(seconds.values()))

@@ -258,4 +258,3 @@ class Backlog:
         many wait."""
         self._overflowing = False
         return len(self._items)
-
