@@ -265,6 +265,21 @@ def segment_files(path: Path) -> list[Path]:
     return sorted(p for p in path.parent.iterdir() if pattern.fullmatch(p.name) and p.is_file())
 
 
+def holds_a_video_packet(path: Path) -> bool:
+    """Whether the MP4 at ``path`` holds a video packet: a part whose process was killed
+    before its first fragment holds none (only its header, or nothing at all). A file PyAV
+    cannot read counts as holding one: it is kept, not judged."""
+    if path.stat().st_size == 0:
+        return False
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                return False
+            return any(packet.size for packet in container.demux(video=0))
+    except av.FFmpegError:
+        return True
+
+
 def resumed_video_path(path: Path, first_frame: int) -> Path:
     """Where the video of a source resumed at ``first_frame`` goes: ``cam.mp4`` ->
     ``cam.from-1200.mp4`` (a new file: an MP4 cut by a killed process cannot be appended to)."""
@@ -544,14 +559,19 @@ class SinkStage(Stage[BatchDetections, None]):
         they belonged to were just replaced), so the parts hold every frame once."""
         base = self._video_base
         parts = {self.video_path}  # this run's own part, final already
+        cut_parts = {part: part.with_name(part.name[:-len(f".partial{base.suffix}")]
+                                          + base.suffix)
+                     for part in base.parent.glob(f"{base.stem}.from-*.partial{base.suffix}")}
         first_part = partial_path(base)
         if first_part.exists():
-            parts.add(resumed_video_path(base, self._first_recorded_frame()))
-            os.replace(first_part, resumed_video_path(base, self._first_recorded_frame()))
-        for part in base.parent.glob(f"{base.stem}.from-*.partial{base.suffix}"):
-            final = part.with_name(part.name[:-len(f".partial{base.suffix}")] + base.suffix)
-            os.replace(part, final)
-            parts.add(final)
+            cut_parts[first_part] = resumed_video_path(base, self._first_recorded_frame())
+        for part, final in cut_parts.items():
+            if holds_a_video_packet(part):
+                os.replace(part, final)
+                parts.add(final)
+            else:  # killed before its first fragment: its frames are in the next part
+                part.unlink(missing_ok=True)
+                log.info("empty video part deleted", sink=self.name, path=str(part))
         # Parts of an older finished run of this file (its records were just replaced by
         # these): left, they would hold some frames a second time.
         for old in base.parent.glob(f"{base.stem}.from-*{base.suffix}"):

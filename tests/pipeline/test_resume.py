@@ -7,6 +7,7 @@ import json
 import threading
 from pathlib import Path
 
+import av
 import pytest
 
 from pipeline.config import SourceConfig, parse_config
@@ -103,3 +104,29 @@ def test_a_resumed_sink_appends_to_the_records_and_writes_its_video_anew(tmp_pat
     write(SinkStage("sink:cam", video, jsonl, None), frames(range(3)), end=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cam.jsonl", "cam.mp4"]
     assert len(jsonl.read_text().splitlines()) == 3
+
+
+def header_only_mp4(path: Path) -> None:
+    """The MP4 a process killed before its first fragment leaves: a header, no packet."""
+    with av.open(str(path), "w", options={"movflags": "frag_keyframe+empty_moov"}) as out:
+        stream = out.add_stream("libx264", rate=25)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        out.start_encoding()
+
+
+@pytest.mark.parametrize("empty", ["header only", "no bytes"])
+def test_a_part_killed_before_its_first_fragment_is_deleted_not_given_a_final_name(
+        tmp_path: Path, empty: str):
+    video, jsonl = tmp_path / "cam.mp4", tmp_path / "cam.jsonl"
+    write(SinkStage("sink:cam", video, jsonl, None), frames(range(10)), end=False)  # killed
+    write(SinkStage("sink:cam", video, jsonl, None, resume_from=10), frames(range(10, 14)),
+          end=False)  # killed again
+    cut = tmp_path / "cam.from-10.partial.mp4"
+    header_only_mp4(cut) if empty == "header only" else cut.write_bytes(b"")
+    write(SinkStage("sink:cam", video, jsonl, None, resume_from=14), frames(range(14, 16)),
+          end=True)
+    assert sorted(p.name for p in tmp_path.glob("*.mp4")) == ["cam.from-0.mp4",
+                                                              "cam.from-14.mp4"]
+    assert len(read_frames(tmp_path / "cam.from-0.mp4")) == 10
+    assert [json.loads(line)["frame"] for line in jsonl.read_text().splitlines()] == \
+        list(range(16))
