@@ -504,7 +504,8 @@ def main(options: Options) -> int:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     work = Path(tempfile.mkdtemp(prefix="capacity-"))
-    out = options.out.resolve() if options.out is not None else work
+    # the runs' configs, logs and scrapes: kept (the progress lines name the logs)
+    out = (options.out or Path(tempfile.mkdtemp(prefix="capacity-logs-"))).resolve()
     rows: list[RunRow] = []
     ceilings: dict[str, Any] = {}
     notes: list[str] = []
@@ -567,6 +568,8 @@ def main(options: Options) -> int:
         status = EXIT_OK if any(row.window is not None for row in rows) else EXIT_FAILED
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
+        if options.out is None:
+            shutil.rmtree(out, ignore_errors=True)
         return EXIT_USAGE
     except KeyboardInterrupt:
         notes.append("interrupted: the table holds the runs finished before")
@@ -575,11 +578,13 @@ def main(options: Options) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         shutil.rmtree(work, ignore_errors=True)
+    if options.out is None:
+        notes.append(f"each run's config and run.log, and this table: {out} (--out DIR "
+                     "chooses the folder)")
     text = report(header, rows, ceilings, notes, fps)
-    if options.out is not None:
-        (out / "results.md").write_text(text)
-        (out / "results.json").write_text(
-            json.dumps(results_json(options, rows, ceilings, notes, fps), indent=1))
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(
+        json.dumps(results_json(options, rows, ceilings, notes, fps), indent=1))
     print(text, end="", flush=True)
     return status
 

@@ -69,7 +69,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     capacity.add_argument("--seconds", type=float, help="the measured window (default 30)")
     capacity.add_argument("--out", type=Path,
                           help="folder for each run's config and log, results.md and "
-                               "results.json (default: none kept)")
+                               "results.json (default: a new temporary folder, named under "
+                               "the table)")
     capacity.add_argument("--decoders", type=int,
                           help="decode alone's parallel decoders (default: 16 on NVDEC, one "
                                "per core on the CPU)")
