@@ -111,8 +111,10 @@ numba.__version__, 'numba-cuda', numba_cuda.__version__, 'numpy', numpy.__versio
     | tee -a "$OUT/gpu.txt"
 for step in "${steps[@]}"; do
     case $step in
-        tests) run_step tests "$(step_limit)" python3 -m pytest -q -m gpu -rA -p no:cacheprovider \
-            ${GPU_TESTS:-tests} ;;
+        # -v: a test's verdict is in the log as it ends, so a step stopped at its limit still
+        # says which passed (the whole GPU suite takes longer than one 600 s call: GPU_TESTS)
+        tests) run_step tests "$(step_limit)" python3 -m pytest -v -m gpu -rA -p no:cacheprovider \
+            --durations=20 ${GPU_TESTS:-tests} ;;
         nms) run_step nms "$(step_limit)" python3 -m benchmarks.nms_benchmark ;;
         preprocess) run_step preprocess "$(step_limit)" python3 -m benchmarks.preprocess_benchmark ;;
         overlap) run_step overlap "$(step_limit)" python3 -m benchmarks.overlap_benchmark ;;
@@ -187,8 +189,8 @@ EOF
 done
 for step in "${steps[@]}"; do
     [ -f "$OUT/$step.log" ] || continue
-    [ "$step" = tests ] && { grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed" \
-        "$OUT/tests.log" | tail -n 40; continue; }
+    [ "$step" = tests ] && { grep -E " (PASSED|FAILED|ERROR) |^(FAILED|ERROR)|passed|failed" \
+        "$OUT/tests.log" | tail -n 60; continue; }
     echo "---- $step"
     if [ "$step" = capacity ] && [ -s "$OUT/capacity/results.md" ]; then
         cat "$OUT/capacity/results.md"
