@@ -28,8 +28,7 @@ a stream, how much more wall-clock time than stream time (packet dts) went by si
 last on time (``StreamClock``). The frames skipped count as dropped and keep their frame numbers (a gap in
 the indices, as for frames dropped for want of a slot); one info line per source at most every
 ``SKIP_LOG_INTERVAL_S`` says so. A live file resumed where it left off (moved to another
-worker) seeks to the keyframe at or before that frame (by its timestamp: a constant frame
-rate), reads the packets from there to it without decoding them, and skips on to the next
+worker) reads the packets before that frame without decoding them, and skips on to the next
 keyframe as a camera would (those frames count as dropped), where a file decodes every frame
 before it (its frame numbers exact).
 
@@ -47,7 +46,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from fractions import Fraction
 
 import av
@@ -85,42 +83,13 @@ class Skipped:
 SKIPPED = Skipped()
 
 
-@dataclass(frozen=True)
 class Passed:
-    """``DecodeStage._pictures``' answer for ``frames`` frames of a live file resumed at
-    ``first_index`` (moved to another worker), sought past or read and not decoded:
-    delivered before the move, they keep their numbers and are neither sent nor counted."""
-
-    frames: int = 1
+    """``DecodeStage._pictures``' answer for a packet (a frame) of a live file resumed at
+    ``first_index`` (moved to another worker), read and not decoded: delivered before the
+    move, it keeps its number and is neither sent nor counted."""
 
 
 PASSED = Passed()
-
-
-def seek_back_to(container: av.container.InputContainer, stream: av.VideoStream,
-                 frame: int) -> bool:
-    """Seek ``container`` to the keyframe at or before frame ``frame`` of ``stream``, by
-    its timestamp (frame number x frame period: a constant frame rate); False, and nothing
-    moved, where the stream has no start time, rate or time base (a raw H.264 file) or the
-    seek fails."""
-    rate, base = stream.average_rate, stream.time_base
-    if stream.start_time is None or not rate or not base:
-        return False
-    try:
-        container.seek(stream.start_time + int(frame / (rate * base)), stream=stream,
-                       backward=True)
-    except av.FFmpegError:
-        return False
-    return True
-
-
-def frame_number(packet: av.Packet, stream: av.VideoStream) -> int | None:
-    """The frame number of ``packet``'s timestamp in ``stream`` (constant frame rate), or
-    None without a timestamp."""
-    pts = packet.pts if packet.pts is not None else packet.dts
-    if pts is None:
-        return None
-    return max(0, round((pts - stream.start_time) * stream.time_base * stream.average_rate))
 
 
 class SourceError(Exception):
@@ -397,8 +366,8 @@ class DecodeStage(SourceStage):
                                  down_s=round(time.monotonic() - lost_at, 2),
                                  reconnects=self.reconnects)
                         lost_at = None
-                    if isinstance(picture, Passed):  # resumed: delivered before the move
-                        index += picture.frames
+                    if picture is PASSED:  # resumed: delivered before the move
+                        index += 1
                         continue
                     if picture is SKIPPED:  # behind real time: dropped, its number kept
                         self.dropped += 1
@@ -577,9 +546,6 @@ class DecodeStage(SourceStage):
             # (PASSED), then those up to the next keyframe (SKIPPED: lost in the move); a
             # file decodes them (its numbers exact). Once: not again at a reconnect.
             passing, self._jump_to = self._jump_to, 0
-            # ... sought first to the keyframe at or before ``first_index`` (where the file's
-            # timestamps allow it), so the packets read are at most those of one GOP
-            landing = passing > 0 and seek_back_to(container, stream, passing)
             catch_up = CatchUp(self.max_lag_s) if self.max_lag_s is not None else None
             clock = StreamClock() if catch_up is not None and not pace.period else None
             for passes in itertools.count():  # a file read once, or a looped file's passes
@@ -587,17 +553,6 @@ class DecodeStage(SourceStage):
                 for packet in container.demux(stream):
                     if stop_reading.is_set():
                         return
-                    if landing and packet.size:  # the keyframe sought: its frame number
-                        landing = False
-                        read = frame_number(packet, stream)
-                        if read is None:  # no timestamp to number it by: from the start
-                            container.seek(stream.start_time, stream=stream)
-                            read = 0
-                            continue
-                        if read:
-                            yield Passed(min(read, passing)), rate
-                        for _ in range(read - passing):  # sought past it (should not be)
-                            yield SKIPPED, rate
                     if passing and packet.size:
                         if read < passing or not packet.is_keyframe:
                             read += 1

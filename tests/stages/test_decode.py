@@ -3,7 +3,6 @@ refused and silent servers, and a stalled RTSP camera (GStreamer's server on loo
 
 from __future__ import annotations
 
-import itertools
 import socket
 import threading
 import time
@@ -22,17 +21,7 @@ from pipeline.records import BatchDetections, EndOfStream, Frame, FrameBatch
 from pipeline.slots import SlotRing, i420_bytes
 from pipeline.stage import Stage
 from stages.batcher import BatcherStage
-from stages.decode import (
-    SKIPPED,
-    CatchUp,
-    DecodeStage,
-    Pacer,
-    Passed,
-    StreamClock,
-    backoff_delay,
-    open_options,
-    redact_url,
-)
+from stages.decode import CatchUp, DecodeStage, StreamClock, backoff_delay, open_options, redact_url
 from tests.support import RtspServer, free_port, require_rtsp_server
 from tests.support.clips import SMALL, WIDE, ClipFactory
 from tests.support.tcp_camera import TcpCamera
@@ -571,20 +560,6 @@ def test_a_camera_read_too_slowly_skips_to_keyframes_and_stays_within_its_lag(
     assert indices == sorted(indices) and not events(logs, "warning")  # no undecodable frame
     lines = [e for e in logs if e["event"] == "live source behind: skipped to a keyframe"]
     assert lines and all(e["source"] == "cam" and e["lag_ms"] > 300 for e in lines)
-
-
-def test_a_live_file_resumed_deep_in_seeks_to_the_keyframe_before_and_reads_one_gop(
-        make_clip: ClipFactory) -> None:
-    """A live file moved at frame 95 seeks to the keyframe at or before it (90) instead of
-    reading its 95 packets from the start (a spare taking 20 cameras read thousands)."""
-    clip = make_clip("shapes", 120, SMALL, gop=GOP)
-    stage = DecodeStage(SourceConfig(name="cam", uri=str(clip), live=True, start_frame=95))
-    items = stage._pictures(threading.Event(), Pacer(None, threading.Event()))
-    head = list(itertools.islice((item for item, _ in items), 12))
-    assert {90, 100} <= keyframes(clip) and not set(range(91, 100)) & keyframes(clip)
-    assert head[:6] == [Passed(90), *[Passed()] * 5]  # 90-94 read, not decoded
-    assert all(item is SKIPPED for item in head[6:11])  # 95-99: lost in the move
-    assert isinstance(head[11], av.VideoFrame)  # the keyframe 100, decoded
 
 
 def test_a_live_file_resumed_jumps_to_the_next_keyframe_without_decoding_the_past(
