@@ -197,7 +197,9 @@ class Kill:
         phases_s: the engine: where the new engine's start went (its ``engine ready`` line).
         steps_s: the worker: where its cameras' time to deliver again went, step ->
             (median, slowest) over its cameras of the seconds from the kill until the log
-            said it of the camera (``MOVE_STEPS``), and ``delivered`` (``recovered_s``).
+            said it of the camera (``MOVE_STEPS``), ``decoding`` (when its first packet went
+            to the decoder: its first frame's line less that line's ``phases_s.decode``) and
+            ``delivered`` (``recovered_s``).
         others: the cameras not waited for (the worker kill: all others).
         others_dropped: their drops from the kill over ``watched_s``.
         own_dropped: the waited-for cameras' drops over the same span.
@@ -513,10 +515,16 @@ def move_steps(run: Run, killed: float, kill: Kill) -> dict[str, tuple[float, fl
     steps: dict[str, tuple[float, float]] = {}
     for step, event in MOVE_STEPS.items():
         seconds: dict[str, float] = {}
+        decoding: dict[str, float] = {}  # when its first packet went to the decoder
         for at, record in lines:
             after = run.started + at - killed
             if record["event"] == event and after >= 0 and record.get("source") in kill.cameras:
                 seconds.setdefault(record["source"], after)
+                decode_s = (record.get("phases_s") or {}).get("decode")
+                if decode_s is not None:
+                    decoding.setdefault(record["source"], after - decode_s)
+        if decoding:
+            steps["decoding"] = (statistics.median(decoding.values()), max(decoding.values()))
         if seconds:
             steps[step] = (statistics.median(seconds.values()), max(seconds.values()))
     if kill.recovered_s:
@@ -726,7 +734,8 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
                 for step, (median, slowest) in kill.steps_s.items())
                 + " (median / slowest over its cameras, when run.log said it of each: "
                 + ", ".join(f"{step}: '{event}'" for step, event in MOVE_STEPS.items())
-                + "; delivered: as above)"))
+                + "; decoding: its first packet to the decoder, from 'source first frame'; "
+                "delivered: as above)"))
         rows.append((f"{what}: files at the kill", "", "; ".join(
             f"{n}: on {at['host']}, {at['frames']} frames there, {at['state']}"
             for n, at in kill.files.items()) or "-"))

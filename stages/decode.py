@@ -342,6 +342,8 @@ class DecodeStage(SourceStage):
         self._skips_unlogged = self._skipped_unlogged = 0  # skips and frames since that line
         self.thread_type = "SLICE" if self.live else "AUTO"
         self._container: av.container.InputContainer | None = None
+        self._opened_at: float | None = None  # this session's open done (time.monotonic())
+        self._first_decode_at: float | None = None  # its first packet handed to the decoder
         # A live file resumed (moved) jumps ahead as a camera would, in its first session:
         # the frames before ``first_index`` are read, not decoded (``_pictures``)
         self._jump_to = self.first_index if self.live and self.is_file and not self.loop else 0
@@ -387,7 +389,8 @@ class DecodeStage(SourceStage):
                     if not delivered:  # how long an open, a reconnect or a move takes
                         delivered = True
                         log.info("source first frame", source=self.name, index=frame.index,
-                                 since_open_s=round(time.monotonic() - session_started, 3))
+                                 since_open_s=round(time.monotonic() - session_started, 3),
+                                 phases_s=self._first_frame_phases(session_started))
                     yield frame
             except Exception as failure:  # noqa: BLE001 - one source's failure ends or reconnects it
                 error = describe(failure, self.source)
@@ -503,6 +506,18 @@ class DecodeStage(SourceStage):
         return Frame(source=self.name, index=index, pts=pts, capture_time=captured,
                      width=width, height=height, rate=rate, image=image, slot=slot)
 
+    def _first_frame_phases(self, session_started: float) -> dict[str, float]:
+        """Where a session's first frame's time went (``source first frame``), in seconds:
+        ``open`` (the container opened: a camera's connection), ``to_decode`` (from then to
+        the first packet handed to the decoder: a live source's wait for a keyframe, a moved
+        file's packets read past) and ``decode`` (from then to this frame: the decoder made,
+        NVDEC's included, the pictures it holds back, a wait for a free frame slot)."""
+        now = time.monotonic()
+        opened = self._opened_at or now
+        decoding = self._first_decode_at or now
+        return {"open": round(opened - session_started, 3),
+                "to_decode": round(decoding - opened, 3), "decode": round(now - decoding, 3)}
+
     def _pictures(self, stop_reading: threading.Event, pace: Pacer
                   ) -> Iterator[tuple[av.VideoFrame | Skipped | Passed, Fraction | None]]:
         """One session: open, yield (decoded picture, nominal rate) until the end, close.
@@ -524,7 +539,8 @@ class DecodeStage(SourceStage):
                       if timed_out or isinstance(error, av.ExitError) else error_text(error))
             raise SourceError(f"cannot open {self.display_uri}: {reason}") from None
         self._container = container
-        waiting_since = time.monotonic()  # when the demuxer was last asked for a packet
+        waiting_since = self._opened_at = time.monotonic()  # (the demuxer last asked then)
+        self._first_decode_at = None
         try:
             if not container.streams.video:
                 raise SourceError(f"{self.display_uri} has no video stream")
@@ -568,6 +584,8 @@ class DecodeStage(SourceStage):
                         if catch_up.ended is not None:
                             self._log_skip(*catch_up.ended)
                     try:
+                        if self._first_decode_at is None:
+                            self._first_decode_at = time.monotonic()
                         pictures = packet.decode()
                     except av.InvalidDataError as error:
                         bad, bad_in_a_row = bad + 1, bad_in_a_row + 1

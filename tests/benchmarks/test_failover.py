@@ -71,9 +71,11 @@ def test_small_mode_kills_a_worker_and_the_engine_and_everything_comes_back(smal
     assert worker["new_pid"] not in (None, worker["pid"]), table  # worker1 restarted
     # where the moved cameras' time went, from run.log: each step's median after the one before
     steps = worker["steps_s"]
-    assert list(steps) == ["placed", "added", "opened", "first frame", "delivered"], table
-    medians = [median for median, slowest in steps.values()]
-    assert medians == sorted(medians) and all(m <= s for m, s in steps.values()), table
+    assert list(steps) == ["placed", "added", "opened", "decoding", "first frame",
+                           "delivered"], table
+    medians = [median for median, slowest in steps.values()]  # (run.log's times: to 10 ms)
+    assert all(b > a - 0.011 for a, b in zip(medians, medians[1:])), table
+    assert all(m <= s for m, s in steps.values()), table
     # every camera came back through the new engine: not before the supervisor started it
     assert len(engine["cameras"]) == 4 and engine["missing"] == [], table
     assert engine["new_pid"] not in (None, engine["pid"]) and engine["ready_s"] is not None
