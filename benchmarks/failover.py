@@ -734,8 +734,10 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
                 for step, (median, slowest) in kill.steps_s.items())
                 + " (median / slowest over its cameras, when run.log said it of each: "
                 + ", ".join(f"{step}: '{event}'" for step, event in MOVE_STEPS.items())
-                + "; decoding: its first packet to the decoder, from 'source first frame'; "
-                "delivered: as above)"))
+                + "; decoding: its first packet handed to the decoder, the first frame's "
+                "time less the 'decode' of that line's phases_s; delivered: as above; run.log's "
+                "times are to 10 ms, and a new host may log 'source opened' before 'source "
+                "added')"))
         rows.append((f"{what}: files at the kill", "", "; ".join(
             f"{n}: on {at['host']}, {at['frames']} frames there, {at['state']}"
             for n, at in kill.files.items()) or "-"))
@@ -849,7 +851,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"auto; clip {clip_text}) and 2 files ({file_clip.name}, {file_frames} "
                   f"frames, paced at {plan.file_fps:g} fps), {layout}, runtime.http on; "
                   f"{what}. Seconds to deliver again: from the SIGKILL until /api/sources "
-                  f"showed a frame captured after it (polled every {POLL_S:g} s).")
+                  f"showed a frame captured after it (polled every {POLL_S:g} s); a moved "
+                  "camera (a file played live) goes on at once from its next keyframe, its "
+                  "frames up to it dropped: a camera that makes a new session wait for its "
+                  "next keyframe would add up to one keyframe interval.")
         print(f"launching: {shlex.join(['python', *command[1:]])} (log: {out / 'run.log'})",
               flush=True)
         result = Result()
