@@ -28,7 +28,7 @@ demo: samples
 	$(BIN)/python run.py --config $(CONFIG)
 
 # Two test files at a time (pytest-xdist; a file's tests stay together, so its module
-# fixtures run once): the suite took 683 s so on 2 cores, 1,066 s one file at a time.
+# fixtures run once): on 2 cores the suite took 683-693 s so, 1,066 s one at a time.
 TEST_WORKERS ?= 2
 test: setup-test samples
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile

@@ -569,7 +569,7 @@ class SinkStage(Stage[BatchDetections, None]):
             if holds_a_video_packet(part):
                 os.replace(part, final)
                 parts.add(final)
-            else:  # killed before its first fragment: its frames are in the next part
+            else:  # killed before its first fragment: no frame to keep (records have them)
                 part.unlink(missing_ok=True)
                 log.info("empty video part deleted", sink=self.name, path=str(part))
         # Parts of an older finished run of this file (its records were just replaced by

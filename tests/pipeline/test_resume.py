@@ -122,7 +122,10 @@ def test_a_part_killed_before_its_first_fragment_is_deleted_not_given_a_final_na
     write(SinkStage("sink:cam", video, jsonl, None, resume_from=10), frames(range(10, 14)),
           end=False)  # killed again
     cut = tmp_path / "cam.from-10.partial.mp4"
-    header_only_mp4(cut) if empty == "header only" else cut.write_bytes(b"")
+    if empty == "header only":
+        header_only_mp4(cut)
+    else:
+        cut.write_bytes(b"")
     write(SinkStage("sink:cam", video, jsonl, None, resume_from=14), frames(range(14, 16)),
           end=True)
     assert sorted(p.name for p in tmp_path.glob("*.mp4")) == ["cam.from-0.mp4",
