@@ -1,4 +1,4 @@
-"""Failure and recovery through the run path users take (issue 25's failure targets): N paced
+"""Failure and recovery through the run path users take, checked against targets: N paced
 cameras and two file sources through ``python run.py``; a source worker killed with SIGKILL,
 then the engine. Do the cameras deliver again in time, do the others drop, are the files'
 records complete?
@@ -684,7 +684,7 @@ def verdict(result: Result) -> str:
         parts.append("engine kill: not measured")
     parts.append(f"files complete, each frame once {yes(result.files_complete)}")
     parts.append(f"exit 0 after SIGINT {yes(result.exit_code == 0)}")
-    return "Targets (issue 25): " + "; ".join(parts)
+    return "Targets: " + "; ".join(parts)
 
 
 def markdown(plan: Plan, result: Result, header: str) -> str:
@@ -771,7 +771,7 @@ def as_json(plan: Plan, result: Result) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.failover",
-                                     description=__doc__.splitlines()[0])
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="CPU-only mode for CI")
     parser.add_argument("--cameras", type=int, default=None, help="default 100; small: 4")
     parser.add_argument("--workers", type=int, default=None,

@@ -9,6 +9,7 @@ and rejects unknown keys, wrong types and bad values with a ``ConfigError`` nami
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import math
 import os
@@ -1039,7 +1040,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
             if where in RENAMED_KEYS:
                 raise ConfigError(f"{where}: {RENAMED_KEYS[where]}")
             allowed = ", ".join(fields)
-            raise ConfigError(f"{where}: unknown key; allowed keys here: {allowed}")
+            near = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.75)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"{where}: unknown key; allowed keys here: {allowed}{hint}")
     kwargs = {}
     for name, f in fields.items():
         key = f"{prefix}.{name}" if prefix else name

@@ -579,8 +579,8 @@ def main(options: Options) -> int:
             signal.signal(signum, handler)
         shutil.rmtree(work, ignore_errors=True)
     if options.out is None:
-        notes.append(f"each run's config and run.log, and this table: {out} (--out DIR "
-                     "chooses the folder)")
+        notes.append(f"each run's config and run.log, and results.md / results.json: {out} "
+                     "(--out DIR chooses the folder)")
     text = report(header, rows, ceilings, notes, fps)
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(

@@ -91,5 +91,5 @@ def test_small_mode_kills_a_worker_and_the_engine_and_everything_comes_back(smal
         ("file0", 120, True, None), ("file1", 120, True, None)], table
     assert results["exit_code"] == 0, table
     assert results["memory"] is None  # no nvidia-smi here
-    assert table.splitlines()[-1].startswith("Targets (issue 25): worker kill: its cameras "
+    assert table.splitlines()[-1].startswith("Targets: worker kill: its cameras "
                                              "again within 3 s"), table

@@ -213,7 +213,7 @@ def test_ctrl_c_stops_the_measured_run_cleanly_and_prints_what_was_measured(samp
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert "Note: interrupted" in stdout and "Largest held: none" in stdout
-    assert f"this table: {out} (--out DIR chooses the folder)" in stdout
+    assert f"results.md / results.json: {out} (--out DIR chooses the folder)" in stdout
     assert stdout == (out / "results.md").read_text()
     assert [p.name for p in temp.glob("capacity-*")] == [out.name]  # the clips' one deleted
     log = (out / "cameras-001" / "run.log").read_text()

@@ -88,6 +88,8 @@ BAD = [
     ("nms.iou_threshold", 1.5, "nms.iou_threshold: expected a value between 0.0 and 1.0, got 1.5"),
     ("nms.colour", 1, "nms.colour: unknown key; allowed keys here: conf_threshold"),
     ("nmss", {}, "nmss: unknown key; allowed keys here: sources, model"),
+    ("nmss", {}, "output, runtime; did you mean 'nms'?"),  # the nearest key, last
+    ("inference.batch_sise", 2, "engine_cache, compile; did you mean 'batch_size'?"),
     ("sources.0.uri", "missing.mp4", "sources[0].uri (source 'cam1'): file not found: 'missing.mp"),
     ("sources.0.uri", "ftp://h/x", "sources[0].uri (source 'cam1'): unsupported URL scheme 'ftp'"),
     ("sources.0.uri", "rtsp://", "sources[0].uri (source 'cam1'): expected scheme://host[:port]/path"),
@@ -132,6 +134,12 @@ def test_bad_values_name_key_value_and_allowed(files: Path, key: str, value: obj
         parse_config(with_value(key, value))
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_an_unknown_key_near_no_allowed_one_gets_no_guess(files: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(with_value("nms.colour", 1))
+    assert str(info.value).endswith("class_agnostic, max_detections")
 
 
 @pytest.mark.parametrize(("output", "message"), [
