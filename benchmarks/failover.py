@@ -520,9 +520,8 @@ def move_steps(run: Run, killed: float, kill: Kill) -> dict[str, tuple[float, fl
             after = run.started + at - killed
             if record["event"] == event and after >= 0 and record.get("source") in kill.cameras:
                 seconds.setdefault(record["source"], after)
-                decode_s = (record.get("phases_s") or {}).get("decode")
-                if decode_s is not None:
-                    decoding.setdefault(record["source"], after - decode_s)
+                if step == "first frame" and "phases_s" in record:
+                    decoding.setdefault(record["source"], after - record["phases_s"]["decode"])
         if decoding:
             steps["decoding"] = (statistics.median(decoding.values()), max(decoding.values()))
         if seconds:

@@ -331,7 +331,7 @@ class Graph:
                 self._start_sink(source.name, sink)
                 self._start_source(source)
         log.debug("source lane added", source=source.name, live=source.live,
-                 started=self._running)
+                  started=self._running)
 
     def remove_source(self, name: str) -> None:
         """Stop reading source ``name`` (any thread): what it queued still drains, then its

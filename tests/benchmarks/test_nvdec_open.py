@@ -28,8 +28,7 @@ def test_uneven_splits_show_their_threads_and_bad_arguments_are_one_line(samples
     assert "| 2 x 2-1 |" in capsys.readouterr().out  # 3 sources: 2 in one process, 1 in the other
     for bad in (["--processes", "1,x"], ["--sources", "2", "--processes", "3"],
                 ["--clip", "/no/such.mp4"]):
+        args = bad if "--clip" in bad else ["--clip", str(samples.bikes), *bad]
         with pytest.raises(SystemExit) as stop:
-            main([*bad, "--cpu"] if "--clip" in bad else ["--clip", str(samples.bikes), *bad,
-                                                          "--cpu"])
+            main([*args, "--cpu"])
         assert stop.value.code == 2
-
