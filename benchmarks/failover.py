@@ -735,8 +735,9 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
                 + ", ".join(f"{step}: '{event}'" for step, event in MOVE_STEPS.items())
                 + "; decoding: its first packet handed to the decoder, the first frame's "
                 "time less the 'decode' of that line's phases_s; delivered: as above; run.log's "
-                "times are to 10 ms, and a new host may log 'source opened' before 'source "
-                "added')"))
+                "times are when each line reached this benchmark, to 10 ms: lines a process "
+                "wrote together arrive together, so 'decoding' can read before 'opened', and "
+                "a new host may log 'source opened' before 'source added')"))
         rows.append((f"{what}: files at the kill", "", "; ".join(
             f"{n}: on {at['host']}, {at['frames']} frames there, {at['state']}"
             for n, at in kill.files.items()) or "-"))

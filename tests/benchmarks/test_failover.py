@@ -72,11 +72,14 @@ def test_small_mode_kills_a_worker_and_the_engine_and_everything_comes_back(smal
     # where the moved cameras' time went, from run.log: each step's median after the step it
     # waits for. 'added' (the supervisor's log) and 'opened' (the new host's) both follow
     # 'placed' in either order: the host may open the source before the supervisor logs it.
+    # run.log stamps a line when it arrives: a host's 'opened' and 'first frame' lines can
+    # arrive together, and 'decoding' (the first frame's stamp less its decode) then reads
+    # before 'opened'; it is checked against the first frame only.
     steps = worker["steps_s"]
     assert list(steps) == ["placed", "added", "opened", "decoding", "first frame",
                            "delivered"], table
     median = {step: median for step, (median, slowest) in steps.items()}
-    after = [("placed", "added"), ("placed", "opened"), ("opened", "decoding"),
+    after = [("placed", "added"), ("placed", "opened"), ("opened", "first frame"),
              ("decoding", "first frame"), ("first frame", "delivered")]
     # (run.log's times: to 10 ms)
     assert all(median[b] > median[a] - 0.011 for a, b in after), (after, table)
