@@ -838,7 +838,8 @@ class RuntimeConfig:
                       "rate); a worker that dies has its sources moved to the others (files "
                       "resume after their last written record) and is restarted with "
                       "backoff, an engine that dies is restarted and its workers go on. "
-                      "null: inference.gpu_id (or the CPU path)."),
+                      "null: inference.gpu_id (or the CPU path). With --ray: one unit per "
+                      "GPU listed (the list's length; the cluster must have that many)."),
     )
     workers: int | None = field(
         default=None,
@@ -848,9 +849,9 @@ class RuntimeConfig:
                       "the model and batches every worker's frames together. 1: the whole "
                       "pipeline in one process (the Python API's per-frame results need "
                       "this). null: one per source, at most 5 per GPU and half the cores (logged). With "
-                      "--ray: the number of actors (each a whole pipeline; default: the "
-                      "length of a gpus list, else the Ray cluster's GPUs on the GPU path, "
-                      "else its nodes).", min=1),
+                      "--ray: per unit (one unit per GPU of the Ray cluster, else per node: "
+                      "an actor holding that GPU's engine and its workers); null: one per "
+                      "source of its share, at most 5 and half its share of the cores.", min=1),
     )
     spare_workers: int | None = field(
         default=None,
@@ -860,7 +861,7 @@ class RuntimeConfig:
                       "other workers are not touched (without a spare, its sources are "
                       "shared out among them); the dead worker, restarted, becomes the "
                       "spare. null: 1 where there are two or more source workers, else 0. "
-                      "Not with --ray (Ray restarts its actors).", min=0),
+                      "Not with --ray (Ray restarts a unit).", min=0),
     )
     standby_engine: bool = field(
         default=True,
@@ -872,11 +873,11 @@ class RuntimeConfig:
                       "H200 at 100 cameras, every camera delivered again 11-18 s after an "
                       "engine's kill -9 (17-25 s without it). A new standby starts once it "
                       "is ready. false: none (a dead engine is started anew after a "
-                      "backoff). Not with --ray or runtime.workers: 1 (no engine process)."),
+                      "backoff). Not with runtime.workers: 1 (no engine process)."),
     )
     max_restarts: int = field(
         default=3,
-        metadata=_doc("Times a source worker, engine or Ray actor that died is restarted "
+        metadata=_doc("Times a source worker, engine or Ray unit that died is restarted "
                       "(after a backoff); a worker's sources move to the others at once.",
                       min=0),
     )

@@ -519,10 +519,12 @@ class EngineProcess:
         spares: of ``workers``, the spares (``runtime.spare_workers``): each has a share as
             large as the others', sized as if they ran without it.
         standby: keep a standby engine (``runtime.standby_engine``).
+        units: the run's sources are shared over this many engines (``--ray``: one per GPU
+            of the cluster); its rings are sized for that share.
     """
 
     def __init__(self, config: PipelineConfig, device: int | None, workers: int, on_gpu: bool,
-                 context: Any, spares: int = 0, standby: bool = False) -> None:
+                 context: Any, spares: int = 0, standby: bool = False, units: int = 1) -> None:
         import secrets
         import tempfile
 
@@ -536,7 +538,8 @@ class EngineProcess:
         on_host = host_outputs_reason(config) is not None  # as build.decoder_kind decides
         cpu_sources = sum(1 for s in config.sources if not on_gpu or s.decode == "cpu" or on_host)
         keep_images = on_host or config.runtime.http is not None
-        host, gpu = ring_shares(len(config.sources), workers - spares, cpu_sources, keep_images)
+        host, gpu = ring_shares(-(-len(config.sources) // units), workers - spares,
+                                -(-cpu_sources // units), keep_images)
         self.ring = SlotRing(host * workers, slot_bytes, shared=True)
         self._folder = tempfile.mkdtemp(prefix="streamdet-engine-")
         visible = 0 if device is not None else config.inference.gpu_id

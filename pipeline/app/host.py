@@ -17,8 +17,9 @@ what it queued drains, its outputs are finalised; a file cut short keeps its ``.
 names for the next host to resume from).
 
 The supervisor reads the host through ``poll()``; ``host_main`` serves a host in a spawned
-process over a pipe, ``pipeline.app.ray_cluster`` wraps the same class as a Ray actor, and
-``pipeline.app.supervisor.InProcessExecutor`` calls it directly.
+process over a pipe (``pipeline.app.supervisor.LocalExecutor``, also inside a Ray unit:
+``pipeline.app.ray_cluster``), and ``pipeline.app.supervisor.InProcessExecutor`` calls it
+directly.
 """
 
 from __future__ import annotations

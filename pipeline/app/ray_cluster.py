@@ -1,19 +1,25 @@
-"""Hosts as Ray actors (``python run.py --config ... --ray auto|ADDRESS|local``): past one
-machine, Ray places the per-GPU pipelines and restarts them; the supervisor
-(``pipeline.app.supervisor.Supervisor``) assigns the sources and moves those of an actor or node
-that died.
+"""GPU units as Ray actors (``python run.py --config ... --ray auto|ADDRESS|local``): past one
+machine, Ray places one unit per GPU of the cluster and restarts it; the supervisor
+(``pipeline.app.supervisor.Supervisor``, here in the driver: the one control plane) assigns
+the sources to the units' source workers and moves those of a worker or unit that died.
 
-Each actor is a ``pipeline.app.host.PipelineHost`` asking Ray for one GPU (``num_gpus=1``: Ray
-sets ``CUDA_VISIBLE_DEVICES``, the pipeline uses device 0) when inference may use the GPU
-and the cluster has GPUs, or for a share of one when ``runtime.workers`` asks for more
-actors than there are GPUs (``actor_gpus``: several pipelines feed a GPU better than one),
-else for one CPU (``num_gpus=0``: the CPU path, as CI runs it).
-Actors are spread over the nodes (``scheduling_strategy="SPREAD"``) and restarted by Ray
+A unit (``RayUnit``, an actor) is what one GPU runs on a machine without Ray: its engine
+process (the one model copy of that GPU, with its standby) and its source worker processes,
+started and watched by a ``pipeline.app.supervisor.LocalExecutor`` inside the actor, so the
+engine and its workers share the node's memory (the rings) and the GPU (CUDA IPC). The
+actor asks Ray for one GPU (``num_gpus=1``: Ray sets ``CUDA_VISIBLE_DEVICES``, which its
+processes keep) on the GPU path, else for one CPU (the CPU path, as CI runs it). Units are
+spread over the nodes (``scheduling_strategy="SPREAD"``) and restarted by Ray
 (``max_restarts``: ``runtime.max_restarts``); a call in flight when one dies fails, which is
-how the supervisor learns of it. Each actor builds its graph when it starts (and again when
-Ray restarts it) and keeps it; the supervisor adds and removes sources. Their number:
-``runtime.workers``, else the length of a ``runtime.gpus`` list, else the cluster's GPUs,
-else its nodes.
+how the supervisor learns of it: every worker of the unit is then gone, and each is started
+again in the unit once Ray has brought it back. An engine or a worker that dies inside a
+live unit is restarted there, as without Ray.
+
+Units: the length of a ``runtime.gpus`` list, else the cluster's GPUs on the GPU path, else
+its nodes. Source workers per unit: ``runtime.workers``, else one per source of its share,
+at most 5 and half the cores of its share of the cluster (``default_workers``). No spare
+worker (``runtime.spare_workers``): Ray restarts a unit, and a dead worker's sources are
+shared out among the other workers.
 
 Every node must see the same paths (model, files, ``output.dir``: shared storage) and have
 streamdet installed (``pip install 'streamdet[ray]'``); relative paths are made absolute
@@ -24,22 +30,19 @@ imports this module.
 from __future__ import annotations
 
 import importlib.util
-import math
+import os
 from typing import Any
 
 import structlog
 
-from pipeline.app.host import (
-    HostReport,
-    PipelineHost,
-    SourceRequest,
-)
+from pipeline.app.host import HostReport
+from pipeline.app.supervisor import JOIN_TIMEOUT_S, LocalExecutor, default_workers
 from pipeline.config import ConfigError, PipelineConfig
 
 log = structlog.get_logger("ray")
 
-CALL_TIMEOUT_S = 30.0  # a poll that takes longer counts as a lost actor
-RESTART_WAIT_S = 2.0  # restart(): how long to wait for Ray to bring an actor back
+CALL_TIMEOUT_S = 30.0  # a poll that takes longer counts as a lost unit
+RESTART_WAIT_S = 2.0  # restart(): how long to wait for Ray to bring a unit back
 
 
 def ray_missing() -> str | None:
@@ -50,42 +53,49 @@ def ray_missing() -> str | None:
     return None
 
 
-class RayPipelineHost:
-    """The actor: a ``PipelineHost`` (its graph built at once, also when Ray restarts it)
-    with its configuration's logging set up."""
+class RayUnit:
+    """The actor: one GPU's engine and ``workers`` source workers on this node (module
+    docstring). Its methods take a worker's number in the unit (``local``) and are those of
+    ``LocalExecutor``; a worker this incarnation of the unit never started (Ray restarted
+    the unit) is gone for ``poll`` and deaf to ``call``.
 
-    def __init__(self, config: PipelineConfig, name: str, metrics: bool,
-                 expected_sources: int | None = None) -> None:
+    Args:
+        config: the run's configuration (absolute paths).
+        workers: its source workers.
+        units: the units of the run (each sizes its rings for its share of the sources).
+        metrics: the workers send metrics snapshots.
+    """
+
+    def __init__(self, config: PipelineConfig, workers: int, units: int, metrics: bool) -> None:
         from pipeline.logging import configure_logging
 
         configure_logging(config.runtime.log_format, config.runtime.log_level)
-        if config.inference.device != "cpu":
-            config.inference.gpu_id = 0  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
-        self.host = PipelineHost(config, name, expected_sources, metrics=metrics)
-        self.host.start()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")  # Ray's choice for num_gpus=1
+        device = int(visible.split(",")[0]) if config.inference.device != "cpu" and \
+            visible.split(",")[0].isdigit() else None
+        self.executor = LocalExecutor(config, [device] * workers, metrics,
+                                      on_gpu=device is not None, units=units)
 
-    def add(self, request: SourceRequest) -> None:
-        self.host.add(request)
+    def start(self, local: int) -> None:
+        self.executor.start(local)
 
-    def remove(self, name: str) -> None:
-        self.host.remove(name)
+    def call(self, local: int, method: str, *args: Any) -> None:
+        if local in self.executor.processes:
+            self.executor.call(local, method, *args)
 
-    def want(self, names: list[str]) -> None:
-        self.host.want(names)
+    def poll(self, local: int) -> tuple[list[HostReport], str | None]:
+        if local not in self.executor.processes:
+            return [], "its unit was restarted"
+        return self.executor.poll(local)
 
-    def stop(self) -> None:
-        self.host.stop()
-
-    def abort_all(self) -> None:
-        self.host.abort_all()
-
-    def poll(self) -> HostReport:
-        return self.host.due_report()
+    def engine_states(self) -> dict[str, dict[str, Any]]:
+        return self.executor.engine_states()
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
+
+    def close(self) -> None:
+        self.executor.close()
 
 
 def connect(address: str) -> None:
@@ -103,84 +113,98 @@ def connect(address: str) -> None:
         ray.init(address=address, include_dashboard=False)
 
 
-def actor_count(config: PipelineConfig, resources: dict[str, float], nodes: int) -> int:
-    """How many actors (module docstring)."""
+def unit_count(config: PipelineConfig, resources: dict[str, float], nodes: int) -> int:
+    """How many units (module docstring).
+
+    Raises:
+        ConfigError: ``runtime.gpus`` asks for GPUs the cluster does not have.
+    """
     runtime = config.runtime
-    if runtime.workers:
-        return runtime.workers
+    gpus = int(resources.get("GPU", 0)) if config.inference.device != "cpu" else 0
     if isinstance(runtime.gpus, list):
+        if gpus and len(runtime.gpus) > gpus:
+            raise ConfigError(f"runtime.gpus: lists {len(runtime.gpus)} GPUs; the Ray cluster "
+                              f"has {gpus} (one unit per GPU)")
         return len(runtime.gpus)
-    gpus = int(resources.get("GPU", 0))
-    if config.inference.device != "cpu" and gpus:
+    if gpus:
         return gpus
     if runtime.gpus == "all":
-        raise ConfigError("runtime.gpus: 'all' found no GPU in the Ray cluster (set "
-                          "runtime.workers to run actors without one)")
+        raise ConfigError("runtime.gpus: 'all' found no GPU in the Ray cluster (leave it out "
+                          "to run on the CPU path)")
     return max(1, nodes)
 
 
-def actor_gpus(gpus: float, actors: int) -> float:
-    """What each actor asks Ray for: a whole GPU, or a share of one when there are more actors
-    than GPUs (Ray packs that many onto each GPU); 0 without a GPU (the CPU path)."""
-    if gpus < 1:
-        return 0
-    return 1 if actors <= gpus else 1 / math.ceil(actors / int(gpus))
-
-
 class RayExecutor:
-    """Hosts as Ray actors (module docstring); Ray must be initialised (``connect``).
+    """Source workers in GPU units, one Ray actor each (module docstring); Ray must be
+    initialised (``connect``). Host ``h`` is worker ``h % workers`` of unit ``h // workers``,
+    named ``unitU.workerW``; its group is its unit.
 
     Args:
-        config: the configuration every actor gets (absolute paths: see module docstring).
-        count: actors, or None for ``actor_count``.
-        metrics: the actors return metrics snapshots with every poll.
+        config: the run's configuration (absolute paths: see module docstring).
+        units: units, or None for ``unit_count``.
+        metrics: the workers send metrics snapshots.
     """
 
-    def __init__(self, config: PipelineConfig, count: int | None = None,
+    def __init__(self, config: PipelineConfig, units: int | None = None,
                  metrics: bool = False) -> None:
         import ray
 
         self.ray = ray
         resources = ray.cluster_resources()
         nodes = len([node for node in ray.nodes() if node.get("Alive")])
-        count = count or actor_count(config, resources, nodes)
+        units = units or unit_count(config, resources, nodes)
         gpus = resources.get("GPU", 0) if config.inference.device != "cpu" else 0
-        self.options = {"num_gpus": actor_gpus(gpus, count), "num_cpus": 0 if gpus >= 1 else 1,
+        self.workers = config.runtime.workers or default_workers(
+            -(-len(config.sources) // units), 1, int(resources.get("CPU", 1) // units) or 1)
+        self.options = {"num_gpus": 1 if gpus >= 1 else 0, "num_cpus": 0 if gpus >= 1 else 1,
                         "max_restarts": config.runtime.max_restarts, "max_task_retries": 0,
                         "scheduling_strategy": "SPREAD"}
-        self.config, self.metrics = config, metrics
-        self.names = [f"actor{i}" for i in range(count)]
-        self.groups: list[Any] = [None] * count
-        self.spares: set[int] = set()  # none: Ray restarts its actors (runtime.spare_workers)
-        self.actors: dict[int, Any] = {}
-        self._actor_class = ray.remote(RayPipelineHost)
-        log.info("ray cluster", actors=count, gpus_per_actor=self.options["num_gpus"],
+        self.config, self.metrics, self.units = config, metrics, units
+        hosts = range(units * self.workers)
+        self.names = [f"unit{h // self.workers}.worker{h % self.workers}" for h in hosts]
+        self.groups: list[Any] = [h // self.workers for h in hosts]
+        self.spares: set[int] = set()  # none: Ray restarts a unit (module docstring)
+        self.actors: dict[int, Any] = {}  # per unit, once one of its workers started
+        self._unit_class = ray.remote(RayUnit)
+        log.info("ray cluster", units=units, workers_per_unit=self.workers,
+                 gpus_per_unit=self.options["num_gpus"],
                  resources={k: v for k, v in resources.items() if k in ("CPU", "GPU")},
                  nodes=nodes)
 
+    def _unit(self, host: int) -> tuple[Any, int]:
+        """(``host``'s unit's actor, its number there), the actor made on first use."""
+        unit = host // self.workers
+        if unit not in self.actors:
+            self.actors[unit] = self._unit_class.options(**self.options).remote(
+                self.config, self.workers, self.units, self.metrics)
+        return self.actors[unit], host % self.workers
+
     def start(self, host: int) -> None:
-        self.actors[host] = self._actor_class.options(**self.options).remote(
-            self.config, self.names[host], self.metrics,
-            -(-len(self.config.sources) // len(self.names)))
+        actor, local = self._unit(host)
+        actor.start.remote(local)  # in order with the calls that follow
 
     def call(self, host: int, method: str, *args: Any) -> None:
-        getattr(self.actors[host], method).remote(*args)  # failures surface in poll
+        actor, local = self._unit(host)
+        actor.call.remote(local, method, *args)  # failures surface in poll
 
     def poll(self, host: int) -> tuple[list[HostReport], str | None]:
         ray = self.ray
+        actor, local = self._unit(host)
         try:
-            return [ray.get(self.actors[host].poll.remote(), timeout=CALL_TIMEOUT_S)], None
+            return ray.get(actor.poll.remote(local), timeout=CALL_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            return [], f"no answer within {CALL_TIMEOUT_S} s"
+            return [], f"its unit gave no answer within {CALL_TIMEOUT_S} s"
         except ray.exceptions.RayActorError as error:
-            return [], f"actor lost: {type(error).__name__}"
+            return [], f"its unit was lost: {type(error).__name__}"
 
     def restart(self, host: int) -> bool | None:
-        """Ray restarts a dead actor by itself (``max_restarts``): True once it answers,
-        False while it is being restarted, None when Ray gave it up."""
+        """Start ``host`` again in its unit: True once started, False while Ray is still
+        restarting the unit, None when Ray gave it up."""
         ray = self.ray
-        try:
-            ray.get(self.actors[host].pid.remote(), timeout=RESTART_WAIT_S)
+        actor, local = self._unit(host)
+        try:  # asked first: a start left queued in a unit not back yet would run later
+            ray.get(actor.pid.remote(), timeout=RESTART_WAIT_S)
+            ray.get(actor.start.remote(local), timeout=CALL_TIMEOUT_S)
             return True
         except ray.exceptions.ActorDiedError:
             return None
@@ -188,13 +212,27 @@ class RayExecutor:
             return False
 
     def engine_states(self) -> dict[str, dict[str, Any]]:
-        return {}  # each actor holds its own model
+        ray, states = self.ray, {}
+        for unit, actor in self.actors.items():
+            try:
+                engines = ray.get(actor.engine_states.remote(), timeout=CALL_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue
+            states.update({f"unit{unit}.{name}": state for name, state in engines.items()})
+        return states
 
     def kill(self, host: int) -> None:
-        """Kill an actor's process, as a crash would (tests); Ray restarts it."""
-        self.ray.kill(self.actors[host], no_restart=False)
+        """Kill ``host``'s unit's actor, as a crash of it would (tests); Ray restarts it."""
+        self.ray.kill(self._unit(host)[0], no_restart=False)
 
     def close(self) -> None:
-        for actor in self.actors.values():
-            self.ray.kill(actor, no_restart=True)
+        """Each unit stops its workers and engine (``LocalExecutor.close``), then goes."""
+        ray = self.ray
+        closing = {unit: actor.close.remote() for unit, actor in self.actors.items()}
+        for unit, done in closing.items():
+            try:
+                ray.get(done, timeout=JOIN_TIMEOUT_S + 10)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                log.warning("unit did not close", unit=unit)
+            ray.kill(self.actors[unit], no_restart=True)
         self.actors.clear()

@@ -36,7 +36,8 @@ source ended (the cameras are stopped then), ``never`` only on ``request_stop``.
 
 Executors start and reach the hosts: ``InProcessExecutor`` (one pipeline, in this process:
 nothing to spawn, and the Python API's callbacks see the batches), ``LocalExecutor``
-(spawned processes) and ``pipeline.app.ray_cluster.RayExecutor``. Nothing of Ray is
+(spawned processes) and ``pipeline.app.ray_cluster.RayExecutor`` (a ``LocalExecutor`` per GPU
+unit, each in a Ray actor). Nothing of Ray is
 imported unless ``--ray`` is used.
 """
 
@@ -756,11 +757,13 @@ class LocalExecutor:
         on_gpu: the GPU path is in use (NVDEC-decoded sources take device-ring slots).
         spares: the workers (indices into ``devices``) started as spares
             (``runtime.spare_workers``).
+        units: the run's sources are shared over this many executors (``--ray``: one per
+            GPU of the cluster), so its rings and workers are sized for that share.
     """
 
     def __init__(self, config: PipelineConfig, devices: list[int | None],
                  metrics: bool = False, on_gpu: bool = False,
-                 spares: Collection[int] = ()) -> None:
+                 spares: Collection[int] = (), units: int = 1) -> None:
         from pipeline.app.engine import EngineProcess
 
         self.config = config
@@ -769,6 +772,8 @@ class LocalExecutor:
         self.metrics = metrics
         self.names = host_names(devices)
         self.cores = max(1, usable_cores() // (len(devices) - len(self.spares)))
+        self.sources_per_worker = -(-len(config.sources) //
+                                    (units * (len(devices) - len(self.spares))))
         self.processes: dict[int, Any] = {}
         self.conns: dict[int, Connection] = {}
         self.inboxes: dict[int, queue.SimpleQueue[HostReport | None]] = {}
@@ -777,7 +782,7 @@ class LocalExecutor:
         self.engines = {device: EngineProcess(
             config, device, devices.count(device), on_gpu, self._context,
             spares=sum(1 for h in self.spares if devices[h] == device),
-            standby=config.runtime.standby_engine)
+            standby=config.runtime.standby_engine, units=units)
             for device in dict.fromkeys(devices)}
         self._engine_restart_at: dict[int | None, float] = {}
         self._told_failed: set[int] = set()
@@ -796,7 +801,7 @@ class LocalExecutor:
         process = self._context.Process(
             target=host_main, name=f"streamdet-{self.names[host]}", daemon=False,
             args=(self.names[host], device, self.config, theirs, self.metrics, None,
-                  -(-len(self.config.sources) // (len(self.devices) - len(self.spares))),
+                  self.sources_per_worker,
                   self.cores,
                   (engine.link, self.worker_number(host))))
         process.start()

@@ -1,8 +1,8 @@
 """Several pipelines under one supervisor, end to end on the CPU path with the sample model:
 four file sources over two pipelines, one pipeline killed mid-run. Its sources must continue
 on the other pipeline from their last written record: every file's records complete, in
-order, each frame once. Once with local processes (``runtime.pipelines``, the mode of
-``runtime.gpus``) and once with Ray actors on a local Ray cluster (``--ray``)."""
+order, each frame once. Once with local processes (the source workers of ``runtime.workers``)
+and once with GPU units as Ray actors on a local Ray cluster (``--ray``)."""
 
 from __future__ import annotations
 
@@ -161,6 +161,15 @@ def test_a_worker_whose_pipe_closed_is_gone_at_once(samples, tmp_path, clip):
         assert process.exitcode == -9  # made sure of
 
 
+def running(pid: int) -> bool:
+    """``pid`` runs (exists and is not a zombie waiting to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
 def require_ray():
     """Ray, or a skip (a failure in CI: ``skip_unless_ci``)."""
     try:
@@ -171,26 +180,36 @@ def require_ray():
 
 
 @pytest.mark.slow
-def test_ray_actors_a_killed_actor_s_sources_continue_on_the_other(samples, tmp_path, clip):
+def test_ray_units_a_killed_unit_s_sources_continue_on_the_other(samples, tmp_path, clip):
+    """Two units on a local Ray cluster (the CPU path: one engine process and one source
+    worker each, inside the unit's actor); unit 1's actor is killed: its sources resume on
+    unit 0's worker, Ray brings the unit back and its worker is started there again."""
     ray = require_ray()
     from pipeline.app.ray_cluster import RayExecutor
 
     out = tmp_path / "out"
     config = cluster_config(samples, out, clip)
+    config.runtime.workers, config.runtime.standby_engine = 1, False
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        executor = RayExecutor(config, count=2)
+        executor = RayExecutor(config, units=2)
         assert executor.options["num_gpus"] == 0 and executor.options["max_restarts"] == 2
+        assert executor.names == ["unit0.worker0", "unit1.worker0"] and executor.groups == [0, 1]
         supervisor = Supervisor(config, executor, config.runtime.max_restarts)
         pids = {}
 
         def kill(host: int) -> None:
             pids["before"] = ray.get(executor.actors[host].pid.remote())
+            pids["engines"] = ray.get(executor.actors[host].engine_states.remote())
             executor.kill(host)
 
         results, killed_at, moved = kill_one_mid_run(supervisor, out, kill)
         assert results == {f"cam{i}": None for i in range(SOURCES)}
         check_records_complete(supervisor, out, killed_at, moved)
         assert supervisor.hosts[1].restarts == 1 and supervisor.hosts[1].alive
+        # the unit ran its own engine process (its one model copy), which went with it
+        (engine,) = pids["engines"].values()
+        assert engine["ready"] and engine["pid"] not in (None, pids["before"]), pids
+        assert not running(engine["pid"]), "the killed unit's engine lives on"
     finally:
         ray.shutdown()

@@ -101,3 +101,20 @@ def test_a_standby_takes_over_a_dead_engine_and_is_replaced_when_it_dies(samples
     finally:
         engine.close()
     assert not [p.pid for p in seen if p.is_alive()]
+
+
+def test_an_engine_of_one_ray_unit_of_several_sizes_its_ring_for_its_share(samples):
+    """``units``: the sources are shared over that many engines (``--ray``), so each ring
+    holds its share's slots, not every source's (the CPU path: host slots only)."""
+    config = parse_config({"sources": [{"name": f"cam{i}", "uri": "rtsp://127.0.0.1/x"}
+                                       for i in range(8)],
+                           "model": {"path": str(samples.model)}})
+    context = multiprocessing.get_context("spawn")
+    slots = {}
+    for units in (1, 4):
+        engine = EngineProcess(config, None, 2, False, context, units=units)
+        slots[units] = engine.ring.slots
+        engine.close()
+    # 2 workers: 8 sources are 4 per worker, 2 sources (a quarter) 1 per worker; 6 slots a
+    # source (4, and 2 more where the outputs keep the images), and 16 a worker
+    assert slots == {1: 2 * (6 * 4 + 16), 4: 2 * (6 * 1 + 16)}

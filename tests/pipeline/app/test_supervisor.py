@@ -440,13 +440,30 @@ def test_workers_are_named_by_their_gpu_and_their_place_on_it():
     assert host_names([None, None]) == ["worker0", "worker1"]
 
 
-@pytest.mark.parametrize("gpus, actors, share", [
-    (0, 4, 0), (2, 2, 1), (2, 1, 1), (2, 3, 0.5), (2, 6, 1 / 3), (1, 3, 1 / 3), (0.5, 2, 0)])
-def test_ray_actors_share_a_gpu_when_there_are_more_of_them_than_gpus(gpus, actors, share):
-    from pipeline.app.ray_cluster import actor_gpus
+@pytest.mark.parametrize("runtime, inference, gpus, nodes, units", [
+    ({}, {}, 4, 2, 4),  # the GPU path: one unit per GPU of the cluster
+    ({"gpus": [0, 1]}, {}, 4, 2, 2),  # a list: its length
+    ({}, {}, 0, 3, 3),  # no GPU: one per node (the CPU path)
+    ({}, {"device": "cpu"}, 4, 3, 3),  # the CPU path asked for: GPUs not counted
+])
+def test_ray_units_one_per_gpu_else_one_per_node(samples, runtime, inference, gpus, nodes, units):
+    from pipeline.app.ray_cluster import unit_count
 
-    assert actor_gpus(gpus, actors) == pytest.approx(share)
+    config = parse_config({"sources": [{"name": "a", "uri": str(samples.bikes)}],
+                           "runtime": runtime, "inference": inference})
+    assert unit_count(config, {"CPU": 16.0, "GPU": float(gpus)}, nodes) == units
 
+
+@pytest.mark.parametrize("gpus, message", [
+    ([0, 1, 2], r"^runtime\.gpus: lists 3 GPUs; the Ray cluster has 2 \(one unit per GPU\)$"),
+    ("all", None)])
+def test_ray_units_asked_for_missing_gpus_are_a_config_error(samples, gpus, message):
+    from pipeline.app.ray_cluster import unit_count
+
+    config = parse_config({"sources": [{"name": "a", "uri": str(samples.bikes)}],
+                           "runtime": {"gpus": gpus}})
+    with pytest.raises(ConfigError, match=message or r"^runtime\.gpus: 'all' found no GPU"):
+        unit_count(config, {"CPU": 16.0, "GPU": 2.0 if message else 0.0}, 1)
 
 
 def test_relative_paths_are_made_absolute(samples, tmp_path):
