@@ -47,7 +47,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="start every file source from its beginning, even one a stopped "
                              "run left cut short (by default it resumes after its last record)")
     parser.add_argument("--ray", metavar="auto|ADDRESS|local",
-                        help="run one pipeline per GPU as Ray actors across the Ray cluster: "
+                        help="run one unit per GPU (its engine and source workers) as a Ray actor "
+                             "across the Ray cluster: "
                              "auto joins the cluster of this machine, ADDRESS another "
                              "(ray://head:10001), local starts one here; needs the ray extra")
     parser.add_argument("--help-config", action="store_true",

@@ -1,12 +1,12 @@
 """Metrics of every pipeline host of a run on one Prometheus endpoint (``runtime.metrics_port``).
 
 Each pipeline host (``pipeline.app.host``: in the ``run.py`` process with one pipeline, else a
-process or a Ray actor) reads its graph's metrics with ``GraphCollector``
+process, also in a Ray unit) reads its graph's metrics with ``GraphCollector``
 (``pipeline.app.prometheus``) and sends them to the supervisor as plain records
 (``FamilySnapshot``: picklable, no prometheus-client objects), every sample labelled with the
-host (``pipeline="pipeline0"``, ``"gpu1"``, ``"actor1"``): a source moved to another host
-continues as a new series there. The supervisor serves the latest snapshot of every host on
-one port (``ClusterExporter``), each metric family merged across them, so
+host (``pipeline="pipeline0"``, ``"gpu1.worker0"``, ``"unit1.worker0"``): a source moved to
+another host continues as a new series there. The supervisor serves the latest snapshot of
+every host on one port (``ClusterExporter``), each metric family merged across them, so
 ``sum by (source) (pipeline_source_frames_total)`` counts a moved source's frames across its
 hosts. A host that died keeps its last snapshot until the run ends (counters never fall)."""
 

@@ -1,4 +1,4 @@
-"""A pipeline host: the process (or Ray actor, or for one pipeline the supervisor's own
+"""A pipeline host: the process (also in a Ray unit, or for one pipeline the supervisor's own
 process) that runs ONE graph for its whole life; its supervisor adds sources to it and
 removes them, one at a time.
 
@@ -145,7 +145,7 @@ class PipelineHost:
     Args:
         config: the whole validated configuration: the graph has the stages every configured
             source needs; which sources run here is the supervisor's choice.
-        name: this host's name in logs and metrics (``pipeline0``, ``gpu0``, ``actor1``).
+        name: this host's name in logs and metrics (``worker0``, ``gpu0.worker1``, ``unit1.worker0``).
         expected_sources: how many sources the graph is sized for (its share).
         cores: the cores its decode workers are sized for (its share of the supervisor's;
             default: the cores this process may use).

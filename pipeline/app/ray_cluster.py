@@ -61,20 +61,22 @@ class RayUnit:
 
     Args:
         config: the run's configuration (absolute paths).
-        workers: its source workers.
+        names: its source workers' names, run-wide (``unit1.worker0``: logs, metrics).
         units: the units of the run (each sizes its rings for its share of the sources).
         metrics: the workers send metrics snapshots.
     """
 
-    def __init__(self, config: PipelineConfig, workers: int, units: int, metrics: bool) -> None:
+    def __init__(self, config: PipelineConfig, names: list[str], units: int,
+                 metrics: bool) -> None:
         from pipeline.logging import configure_logging
 
         configure_logging(config.runtime.log_format, config.runtime.log_level)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")  # Ray's choice for num_gpus=1
         device = int(visible.split(",")[0]) if config.inference.device != "cpu" and \
             visible.split(",")[0].isdigit() else None
-        self.executor = LocalExecutor(config, [device] * workers, metrics,
+        self.executor = LocalExecutor(config, [device] * len(names), metrics,
                                       on_gpu=device is not None, units=units)
+        self.executor.names = names
 
     def start(self, local: int) -> None:
         self.executor.start(local)
@@ -176,7 +178,8 @@ class RayExecutor:
         unit = host // self.workers
         if unit not in self.actors:
             self.actors[unit] = self._unit_class.options(**self.options).remote(
-                self.config, self.workers, self.units, self.metrics)
+                self.config, self.names[unit * self.workers:(unit + 1) * self.workers],
+                self.units, self.metrics)
         return self.actors[unit], host % self.workers
 
     def start(self, host: int) -> None:

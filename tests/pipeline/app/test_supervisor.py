@@ -466,6 +466,25 @@ def test_ray_units_asked_for_missing_gpus_are_a_config_error(samples, gpus, mess
         unit_count(config, {"CPU": 16.0, "GPU": 2.0 if message else 0.0}, 1)
 
 
+def test_a_ray_unit_names_its_workers_run_wide_and_sizes_them_for_its_share(samples):
+    """The actor's class itself (no Ray): the CPU path; its workers carry the run-wide names
+    (logs, metrics labels: two units' worker0 must not share a series)."""
+    from pipeline.app.ray_cluster import RayUnit
+
+    config = parse_config({"sources": [{"name": f"c{i}", "uri": str(samples.bikes)}
+                                       for i in range(8)],
+                           "inference": {"device": "cpu"}})
+    unit = RayUnit(config, ["unit1.worker0", "unit1.worker1"], units=2, metrics=False)
+    try:
+        assert unit.executor.names == ["unit1.worker0", "unit1.worker1"]
+        assert unit.executor.devices == [None, None]  # the CPU path: no GPU of its own
+        assert unit.executor.sources_per_worker == 2  # 8 sources over 2 units of 2 workers
+        assert unit.poll(0) == ([], "its unit was restarted")  # never started here
+        unit.call(0, "stop")  # to a worker never started: nothing
+    finally:
+        unit.close()
+
+
 def test_relative_paths_are_made_absolute(samples, tmp_path):
     config = parse_config({"sources": [{"name": "a", "uri": str(samples.bikes)},
                                        {"name": "b", "uri": "rtsp://h/x"}],
