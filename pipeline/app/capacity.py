@@ -528,6 +528,8 @@ def main(options: Options) -> int:
             if isinstance(decode, dict) and decode.get("both_fps") is not None:
                 # runtime.cpu_decode_fps set: decode: auto places cameras on both decoders
                 decode["both_placed"] = bool(single.runtime.cpu_decode_fps)
+            header = header_text(options, single, clip, played, frames, fps,
+                                 ceilings.get("engine"))
         measured = {k: v for k, v in ceilings.items() if isinstance(v, dict)}
         needed = options.warmup_s + options.seconds + STOP_S
 

@@ -36,7 +36,7 @@ class Options:
         warmup_s: seconds from every camera delivering to the window.
         seconds: the window.
         out: folder for each run's config, log and scrapes and the results (None: a
-            temporary one, deleted afterwards).
+            temporary one, kept and named under the table).
         decoders: decode alone's parallel decoders (None: its default).
         ceilings: measure decode alone and engine alone.
         unpaced: cameras of the unpaced row (None: none), measured after the paced rows
@@ -382,10 +382,18 @@ def results_json(options: Options, rows: list[RunRow], ceilings: dict[str, Any],
 
 
 def header_text(options: Options, config: Any, clip: Path, played: Path, frames: int,
-                fps: float) -> str:
+                fps: float, engine: Any = None) -> str:
+    """The table's first paragraph. ``engine``: the engine-alone ceiling (a dict), whose
+    backend and device say what an ``auto`` of the configuration chose (else ``auto``)."""
     from pipeline.app.clips import clip_frames
 
     inference = config.inference
+    chosen = engine if isinstance(engine, dict) else {}
+    backend, device = inference.backend, inference.device
+    if backend == "auto" and chosen.get("backend"):
+        backend = f"{chosen['backend']} (auto)"
+    if device == "auto" and chosen.get("device"):
+        device = f"{chosen['device']} (auto)"
     copies = clip_frames(played) // max(frames, 1) if played != clip else 1
     looped = f", looped {copies}x" if copies > 1 else ""
     paced = options.cameras is not None or options.unpaced is None
@@ -398,8 +406,8 @@ def header_text(options: Options, config: Any, clip: Path, played: Path, frames:
     overrides = "".join(f" --set {item}" for item in options.overrides)
     return (f"Capacity: {clip.name} ({frames:,} frames{looped}) {' and '.join(rows)} through "
             f"`run.py run` with {options.config}{overrides} (model "
-            f"{Path(config.model.path).name}, inference {inference.backend} on "
-            f"{inference.device}, batch {inference.batch_size}){http}; warm-up "
+            f"{Path(config.model.path).name}, inference {backend} on {device}, batch "
+            f"{inference.batch_size}){http}; warm-up "
             f"{options.warmup_s:g} s, window {options.seconds:g} s. Held: 0 dropped, p99 <= "
             f"{1000 * P99_LIMIT_S:g} ms, delivered >= {100 * DELIVERED_SHARE:g}% of offered. "
             f"Latencies are histogram buckets (bounds 5, 10, 20, 50, 100, 200, 500 ms, ...).")

@@ -18,9 +18,11 @@ from pipeline.app.capacity import (
     search,
 )
 from pipeline.app.capacity_report import (
+    Options,
     RunRow,
     ceiling_lines,
     ceiling_ratio,
+    header_text,
     held_text,
     largest_held,
     overload_verdict,
@@ -321,3 +323,18 @@ def test_http_turns_the_live_view_on_at_loopback_without_a_token_but_set_keys_wi
 ])
 def test_the_live_views_add_and_remove_in_words(control, text):
     assert control.text() == text
+
+
+def test_the_header_says_what_an_auto_backend_and_device_chose_once_the_engine_ran(samples):
+    config = parse_config({"sources": [{"name": "a", "uri": str(samples.bikes)}]})
+    options = Options(config=Path("cams.yaml"), clip=samples.bikes)
+    engine = {"images_s": 7200.0, "batch": 64, "backend": "torch", "device": "cuda",
+              "warmup_s": 20.0}
+    before = header_text(options, config, samples.bikes, samples.bikes, 250, 30.0)
+    after = header_text(options, config, samples.bikes, samples.bikes, 250, 30.0, engine)
+    assert "inference auto on auto, batch" in before  # not measured (yet): as configured
+    assert "inference torch (auto) on cuda (auto), batch" in after
+    # set in the configuration: said as set, whatever ran
+    config.inference.backend = "onnxruntime"
+    assert "inference onnxruntime on cuda (auto), batch" in header_text(
+        options, config, samples.bikes, samples.bikes, 250, 30.0, engine)
