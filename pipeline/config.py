@@ -861,7 +861,7 @@ class RuntimeConfig:
                       "other workers are not touched (without a spare, its sources are "
                       "shared out among them); the dead worker, restarted, becomes the "
                       "spare. null: 1 where there are two or more source workers, else 0. "
-                      "Not with --ray (Ray restarts a unit).", min=0),
+                      "With --ray: per unit.", min=0),
     )
     standby_engine: bool = field(
         default=True,

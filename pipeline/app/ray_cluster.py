@@ -17,9 +17,10 @@ live unit is restarted there, as without Ray.
 
 Units: the length of a ``runtime.gpus`` list, else the cluster's GPUs on the GPU path, else
 its nodes. Source workers per unit: ``runtime.workers``, else one per source of its share,
-at most 5 and half the cores of its share of the cluster (``default_workers``). No spare
-worker (``runtime.spare_workers``): Ray restarts a unit, and a dead worker's sources are
-shared out among the other workers.
+at most 5 and half the cores of its share of the cluster (``default_workers``). Spares per
+unit: ``runtime.spare_workers``, else one where a unit has two or more workers: a worker
+that dies in a live unit has its sources taken by its unit's spare; a unit that dies takes
+its spare with it, and its sources are shared out among the other units' workers.
 
 Every node must see the same paths (model, files, ``output.dir``: shared storage) and have
 streamdet installed (``pip install 'streamdet[ray]'``); relative paths are made absolute
@@ -64,10 +65,11 @@ class RayUnit:
         names: its source workers' names, run-wide (``unit1.worker0``: logs, metrics).
         units: the units of the run (each sizes its rings for its share of the sources).
         metrics: the workers send metrics snapshots.
+        spares: of ``names``, the last this many are spares (``runtime.spare_workers``).
     """
 
     def __init__(self, config: PipelineConfig, names: list[str], units: int,
-                 metrics: bool) -> None:
+                 metrics: bool, spares: int = 0) -> None:
         from pipeline.logging import configure_logging
 
         configure_logging(config.runtime.log_format, config.runtime.log_level)
@@ -75,7 +77,8 @@ class RayUnit:
         device = int(visible.split(",")[0]) if config.inference.device != "cpu" and \
             visible.split(",")[0].isdigit() else None
         self.executor = LocalExecutor(config, [device] * len(names), metrics,
-                                      on_gpu=device is not None, units=units)
+                                      on_gpu=device is not None, units=units,
+                                      spares=range(len(names) - spares, len(names)))
         self.executor.names = names
 
     def start(self, local: int) -> None:
@@ -138,8 +141,8 @@ def unit_count(config: PipelineConfig, resources: dict[str, float], nodes: int) 
 
 class RayExecutor:
     """Source workers in GPU units, one Ray actor each (module docstring); Ray must be
-    initialised (``connect``). Host ``h`` is worker ``h % workers`` of unit ``h // workers``,
-    named ``unitU.workerW``; its group is its unit.
+    initialised (``connect``). Host ``h`` is worker ``h % size`` of unit ``h // size``
+    (``size``: its workers, then its spares), named ``unitU.workerW``; its group is its unit.
 
     Args:
         config: the run's configuration (absolute paths: see module docstring).
@@ -161,26 +164,30 @@ class RayExecutor:
         self.options = {"num_gpus": 1 if gpus >= 1 else 0, "num_cpus": 0 if gpus >= 1 else 1,
                         "max_restarts": config.runtime.max_restarts, "max_task_retries": 0,
                         "scheduling_strategy": "SPREAD"}
+        spares = config.runtime.spare_workers
+        self.unit_spares = spares if spares is not None else int(self.workers >= 2)
+        self.size = self.workers + self.unit_spares  # hosts per unit
         self.config, self.metrics, self.units = config, metrics, units
-        hosts = range(units * self.workers)
-        self.names = [f"unit{h // self.workers}.worker{h % self.workers}" for h in hosts]
-        self.groups: list[Any] = [h // self.workers for h in hosts]
-        self.spares: set[int] = set()  # none: Ray restarts a unit (module docstring)
+        hosts = range(units * self.size)
+        self.names = [f"unit{h // self.size}.worker{h % self.size}" for h in hosts]
+        self.groups: list[Any] = [h // self.size for h in hosts]
+        self.spares = {h for h in hosts if h % self.size >= self.workers}
         self.actors: dict[int, Any] = {}  # per unit, once one of its workers started
         self._unit_class = ray.remote(RayUnit)
         log.info("ray cluster", units=units, workers_per_unit=self.workers,
+                 spares_per_unit=self.unit_spares,
                  gpus_per_unit=self.options["num_gpus"],
                  resources={k: v for k, v in resources.items() if k in ("CPU", "GPU")},
                  nodes=nodes)
 
     def _unit(self, host: int) -> tuple[Any, int]:
         """(``host``'s unit's actor, its number there), the actor made on first use."""
-        unit = host // self.workers
+        unit = host // self.size
         if unit not in self.actors:
             self.actors[unit] = self._unit_class.options(**self.options).remote(
-                self.config, self.names[unit * self.workers:(unit + 1) * self.workers],
-                self.units, self.metrics)
-        return self.actors[unit], host % self.workers
+                self.config, self.names[unit * self.size:(unit + 1) * self.size],
+                self.units, self.metrics, self.unit_spares)
+        return self.actors[unit], host % self.size
 
     def start(self, host: int) -> None:
         actor, local = self._unit(host)

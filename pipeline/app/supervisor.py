@@ -428,6 +428,7 @@ class Supervisor:
             self._next_view = now + VIEW_EVERY_S
         done = 0
         turn = self._turn
+        deaths = []
         for host in self._live_hosts():
             began = time.monotonic()
             reports, died = self.executor.poll(host)
@@ -443,10 +444,16 @@ class Supervisor:
             reported = time.monotonic()
             turn["reports"] += reported - polled
             if died is not None:
-                self._host_died(host, died)
+                deaths.append((host, died))
             elif want_view:
                 self.executor.call(host, "want", self.board.wanted(name))
                 turn["want"] += time.monotonic() - reported
+        # Every host seen dead this turn is marked so before any of their sources move: none
+        # of them is taken as a spare (a Ray unit's workers, its spare among them, die together).
+        for host, _ in deaths:
+            self.hosts[host].alive = False
+        for host, died in deaths:
+            self._host_died(host, died)
         if want_view:
             self.board.set_engines(self.executor.engine_states())
         if done and self._on_frames is not None:

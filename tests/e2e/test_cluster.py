@@ -37,32 +37,33 @@ def cluster_config(samples, out: Path, clip: Path) -> PipelineConfig:
     return absolute_paths(parse_config(data))
 
 
-def kill_one_mid_run(supervisor: Supervisor, out: Path, kill) -> tuple[dict, float, list[str]]:
-    """Run ``supervisor`` on a thread; once a source of host 1 has written some records but
-    is far from done, ``kill(1)``. Returns the results, when it was killed and the sources
+def kill_one_mid_run(supervisor: Supervisor, out: Path, kill, host: int = 1
+                     ) -> tuple[dict, float, list[str]]:
+    """Run ``supervisor`` on a thread; once a source of ``host`` has written some records but
+    is far from done, ``kill(host)``. Returns the results, when it was killed and the sources
     it had then."""
     results: dict = {}
     runner = threading.Thread(target=lambda: results.update(supervisor.run()), daemon=True)
     runner.start()
     deadline = time.monotonic() + 60
     while True:
-        on_host_1 = [name for name, host in supervisor.placement.items() if host == 1]
-        written = {name: len(records(partial_path(out / f"{name}.jsonl"))) for name in on_host_1}
+        on_host = [name for name, at in supervisor.placement.items() if at == host]
+        written = {name: len(records(partial_path(out / f"{name}.jsonl"))) for name in on_host}
         if any(10 <= count <= FRAMES - 15 for count in written.values()):
             break
-        assert runner.is_alive(), f"the run ended before host 1 could be killed: {results}"
-        assert time.monotonic() < deadline, f"host 1 wrote no records in time: {written}"
+        assert runner.is_alive(), f"the run ended before host {host} could be killed: {results}"
+        assert time.monotonic() < deadline, f"host {host} wrote no records in time: {written}"
         time.sleep(0.05)
     killed_at = time.time()
-    kill(1)
+    kill(host)
     runner.join(90)
     assert not runner.is_alive(), "the run did not end within 90 s of the kill"
-    return results, killed_at, on_host_1
+    return results, killed_at, on_host
 
 
 def check_records_complete(supervisor: Supervisor, out: Path, killed_at: float,
-                           moved: list[str], to: int = 0) -> None:
-    assert moved, "host 1 had no source"
+                           moved: list[str], to: int = 0, killed: int = 1) -> None:
+    assert moved, f"host {killed} had no source"
     for i in range(SOURCES):
         name = f"cam{i}"
         assert not partial_path(out / f"{name}.jsonl").exists()
@@ -71,10 +72,10 @@ def check_records_complete(supervisor: Supervisor, out: Path, killed_at: float,
     kept = 0
     for name in moved:
         # Continued on host ``to``, resumed: the records before the kill are the first run's
-        # (captured before it), the rest the later runs' (it may move back to host 1 once
-        # that is restarted, to even the loads); not started over.
+        # (captured before it), the rest the later runs' (it may move back to the killed host
+        # once that is restarted, to even the loads); not started over.
         hosts = [host for source, host, _ in supervisor.history if source == name]
-        assert hosts[:2] == [1, to], f"{name} ran on {hosts}"
+        assert hosts[:2] == [killed, to], f"{name} ran on {hosts}"
         captured = [record["capture_time"] for record in records(out / f"{name}.jsonl")]
         before = sum(t < killed_at for t in captured)
         assert before < FRAMES and all(t < killed_at for t in captured[:before])
@@ -181,35 +182,40 @@ def require_ray():
 
 @pytest.mark.slow
 def test_ray_units_a_killed_unit_s_sources_continue_on_the_other(samples, tmp_path, clip):
-    """Two units on a local Ray cluster (the CPU path: one engine process and one source
-    worker each, inside the unit's actor); unit 1's actor is killed: its sources resume on
-    unit 0's worker, Ray brings the unit back and its worker is started there again."""
+    """Two units on a local Ray cluster (the CPU path: one engine process, one source worker
+    and its spare each, inside the unit's actor); unit 1's actor is killed: its worker and its
+    spare die together, the worker's sources resume on unit 0's worker (not on the dead
+    spare), Ray brings the unit back and both are started there again."""
     ray = require_ray()
     from pipeline.app.ray_cluster import RayExecutor
 
     out = tmp_path / "out"
     config = cluster_config(samples, out, clip)
-    config.runtime.workers, config.runtime.standby_engine = 1, False
+    config.runtime.workers, config.runtime.spare_workers = 1, 1
+    config.runtime.standby_engine = False
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         executor = RayExecutor(config, units=2)
         assert executor.options["num_gpus"] == 0 and executor.options["max_restarts"] == 2
-        assert executor.names == ["unit0.worker0", "unit1.worker0"] and executor.groups == [0, 1]
+        assert executor.names == ["unit0.worker0", "unit0.worker1", "unit1.worker0",
+                                  "unit1.worker1"]
+        assert executor.groups == [0, 0, 1, 1] and executor.spares == {1, 3}
         supervisor = Supervisor(config, executor, config.runtime.max_restarts)
-        pids = {}
+        seen = {}
 
         def kill(host: int) -> None:
-            pids["before"] = ray.get(executor.actors[host].pid.remote())
-            pids["engines"] = ray.get(executor.actors[host].engine_states.remote())
+            seen["pid"] = ray.get(executor.actors[1].pid.remote())
+            seen["engines"] = ray.get(executor.actors[1].engine_states.remote())
             executor.kill(host)
 
-        results, killed_at, moved = kill_one_mid_run(supervisor, out, kill)
+        results, killed_at, moved = kill_one_mid_run(supervisor, out, kill, host=2)
         assert results == {f"cam{i}": None for i in range(SOURCES)}
-        check_records_complete(supervisor, out, killed_at, moved)
-        assert supervisor.hosts[1].restarts == 1 and supervisor.hosts[1].alive
+        check_records_complete(supervisor, out, killed_at, moved, to=0, killed=2)
+        assert [supervisor.hosts[h].restarts for h in range(4)] == [0, 0, 1, 1]
+        assert supervisor.hosts[3].spare and not supervisor.hosts[2].spare
         # the unit ran its own engine process (its one model copy), which went with it
-        (engine,) = pids["engines"].values()
-        assert engine["ready"] and engine["pid"] not in (None, pids["before"]), pids
+        (engine,) = seen["engines"].values()
+        assert engine["ready"] and engine["pid"] not in (None, seen["pid"]), seen
         assert not running(engine["pid"]), "the killed unit's engine lives on"
     finally:
         ray.shutdown()

@@ -1,5 +1,5 @@
 """One way to run at any scale: ``runtime.workers: 2`` with the live view, through ``run.py``
-as users run it (local processes, and Ray actors with ``--ray local``).
+as users run it (local processes, and the same in one Ray unit with ``--ray local``).
 
 The page (a real headless Chromium) shows every source of both pipeline hosts with a
 changing preview; ``POST /api/sources`` adds a file that completes with every record;
@@ -74,22 +74,23 @@ def test_two_pipelines_one_live_view_add_and_remove_without_touching_the_others(
         sources = {s["name"]: s for s in client.get("api/sources").json()["sources"]}
         assert list(sources) == ["street", "door", "yard"]
         hosts = {s["host"] for s in sources.values()}
-        names = ({"worker0", "worker1"} if mode == "processes" else {"actor0", "actor1"})
+        # Ray (a cluster of one node without a GPU): one unit, named in its workers' names
+        unit = "unit0." if mode == "ray" else ""
+        names = {f"{unit}worker0", f"{unit}worker1"}
         assert hosts == names, sources  # both hosts run some
-        if mode == "processes":  # and a spare, idle (runtime.spare_workers: 1 by default)
-            assert {host: state["spare"] for host, state in health()["hosts"].items()} == {
-                "worker0": False, "worker1": False, "worker2": True}
-            engine = health()["engines"]["engine"]  # the one engine, with its standby
-            assert (engine["ready"], engine["restarts"], engine["failed"]) == (True, 0, None)
-            assert engine["standby"] in ("starting", "ready"), engine
-        else:  # Ray restarts its actors: no spare, and no engine process (each holds a model)
-            assert set(health()["hosts"]) == names and health()["engines"] == {}
+        # and a spare, idle (runtime.spare_workers: 1 by default)
+        assert {host: state["spare"] for host, state in health()["hosts"].items()} == {
+            f"{unit}worker0": False, f"{unit}worker1": False, f"{unit}worker2": True}
+        engine = health()["engines"][f"{unit}engine"]  # the one engine, with its standby
+        assert (engine["ready"], engine["restarts"], engine["failed"]) == (True, 0, None)
+        assert engine["standby"] in ("starting", "ready"), engine
+        assert len(health()["engines"]) == 1
 
         with headless_page(chromium) as page:
             page.goto(base)
-            if mode == "processes":  # the spare is listed as one, not as a worker with none
-                page.wait_for_function("() => document.getElementById('hosts').textContent"
-                                       ".includes('worker2 (ready, spare)')", timeout=30_000)
+            # the spare is listed as one, not as a worker with none
+            page.wait_for_function("() => document.getElementById('hosts').textContent"
+                                   f".includes('{unit}worker2 (ready, spare)')", timeout=30_000)
             cards = page.locator(".source").evaluate_all("cards => cards.map(c => c.dataset.source)")
             assert cards == ["street", "door", "yard"]
             for name in cards:
