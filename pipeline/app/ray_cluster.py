@@ -44,6 +44,7 @@ log = structlog.get_logger("ray")
 
 CALL_TIMEOUT_S = 30.0  # a poll that takes longer counts as a lost unit
 RESTART_WAIT_S = 2.0  # restart(): how long to wait for Ray to bring a unit back
+STATES_WAIT_S = 1.0  # engine_states(): a unit Ray is restarting is left out after this
 
 
 def ray_missing() -> str | None:
@@ -55,7 +56,7 @@ def ray_missing() -> str | None:
 
 
 class RayUnit:
-    """The actor: one GPU's engine and ``workers`` source workers on this node (module
+    """The actor: one GPU's engine and its source workers (``names``) on this node (module
     docstring). Its methods take a worker's number in the unit (``local``) and are those of
     ``LocalExecutor``; a worker this incarnation of the unit never started (Ray restarted
     the unit) is gone for ``poll`` and deaf to ``call``.
@@ -222,11 +223,21 @@ class RayExecutor:
             return False
 
     def engine_states(self) -> dict[str, dict[str, Any]]:
+        """Every unit's engines (``unitU.engine``); a unit that does not answer within
+        ``STATES_WAIT_S`` (Ray restarting it) is left out: the supervisor's loop waits no
+        longer for the live view."""
         ray, states = self.ray, {}
-        for unit, actor in self.actors.items():
+        asked = {unit: actor.engine_states.remote() for unit, actor in self.actors.items()}
+        if not asked:
+            return states
+        answered, _ = ray.wait(list(asked.values()), num_returns=len(asked),
+                               timeout=STATES_WAIT_S)
+        for unit, ref in asked.items():
+            if ref not in answered:
+                continue
             try:
-                engines = ray.get(actor.engine_states.remote(), timeout=CALL_TIMEOUT_S)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                engines = ray.get(ref)
+            except ray.exceptions.RayActorError:
                 continue
             states.update({f"unit{unit}.{name}": state for name, state in engines.items()})
         return states

@@ -9,17 +9,18 @@ run.py / Python API / --ray  ──>  Supervisor (this process)           hosts:
   Prometheus ──────────────────>    watches every host      <──HostReport─  worker processes with
                                     restarts what dies                      one engine per GPU
                                                                             (runtime.workers), or
-                                                                            Ray actors (--ray)
+                                                                            the same per GPU unit,
+                                                                            a Ray actor (--ray)
 ```
 
 Each host builds its graph once and keeps it for its life; the supervisor adds sources to it
 and removes them one at a time (``pipeline.app.host``), so placing, moving or removing one
-source never cuts another. When a host dies (a crash, an OOM kill, ``kill -9``, a Ray actor
-or node lost; a local worker's death is seen at once: ``LocalExecutor``), its unfinished sources go
-at once to a spare of its group (``runtime.spare_workers``: an idle worker of the same
+source never cuts another. When a host dies (a crash, an OOM kill, ``kill -9``, its Ray unit
+or node lost; a local worker's death is seen at once: ``LocalExecutor``), its unfinished sources
+go at once to a live spare of its group (``runtime.spare_workers``: an idle worker of the same
 engine, started with the others), which is from then on a host like the others; the dead
-host is restarted after a backoff (``runtime.max_restarts`` times; a Ray actor is restarted
-by Ray) as the group's new spare. Without a spare, its sources are placed on the live
+host is restarted after a backoff (``runtime.max_restarts`` times; once Ray has restarted its
+unit) as the group's new spare. Without a spare, its sources are placed on the live
 hosts (at once the first time a source moves, after a backoff the next times), and once it
 is restarted the load is evened out onto it with files only: those that move are cut short
 where they were (their records stay) and resume on it; a running camera is never moved (a
@@ -37,8 +38,7 @@ source ended (the cameras are stopped then), ``never`` only on ``request_stop``.
 Executors start and reach the hosts: ``InProcessExecutor`` (one pipeline, in this process:
 nothing to spawn, and the Python API's callbacks see the batches), ``LocalExecutor``
 (spawned processes) and ``pipeline.app.ray_cluster.RayExecutor`` (a ``LocalExecutor`` per GPU
-unit, each in a Ray actor). Nothing of Ray is
-imported unless ``--ray`` is used.
+unit, each in a Ray actor). Nothing of Ray is imported unless ``--ray`` is used.
 """
 
 from __future__ import annotations
