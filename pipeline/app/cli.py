@@ -48,9 +48,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "run left cut short (by default it resumes after its last record)")
     parser.add_argument("--ray", metavar="auto|ADDRESS|local",
                         help="run one unit per GPU (its engine and source workers) as a Ray actor "
-                             "across the Ray cluster: "
-                             "auto joins the cluster of this machine, ADDRESS another "
-                             "(ray://head:10001), local starts one here; needs the ray extra")
+                             "across the Ray cluster (on the CPU path: one per node): "
+                             "auto joins the cluster of this machine, ADDRESS another (its "
+                             "head, head:6379, or Ray's client, ray://head:10001), local "
+                             "starts one here; needs the ray extra")
     parser.add_argument("--help-config", action="store_true",
                         help="list every configuration key with its default and meaning")
     capacity = parser.add_argument_group(
@@ -113,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ray is not None:
         from pipeline.app.ray_cluster import ray_missing
 
-        if (missing := ray_missing()) is not None:
+        if (missing := ray_missing(args.ray)) is not None:
             print(f"error: {missing}", file=sys.stderr)
             return EXIT_USAGE
     try:

@@ -23,8 +23,8 @@ that dies in a live unit has its sources taken by its unit's spare; a unit that 
 its spare with it, and its sources are shared out among the other units' workers.
 
 Every node must see the same paths (model, files, ``output.dir``: shared storage) and have
-streamdet installed (``pip install 'streamdet[ray]'``); relative paths are made absolute
-against the driver's working folder. Only this module imports Ray, and only ``--ray``
+streamdet installed with the ray extra (``pip install -e '.[ray]'``); relative paths are made
+absolute against the driver's working folder. Only this module imports Ray, and only ``--ray``
 imports this module.
 """
 
@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import socket
 from typing import Any
 
 import structlog
@@ -45,13 +47,22 @@ log = structlog.get_logger("ray")
 CALL_TIMEOUT_S = 30.0  # a poll that takes longer counts as a lost unit
 RESTART_WAIT_S = 2.0  # restart(): how long to wait for Ray to bring a unit back
 STATES_WAIT_S = 1.0  # engine_states(): a unit Ray is restarting is left out after this
+CONNECT_TIMEOUT_S = 5.0  # connect(): how long a cluster's address may take to answer
+ADDRESS_FORMS = r"auto|local|(ray://)?[A-Za-z0-9.\-]+:\d{1,5}|(ray://)?\[[0-9A-Fa-f:.]+\]:\d{1,5}"
 
 
-def ray_missing() -> str | None:
-    """The one-line error for ``--ray`` without the package, or None when it is installed."""
+def ray_missing(address: str = "auto") -> str | None:
+    """The one-line error for ``--ray ADDRESS`` when what it needs is not installed (Ray; for a
+    ``ray://`` address also Ray's client, grpcio) or ADDRESS is not a form ``connect`` takes;
+    None when all is well."""
+    if not re.fullmatch(ADDRESS_FORMS, address):
+        return (f"--ray: {address!r} is not auto, local, HOST:PORT (a cluster's head, e.g. "
+                f"head:6379) or ray://HOST:PORT (Ray's client, e.g. ray://head:10001)")
+    install = "pip install -e '.[ray]' in the project's folder (the ray extra)"
     if importlib.util.find_spec("ray") is None:
-        return ("--ray: needs the Python package 'ray', which is not installed: "
-                "pip install 'streamdet[ray]'")
+        return f"--ray: needs the Python package 'ray', which is not installed: {install}"
+    if address.startswith("ray://") and importlib.util.find_spec("grpc") is None:
+        return f"--ray {address}: Ray's client needs the package 'grpcio' (ray[client]): {install}"
     return None
 
 
@@ -107,37 +118,63 @@ class RayUnit:
 def connect(address: str) -> None:
     """``ray.init`` for ``--ray``: ``auto`` joins the cluster this machine is part of,
     ``local`` starts one on this machine, anything else is a cluster's address
-    (``ray://head:10001`` or ``head:6379``). Nothing happens when Ray is initialised already
-    (a test, an application)."""
+    (``ray://head:10001`` or ``head:6379``, checked by ``ray_missing``). Nothing happens when
+    Ray is initialised already (a test, an application).
+
+    Raises:
+        ConnectionError: no cluster found (``auto``), or nothing answers at the address within
+            ``CONNECT_TIMEOUT_S`` (Ray itself would wait for it without end).
+    """
     import ray
 
     if ray.is_initialized():
         return
     if address == "local":
         ray.init(include_dashboard=False)
-    else:
+        return
+    if address != "auto":
+        host, _, port = address.removeprefix("ray://").rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), CONNECT_TIMEOUT_S).close()
+        except OSError as error:
+            raise ConnectionError(f"--ray {address}: no Ray cluster answers there "
+                                  f"({error.strerror or error})") from None
+    try:
         ray.init(address=address, include_dashboard=False)
+    except ConnectionError as error:  # auto with no cluster
+        log.debug("ray.init", error=str(error))
+        raise ConnectionError(f"--ray {address}: no running Ray cluster found on this machine "
+                              "(start one with `ray start --head`, give its address, or "
+                              "--ray local)") from None
 
 
 def unit_count(config: PipelineConfig, resources: dict[str, float], nodes: int) -> int:
     """How many units (module docstring).
 
     Raises:
-        ConfigError: ``runtime.gpus`` asks for GPUs the cluster does not have.
+        ConfigError: ``runtime.gpus`` asks for GPUs the cluster does not have, or the CPU
+            path's units (one CPU each) are more than the cluster's CPUs: Ray would never
+            place the rest.
     """
     runtime = config.runtime
     gpus = int(resources.get("GPU", 0)) if config.inference.device != "cpu" else 0
     if isinstance(runtime.gpus, list):
-        if gpus and len(runtime.gpus) > gpus:
+        if config.inference.device != "cpu" and len(runtime.gpus) > gpus:
             raise ConfigError(f"runtime.gpus: lists {len(runtime.gpus)} GPUs; the Ray cluster "
-                              f"has {gpus} (one unit per GPU)")
-        return len(runtime.gpus)
-    if gpus:
-        return gpus
-    if runtime.gpus == "all":
+                              f"has {gpus or 'none'} (one unit per GPU)")
+        units = len(runtime.gpus)
+    elif gpus:
+        units = gpus
+    elif runtime.gpus == "all":
         raise ConfigError("runtime.gpus: 'all' found no GPU in the Ray cluster (leave it out "
                           "to run on the CPU path)")
-    return max(1, nodes)
+    else:
+        units = max(1, nodes)
+    cpus = int(resources.get("CPU", 0))
+    if not gpus and units > cpus:
+        raise ConfigError(f"--ray: {units} units on the CPU path take a CPU each; the Ray "
+                          f"cluster has {cpus}")
+    return units
 
 
 class RayExecutor:

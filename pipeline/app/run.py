@@ -153,6 +153,9 @@ def run(config: PipelineConfig, ray_address: str | None = None, restart: bool = 
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except ConnectionError as error:  # --ray: no cluster there
+        print(f"error: failed to start: {error}", file=sys.stderr)
+        return EXIT_FAILED
     try:
         return supervise(config, executor, resume)
     finally:  # (already closed when the supervisor ran: a run that never began closes it

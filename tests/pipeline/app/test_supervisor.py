@@ -454,16 +454,24 @@ def test_ray_units_one_per_gpu_else_one_per_node(samples, runtime, inference, gp
     assert unit_count(config, {"CPU": 16.0, "GPU": float(gpus)}, nodes) == units
 
 
-@pytest.mark.parametrize("gpus, message", [
-    ([0, 1, 2], r"^runtime\.gpus: lists 3 GPUs; the Ray cluster has 2 \(one unit per GPU\)$"),
-    ("all", None)])
-def test_ray_units_asked_for_missing_gpus_are_a_config_error(samples, gpus, message):
+@pytest.mark.parametrize("gpus, inference, cluster, message", [
+    ([0, 1, 2], {}, {"CPU": 16.0, "GPU": 2.0},
+     r"^runtime\.gpus: lists 3 GPUs; the Ray cluster has 2 \(one unit per GPU\)$"),
+    ([0, 1, 2], {}, {"CPU": 16.0},
+     r"^runtime\.gpus: lists 3 GPUs; the Ray cluster has none \(one unit per GPU\)$"),
+    ("all", {}, {"CPU": 16.0}, r"^runtime\.gpus: 'all' found no GPU"),
+    # the CPU path asked for: a unit takes a CPU, and Ray would never place a third
+    ([0, 1, 2], {"device": "cpu"}, {"CPU": 2.0},
+     r"^--ray: 3 units on the CPU path take a CPU each; the Ray cluster has 2$"),
+])
+def test_ray_units_the_cluster_cannot_hold_are_a_config_error(samples, gpus, inference, cluster,
+                                                               message):
     from pipeline.app.ray_cluster import unit_count
 
     config = parse_config({"sources": [{"name": "a", "uri": str(samples.bikes)}],
-                           "runtime": {"gpus": gpus}})
-    with pytest.raises(ConfigError, match=message or r"^runtime\.gpus: 'all' found no GPU"):
-        unit_count(config, {"CPU": 16.0, "GPU": 2.0 if message else 0.0}, 1)
+                           "runtime": {"gpus": gpus}, "inference": inference})
+    with pytest.raises(ConfigError, match=message):
+        unit_count(config, cluster, 1)
 
 
 def test_a_ray_unit_names_its_workers_run_wide_and_sizes_them_for_its_share(samples):
@@ -496,17 +504,55 @@ def test_relative_paths_are_made_absolute(samples, tmp_path):
     assert config.output.dir == "out"
 
 
-def test_ray_without_the_package_is_a_one_line_error(samples, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("missing, address, message", [
+    ("ray", "auto", "--ray: needs the Python package 'ray', which is not installed: "
+                    "pip install -e '.[ray]' in the project's folder (the ray extra)"),
+    ("grpc", "ray://head:10001", "--ray ray://head:10001: Ray's client needs the package "
+                                 "'grpcio' (ray[client]): pip install -e '.[ray]' in the "
+                                 "project's folder (the ray extra)"),
+])
+def test_ray_without_the_package_is_a_one_line_error(samples, tmp_path, monkeypatch, capsys,
+                                                      missing, address, message):
     import importlib.util
 
     config = tmp_path / "c.yaml"
     config.write_text(f"sources: [{{name: a, uri: {samples.bikes}}}]\n")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "ray" else real(name, *a))
-    assert cli.main(["--config", str(config), "--ray", "auto"]) == cli.EXIT_USAGE
-    assert capsys.readouterr().err == ("error: --ray: needs the Python package 'ray', which is "
-                                       "not installed: pip install 'streamdet[ray]'\n")
+                        lambda name, *a: None if name == missing else real(name, *a))
+    assert cli.main(["--config", str(config), "--ray", address]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+@pytest.mark.parametrize("address", ["bogus", "head", "http://head:6379", "ray://head"])
+def test_a_ray_address_of_no_known_form_is_a_usage_error(samples, tmp_path, capsys, address):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"sources: [{{name: a, uri: {samples.bikes}}}]\n")
+    assert cli.main(["--config", str(config), "--ray", address]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == (
+        f"error: --ray: {address!r} is not auto, local, HOST:PORT (a cluster's head, e.g. "
+        "head:6379) or ray://HOST:PORT (Ray's client, e.g. ray://head:10001)\n")
+
+
+def test_a_ray_address_where_nothing_answers_fails_at_once(samples, tmp_path, capsys):
+    """Ray itself would wait for the cluster without end; nothing is listening on the port."""
+    pytest.importorskip("ray")
+    import socket
+    import time
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    config = tmp_path / "c.yaml"
+    config.write_text(f"sources: [{{name: a, uri: {samples.bikes}}}]\noutput: {{dir: {tmp_path}}}\n")
+    started = time.monotonic()
+    assert cli.main(["--config", str(config), "--ray", f"127.0.0.1:{port}"]) == cli.EXIT_FAILED
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: failed to start: --ray 127.0.0.1:{port}: no Ray cluster "
+                          "answers there (")
+    assert err.count("\n") == 1
+    assert not list(tmp_path.glob("*.jsonl*"))
 
 
 def test_a_normal_run_imports_nothing_of_ray(repo_root):
