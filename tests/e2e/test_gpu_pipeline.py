@@ -167,12 +167,18 @@ def test_a_source_added_while_running_gives_the_cpu_detections(samples, tmp_path
     assert not lost and not extra, (lost[:3], extra[:3])
 
 
-def test_the_engine_and_two_workers_give_the_cpu_detections(samples, tmp_path: Path) -> None:
+@pytest.mark.parametrize("ray_address", [None, "local"], ids=["local", "ray"])
+def test_the_engine_and_two_workers_give_the_cpu_detections(samples, tmp_path: Path,
+                                                             ray_address: str | None) -> None:
     """``runtime.workers: 2`` through the run path: one engine process holds the model, two
     source workers feed it: NVDEC frames through the device ring (CUDA IPC), CPU-decoded
     frames through the shared host ring, batched together. Frame by frame the CPU path's
-    detections."""
+    detections; also as one Ray unit (``--ray local``: the actor's engine on the GPU Ray
+    gave it, ``CUDA_VISIBLE_DEVICES``, and its workers on that engine's rings)."""
     from pipeline.app.run import run as run_config
+
+    if ray_address is not None and importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed (pip install -e '.[ray]')")
 
     clips = ("bikes", "bigbuckbunny", "carphone")
     cpu = run(samples, tmp_path / "cpu", clips=clips, device="cpu")
@@ -185,14 +191,20 @@ def test_the_engine_and_two_workers_give_the_cpu_detections(samples, tmp_path: P
         "output": {"dir": str(tmp_path / "split"), "video": None},
         "runtime": {"progress": False, "workers": 2},
     })
-    assert run_config(config) == 0
+    try:
+        assert run_config(config, ray_address) == 0
+    finally:
+        if ray_address is not None:
+            import ray
+
+            ray.shutdown()
     split = [json.loads(line) for name in clips
              for line in (tmp_path / "split" / f"{name}.jsonl").read_text().splitlines()]
     assert [(r["source"], r["frame"]) for r in split] == [(r["source"], r["frame"]) for r in cpu]
     total = sum(len(r["detections"]) for r in cpu)
     lost, extra = unmatched(cpu, split, margin=0.02), unmatched(split, cpu, margin=0.02)
-    print(f"engine + 2 workers: {len(cpu)} frames, {total} CPU detections, {len(lost)} "
-          f"unmatched, {len(extra)} extra")
+    print(f"engine + 2 workers ({ray_address or 'no Ray'}): {len(cpu)} frames, {total} CPU "
+          f"detections, {len(lost)} unmatched, {len(extra)} extra")
     assert total > 400
     assert not lost and not extra, (lost[:3], extra[:3])
 
