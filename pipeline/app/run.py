@@ -201,7 +201,9 @@ def supervise(config: PipelineConfig, executor: Any, resume: tuple[str, ...]) ->
                 exporter.stop()
             print(f"error: failed to start: {error}", file=sys.stderr)
             return EXIT_FAILED
-        log.info("sources placed by load", workers=executor.names, sources=len(config.sources))
+        log.info("sources placed by load", sources=len(config.sources),
+                 workers=[n for h, n in enumerate(executor.names) if h not in executor.spares],
+                 spares=[executor.names[h] for h in sorted(executor.spares)])
         interrupts, previous = install_signal_handlers(supervisor)
         started = time.monotonic()
         try:

@@ -40,6 +40,7 @@ import os
 import queue
 import random
 import signal
+import string
 import threading
 import time
 from collections.abc import Iterator
@@ -86,16 +87,27 @@ def exit_text(code: int) -> str:
 
 
 def name_this_process(role: str) -> None:
-    """Name this process ``sd.ROLE`` where ``ps``, ``top`` and ``pgrep`` show it (Linux keeps
-    15 bytes: ``sd.engine``, ``sd.standby``, ``sd.worker3``, ``sd.gpu1.worker2``,
-    ``sd.decode0``; elsewhere nothing happens): a process is otherwise just ``python -c
+    """Name this process ``process_title(role)`` where ``ps``, ``top`` and ``pgrep`` show it
+    (elsewhere than Linux nothing happens): a process is otherwise just ``python -c
     ...spawn_main``."""
     try:
         import ctypes
 
-        ctypes.CDLL(None).prctl(15, f"sd.{role}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        ctypes.CDLL(None).prctl(15, process_title(role).encode(), 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
+
+
+def process_title(role: str) -> str:
+    """``sd.ROLE`` within the 15 bytes Linux keeps of a process's name: ``sd.engine``,
+    ``sd.standby``, ``sd.worker3``, ``sd.gpu1.worker2``, ``sd.decode0``; where that is longer,
+    the group word before the first dot is cut to its letter, so each worker keeps its number:
+    ``sd.u1.worker2`` (a Ray unit's ``unit1.worker2``), ``sd.g10.worker0``."""
+    title = f"sd.{role}"
+    group, dot, rest = role.partition(".")
+    if len(title.encode()) > 15 and dot:
+        title = f"sd.{group[0]}{group.lstrip(string.ascii_letters)}.{rest}"
+    return title.encode()[:15].decode(errors="ignore")
 
 
 def worker_main(worker: int, sources: list[tuple[int, SourceConfig, int]], shm_name: str,

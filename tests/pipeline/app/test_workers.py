@@ -254,3 +254,30 @@ def test_a_frame_too_large_for_its_slot_ends_that_source_alone(samples, clips, t
     assert graph.source_metrics["c"].error is None
     assert not records(tmp_path / "huge.jsonl") and not records(tmp_path / "huge.partial.jsonl")
     assert not worker_processes_left()
+
+
+@pytest.mark.parametrize("role, title", [
+    ("engine", "sd.engine"), ("worker3", "sd.worker3"), ("gpu1.worker2", "sd.gpu1.worker2"),
+    ("unit1.worker2", "sd.u1.worker2"),  # a Ray unit's worker: 16 bytes as sd.unit1.worker2
+    ("gpu10.worker0", "sd.g10.worker0"), ("unit12.engine", "sd.u12.engine"),
+])
+def test_each_process_is_named_within_what_linux_keeps_with_its_number(role, title):
+    from pipeline.app.workers import process_title
+
+    assert process_title(role) == title
+    assert len(title.encode()) <= 15
+
+
+def test_a_process_shows_its_name_to_ps():
+    """The name is really set: a child names itself, and /proc says so."""
+    if not Path("/proc/self/comm").exists():
+        pytest.skip("no /proc (not Linux)")
+    import subprocess
+    import sys
+
+    code = ("from pipeline.app.workers import name_this_process\n"
+            "name_this_process('unit1.worker2')\n"
+            "print(open('/proc/self/comm').read().strip())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[3])
+    assert out.stdout.strip() == "sd.u1.worker2"
