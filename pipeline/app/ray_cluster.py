@@ -141,9 +141,11 @@ def connect(address: str) -> None:
                                   f"({error.strerror or error})") from None
     try:
         ray.init(address=address, include_dashboard=False)
-    except ConnectionError as error:  # auto with no cluster
-        log.debug("ray.init", error=str(error))
-        raise ConnectionError(f"--ray {address}: no running Ray cluster found on this machine "
+    except ConnectionError as error:
+        if address != "auto":
+            raise ConnectionError(f"--ray {address}: {error}") from None
+        log.debug("ray.init", error=str(error))  # Ray's words name its own --address flag
+        raise ConnectionError("--ray auto: no running Ray cluster found on this machine "
                               "(start one with `ray start --head`, give its address, or "
                               "--ray local)") from None
 
