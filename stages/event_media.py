@@ -26,8 +26,8 @@ Never in the way (the pipeline's thread only copies and appends):
 - Every event is kept and passed on. An event whose media finds ``queue_size`` jobs waiting
   (snapshots, clips waiting for their frames or being made, all sources) gets none: its record
   has no ``snapshot`` or ``clip``, and ``dropped`` counts it. A job that fails (a recording
-  that never holds the frames within ``RECORDING_WAIT_S``, a write error) is logged once per
-  kind and counted in ``failed``.
+  that takes no frame for ``RECORDING_WAIT_S`` and does not yet hold the clip's frames, a
+  write error) is logged once per kind and counted in ``failed``.
 - The snapshot is taken from the frame's own pixels, copied in the analytics stage while the
   pipeline still holds its slot (``keep_images``), or downloaded from an NVDEC frame's
   pictures: one copy per frame that has events.
@@ -76,7 +76,7 @@ log = structlog.get_logger("event_media")
 
 HIGHLIGHT_BGR = (0, 255, 0)  # the event's box in its snapshot: pure green
 DEFAULT_RATE = Fraction(25)
-RECORDING_WAIT_S = 30.0  # wall seconds a clip waits for the recording to hold its frames
+RECORDING_WAIT_S = 30.0  # wall seconds a clip waits for its recording to be written to
 RETRY_S = 0.25  # between looks at a recording that does not hold a clip's frames yet
 RETENTION_EVERY_S = 600.0
 CLOSE_WAIT_S = 20.0  # the longest close() waits for the jobs still queued
@@ -95,6 +95,7 @@ class RecordingWriter(Protocol):
     path: Path
     rate: Fraction
     closed: bool
+    frames: int  # frames written so far
 
     @property
     def first_index(self) -> int: ...
@@ -231,13 +232,17 @@ def _gops(recording: Any, stream: Any, start_s: float, end_s: float, seek: bool
           ) -> tuple[float, list[Any], bool] | None:
     """The packets (decode order) from the last keyframe at or before ``start_s`` (or the
     first one read) to the first keyframe after ``end_s``: (the first one's video time, the
-    packets, whether that later keyframe was read); None without any packet."""
+    packets, whether that later keyframe was read); None without any packet (also a
+    recording whose first fragment is not written yet, where even a seek fails)."""
     base = stream.time_base
     if seek:
         try:
             recording.seek(int(start_s / base), stream=stream, backward=True)
         except av.FFmpegError:
-            recording.seek(0, stream=stream, backward=True)
+            try:
+                recording.seek(0, stream=stream, backward=True)
+            except av.FFmpegError:  # no fragment written yet (FFmpeg says EPERM): not there
+                return None
     chosen: list[Any] = []
     first_key: float | None = None
     try:
@@ -313,6 +318,7 @@ class _Clip:
     rate: Fraction
     frames: list[RingFrame] | None = None  # ring mode: its frames so far
     deadline: float = 0.0  # recording mode: monotonic time it gives up at
+    recorded: int = 0  # recording mode: its recording's frames at the last look
 
 
 @dataclass
@@ -556,7 +562,8 @@ class EventMedia:
         try:
             if isinstance(job, _Snapshot):
                 self._snapshot(job)
-            elif not self._clip(job, final) and not final and time.monotonic() < job.deadline:
+            elif not self._clip(job, final) and not final and (
+                    time.monotonic() < job.deadline or self._recording_moved(job)):
                 waiting.append(job)
                 return
             elif not job.path.exists():
@@ -619,6 +626,19 @@ class EventMedia:
             source = writer.path  # renamed meanwhile
         return cut_recording(source, job.path, event_video_s - self.clip.pre_s,
                              event_video_s + self.clip.post_s, complete, describe) is not None
+
+    def _recording_moved(self, job: _Clip) -> bool:
+        """Whether ``job``'s recording took frames since the last look; if so its wait starts
+        again (``RECORDING_WAIT_S``): on a slow machine the encoder can take longer than that to
+        reach a clip's frames while it is still on its way; a recording that stalls (its
+        writer failed) gives its clips up."""
+        sink = self._sources[job.source].sink
+        writer = sink.recording_of(job.event.frame) if sink is not None else None
+        if writer is None or writer.closed or writer.frames <= job.recorded:
+            return False
+        job.recorded = writer.frames
+        job.deadline = time.monotonic() + RECORDING_WAIT_S
+        return True
 
     def _retention(self) -> None:
         """Delete media files (``_MEDIA_NAME``) older than ``keep_hours``, every

@@ -162,7 +162,8 @@ def unit_count(config: PipelineConfig, resources: dict[str, float], nodes: int) 
     gpus = int(resources.get("GPU", 0)) if config.inference.device != "cpu" else 0
     if isinstance(runtime.gpus, list):
         if config.inference.device != "cpu" and len(runtime.gpus) > gpus:
-            raise ConfigError(f"runtime.gpus: lists {len(runtime.gpus)} GPUs; the Ray cluster "
+            listed = f"{len(runtime.gpus)} GPU{'s' * (len(runtime.gpus) != 1)}"
+            raise ConfigError(f"runtime.gpus: lists {listed}; the Ray cluster "
                               f"has {gpus or 'none'} (one unit per GPU)")
         units = len(runtime.gpus)
     elif gpus:

@@ -195,3 +195,57 @@ def replace_track(event: AnalyticsEvent, tracker_id: int) -> AnalyticsEvent:
     from dataclasses import replace
 
     return replace(event, tracker_id=tracker_id)
+
+
+class OneRecording:
+    """A source's sink as the media asks it (``RecordingSource``): one real ``VideoWriter``."""
+
+    def __init__(self, writer) -> None:
+        self.writer, self.video_path = writer, writer.path
+
+    def recording_of(self, frame: int):
+        return self.writer if self.writer.frames else None
+
+
+@pytest.mark.parametrize("stalls", [False, True], ids=["moving", "stalled"])
+def test_a_clip_waits_for_its_recording_while_it_takes_frames(bikes_i420, tmp_path: Path,
+                                                               monkeypatch, stalls: bool) -> None:
+    """A clip from the recording waits for its frames, its fragment (up to the next keyframe,
+    then x264's held frames) written only after the wait (here 0.2 s) has passed: while the
+    recording takes frames the clip keeps waiting and is made (before the recording's first
+    fragment, FFmpeg cannot even seek in it: that too is "not there yet"); a recording that
+    stops taking frames (its writer stuck) gives it up, counted as failed."""
+    import stages.event_media as event_media
+    from stages.sinks import VideoWriter
+
+    monkeypatch.setattr(event_media, "RECORDING_WAIT_S", 0.2)
+    monkeypatch.setattr(event_media, "RETRY_S", 0.02)
+    writer = VideoWriter(tmp_path / "bikes.mp4", 23)
+    media = EventMedia(EventMediaConfig(snapshot=False, clip=ClipConfig(pre_s=0.2, post_s=0.2)))
+    media.add_source("bikes", tmp_path / "bikes.events.jsonl", OneRecording(writer))
+    media.start()
+    out = []
+    for start in range(0, 120, 4):  # 25 fps: keyframes at frames 0, 50, 100 (or scene cuts)
+        item = batch_detections([(make_frame("bikes", i, bikes_i420[i], pts=i / 25, rate=RATE),
+                                  []) for i in range(start, start + 4)])
+        out += media.observe(item, [event_at(10)] if start == 8 else [])
+        if not (stalls and start >= 32):
+            writer.write(item)
+        time.sleep(0.08)  # 2.4 s of wall time in all: the wait passes about 12 times
+    if stalls:
+        time.sleep(0.5)  # stuck, not closed: past the wait with no frame taken
+    media.close()
+    writer.close(complete=True)
+    (event,) = out
+    assert event.clip == "bikes.events/" + Path(event.clip).name
+    stats = media.stats()
+    if stalls:
+        assert (stats.clips, stats.failed) == (0, 1)
+        assert not (tmp_path / event.clip).exists()
+    else:
+        assert (stats.clips, stats.failed) == (1, 0)
+        with av.open(str(tmp_path / event.clip)) as clip:
+            meta = json.loads(clip.metadata["comment"])
+            frames = sum(1 for _ in clip.decode(clip.streams.video[0]))
+        # whole GOPs (a keyframe every 50 frames, or at a scene cut) around frames 5..15
+        assert meta["start_frame"] <= 5 and meta["start_frame"] + frames > 15, (meta, frames)

@@ -459,6 +459,8 @@ def test_ray_units_one_per_gpu_else_one_per_node(samples, runtime, inference, gp
      r"^runtime\.gpus: lists 3 GPUs; the Ray cluster has 2 \(one unit per GPU\)$"),
     ([0, 1, 2], {}, {"CPU": 16.0},
      r"^runtime\.gpus: lists 3 GPUs; the Ray cluster has none \(one unit per GPU\)$"),
+    ([0], {}, {"CPU": 16.0},
+     r"^runtime\.gpus: lists 1 GPU; the Ray cluster has none \(one unit per GPU\)$"),
     ("all", {}, {"CPU": 16.0}, r"^runtime\.gpus: 'all' found no GPU"),
     # the CPU path asked for: a unit takes a CPU, and Ray would never place a third
     ([0, 1, 2], {"device": "cpu"}, {"CPU": 2.0},
