@@ -607,8 +607,7 @@ class EventMedia:
             encode_clip(job.path, job.frames, job.rate, comment)
             job.frames = None  # its frames go back
             return True
-        sink = self._sources[job.source].sink
-        writer = sink.recording_of(event.frame) if sink is not None else None
+        writer = self._recording(job)
         if writer is None:
             return False
         rate = float(writer.rate)
@@ -627,13 +626,17 @@ class EventMedia:
         return cut_recording(source, job.path, event_video_s - self.clip.pre_s,
                              event_video_s + self.clip.post_s, complete, describe) is not None
 
+    def _recording(self, job: _Clip) -> RecordingWriter | None:
+        """The recording that holds (or will hold) ``job``'s event frame, None when none yet."""
+        sink = self._sources[job.source].sink
+        return sink.recording_of(job.event.frame) if sink is not None else None
+
     def _recording_moved(self, job: _Clip) -> bool:
         """Whether ``job``'s recording took frames since the last look; if so its wait starts
         again (``RECORDING_WAIT_S``): on a slow machine the encoder can take longer than that to
         reach a clip's frames while it is still on its way; a recording that stalls (its
         writer failed) gives its clips up."""
-        sink = self._sources[job.source].sink
-        writer = sink.recording_of(job.event.frame) if sink is not None else None
+        writer = self._recording(job)
         if writer is None or writer.closed or writer.frames <= job.recorded:
             return False
         job.recorded = writer.frames

@@ -178,7 +178,9 @@ def test_the_engine_and_two_workers_give_the_cpu_detections(samples, tmp_path: P
     from pipeline.app.run import run as run_config
 
     if ray_address is not None and importlib.util.find_spec("ray") is None:
-        pytest.skip("ray is not installed (pip install -e '.[ray]')")
+        from tests.support.ci import skip_unless_ci
+
+        skip_unless_ci("ray is not installed (pip install -e '.[ray]')", "Ray")
 
     clips = ("bikes", "bigbuckbunny", "carphone")
     cpu = run(samples, tmp_path / "cpu", clips=clips, device="cpu")
