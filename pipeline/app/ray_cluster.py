@@ -34,6 +34,7 @@ import importlib.util
 import os
 import re
 import socket
+import time
 from typing import Any
 
 import structlog
@@ -48,6 +49,8 @@ CALL_TIMEOUT_S = 30.0  # a poll that takes longer counts as a lost unit
 RESTART_WAIT_S = 2.0  # restart(): how long to wait for Ray to bring a unit back
 STATES_WAIT_S = 1.0  # engine_states(): a unit Ray is restarting is left out after this
 CONNECT_TIMEOUT_S = 5.0  # connect(): how long a cluster's address may take to answer
+WAIT_SLICE_S = 1.0  # a call's answer is waited for in slices, the cluster checked between
+GCS_PROBE_S = 0.5  # cluster_gone(): how long the cluster's GCS may take to accept a connection
 ADDRESS_FORMS = r"auto|local|(ray://)?[A-Za-z0-9.\-]+:\d{1,5}|(ray://)?\[[0-9A-Fa-f:.]+\]:\d{1,5}"
 
 
@@ -64,6 +67,10 @@ def ray_missing(address: str = "auto") -> str | None:
     if address.startswith("ray://") and importlib.util.find_spec("grpc") is None:
         return f"--ray {address}: Ray's client needs the package 'grpcio' (ray[client]): {install}"
     return None
+
+
+class ClusterGone(Exception):
+    """The Ray cluster this run started is gone (``RayExecutor.cluster_gone``)."""
 
 
 class RayUnit:
@@ -115,11 +122,15 @@ class RayUnit:
         self.executor.close()
 
 
-def connect(address: str) -> None:
+def connect(address: str) -> str | None:
     """``ray.init`` for ``--ray``: ``auto`` joins the cluster this machine is part of,
     ``local`` starts one on this machine, anything else is a cluster's address
     (``ray://head:10001`` or ``head:6379``, checked by ``ray_missing``). Nothing happens when
     Ray is initialised already (a test, an application).
+
+    Returns:
+        For ``local``, the address of the started cluster's GCS (``RayExecutor``'s
+        ``local_gcs``), else None.
 
     Raises:
         ConnectionError: no cluster found (``auto``), or nothing answers at the address within
@@ -128,19 +139,20 @@ def connect(address: str) -> None:
     import ray
 
     if ray.is_initialized():
-        return
+        return None
     if address == "local":
+        # Its driver's shutdown waits this long to send Ray's task events to the GCS (a few
+        # seconds by default), also when the GCS went first (RayExecutor's docstring).
+        os.environ.setdefault("RAY_task_events_shutdown_flush_timeout_ms", "500")
         ray.init(include_dashboard=False)
-        return
+        return ray.get_runtime_context().gcs_address
     if address != "auto":
-        host, _, port = address.removeprefix("ray://").rpartition(":")
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), CONNECT_TIMEOUT_S).close()
-        except OSError as error:
-            raise ConnectionError(f"--ray {address}: no Ray cluster answers there "
-                                  f"({error.strerror or error})") from None
+        refused = refusal(address.removeprefix("ray://"), CONNECT_TIMEOUT_S)
+        if refused is not None:
+            raise ConnectionError(f"--ray {address}: no Ray cluster answers there ({refused})")
     try:
         ray.init(address=address, include_dashboard=False)
+        return None
     except ConnectionError as error:
         if address != "auto":
             raise ConnectionError(f"--ray {address}: {error}") from None
@@ -148,6 +160,17 @@ def connect(address: str) -> None:
         raise ConnectionError("--ray auto: no running Ray cluster found on this machine "
                               "(start one with `ray start --head`, give its address, or "
                               "--ray local)") from None
+
+
+def refusal(address: str, timeout_s: float) -> str | None:
+    """Why nothing accepts a TCP connection at ``address`` (``host:port``, ``[v6]:port``)
+    within ``timeout_s``, or None when something does."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout_s).close()
+    except OSError as error:
+        return error.strerror or str(error) or type(error).__name__
+    return None
 
 
 def unit_count(config: PipelineConfig, resources: dict[str, float], nodes: int) -> int:
@@ -185,17 +208,27 @@ class RayExecutor:
     initialised (``connect``). Host ``h`` is worker ``h % size`` of unit ``h // size``
     (``size``: its workers, then its spares), named ``unitU.workerW``; its group is its unit.
 
+    A cluster this run started (``--ray local``: ``local_gcs``) ends with the run's process
+    group: a stop signal sent to the whole group (``kill -TERM -PGID``, ``timeout``, systemd)
+    reaches Ray's own processes too, and its units die with them. So an answer is waited for
+    in slices of ``WAIT_SLICE_S``, and between them a GCS that no longer accepts connections
+    ends the wait at once (``cluster_gone``): the run ends in seconds, its outputs kept to
+    resume, instead of waiting out ``CALL_TIMEOUT_S`` per unit (and Ray's own 60 s, after
+    which its driver exits with status 1).
+
     Args:
         config: the run's configuration (absolute paths: see module docstring).
         units: units, or None for ``unit_count``.
         metrics: the workers send metrics snapshots.
+        local_gcs: the GCS address of a cluster this run started (``connect``), or None.
     """
 
     def __init__(self, config: PipelineConfig, units: int | None = None,
-                 metrics: bool = False) -> None:
+                 metrics: bool = False, local_gcs: str | None = None) -> None:
         import ray
 
         self.ray = ray
+        self.local_gcs, self._gone = local_gcs, None
         resources = ray.cluster_resources()
         nodes = len([node for node in ray.nodes() if node.get("Alive")])
         units = units or unit_count(config, resources, nodes)
@@ -238,11 +271,44 @@ class RayExecutor:
         actor, local = self._unit(host)
         actor.call.remote(local, method, *args)  # failures surface in poll
 
+    def cluster_gone(self) -> str | None:
+        """Why the cluster this run started is gone (its GCS accepts no connection), or None
+        (also for a cluster it joined: that one is not probed). Once gone, always gone."""
+        if self._gone is None and self.local_gcs is not None:
+            refused = refusal(self.local_gcs, GCS_PROBE_S)
+            if refused is not None:
+                self._gone = f"the local Ray cluster is gone (its GCS: {refused})"
+                log.warning("ray cluster gone", gcs=self.local_gcs, error=refused)
+        return self._gone
+
+    def _get(self, ref: Any, timeout_s: float) -> Any:
+        """``ray.get(ref)``, waited for in slices with ``cluster_gone`` asked between them.
+
+        Raises:
+            ClusterGone: the cluster this run started is gone.
+            ray.exceptions.GetTimeoutError: no answer within ``timeout_s``.
+            ray.exceptions.RayActorError: the unit died.
+        """
+        ray = self.ray
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait([ref], timeout=max(0.0, min(WAIT_SLICE_S, left)))
+            if ready:
+                return ray.get(ref)
+            gone = self.cluster_gone()
+            if gone is not None:
+                raise ClusterGone(gone)
+            if left <= WAIT_SLICE_S:
+                raise ray.exceptions.GetTimeoutError(f"no answer within {timeout_s:g} s")
+
     def poll(self, host: int) -> tuple[list[HostReport], str | None]:
         ray = self.ray
         actor, local = self._unit(host)
         try:
-            return ray.get(actor.poll.remote(local), timeout=CALL_TIMEOUT_S)
+            return self._get(actor.poll.remote(local), CALL_TIMEOUT_S)
+        except ClusterGone as gone:
+            return [], str(gone)
         except ray.exceptions.GetTimeoutError:
             return [], f"its unit gave no answer within {CALL_TIMEOUT_S} s"
         except ray.exceptions.RayActorError as error:
@@ -252,12 +318,14 @@ class RayExecutor:
         """Start ``host`` again in its unit: True once started, False while Ray is still
         restarting the unit, None when Ray gave it up."""
         ray = self.ray
+        if self.cluster_gone() is not None:
+            return None
         actor, local = self._unit(host)
         try:  # asked first: a start left queued in a unit not back yet would run later
             ray.get(actor.pid.remote(), timeout=RESTART_WAIT_S)
-            ray.get(actor.start.remote(local), timeout=CALL_TIMEOUT_S)
+            self._get(actor.start.remote(local), CALL_TIMEOUT_S)
             return True
-        except ray.exceptions.ActorDiedError:
+        except (ray.exceptions.ActorDiedError, ClusterGone):
             return None
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False
@@ -287,12 +355,15 @@ class RayExecutor:
         self.ray.kill(self._unit(host)[0], no_restart=False)
 
     def close(self) -> None:
-        """Each unit stops its workers and engine (``LocalExecutor.close``), then goes."""
+        """Each unit stops its workers and engine (``LocalExecutor.close``), then goes (not
+        waited for when the cluster is gone: its units went with it)."""
         ray = self.ray
         closing = {unit: actor.close.remote() for unit, actor in self.actors.items()}
         for unit, done in closing.items():
             try:
-                ray.get(done, timeout=JOIN_TIMEOUT_S + 10)
+                self._get(done, JOIN_TIMEOUT_S + 10)
+            except ClusterGone:
+                break
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 log.warning("unit did not close", unit=unit)
             ray.kill(self.actors[unit], no_restart=True)

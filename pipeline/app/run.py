@@ -96,8 +96,8 @@ def make_executor(config: PipelineConfig, ray_address: str | None = None, metric
         if on_batch_done is not None:
             raise ConfigError("--ray: the Python API's per-frame results need the pipeline in "
                               "this process")
-        connect(ray_address)
-        return RayExecutor(absolute_paths(config), metrics=metrics)
+        local_gcs = connect(ray_address)
+        return RayExecutor(absolute_paths(config), metrics=metrics, local_gcs=local_gcs)
     devices = resolve_devices(config)
     if len(devices) > 1 and on_batch_done is not None:
         raise ConfigError("runtime.workers: the Python API's per-frame results need the "

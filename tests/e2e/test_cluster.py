@@ -6,6 +6,8 @@ and once with GPU units as Ray actors on a local Ray cluster (``--ray``)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -18,6 +20,7 @@ from pipeline.app.supervisor import LocalExecutor, Supervisor, absolute_paths
 from pipeline.config import PipelineConfig, parse_config, partial_path
 from tests.e2e.conftest import pipeline_config, records
 from tests.support.ci import skip_unless_ci
+from tests.support.harness import wait_for
 
 FRAMES = 60  # per source
 SOURCES = 4
@@ -219,3 +222,28 @@ def test_ray_units_a_killed_unit_s_sources_continue_on_the_other(samples, tmp_pa
         assert not running(engine["pid"]), "the killed unit's engine lives on"
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_the_whole_group_of_a_ray_local_run_ends_it_in_seconds(
+        samples, tmp_path, run_pipeline):
+    """``kill -TERM -PGID`` (what ``timeout`` and systemd send) on ``run.py --ray local``
+    reaches the Ray instance the run started too, and its unit goes with it: the run sees
+    its cluster gone and ends in seconds with exit 3, its output kept to resume. (Before, it
+    waited out Ray's call timeouts: 48-57 s, once exit 1 when Ray's driver gave the GCS up.)"""
+    require_ray()
+    config = pipeline_config(
+        samples, tmp_path, [{"name": "street", "uri": str(samples.bikes), "pace_fps": 10,
+                             "detect_every": 2}],
+        runtime={"workers": 1, "standby_engine": False, "decode_workers": 0})
+    run = run_pipeline(config, tmp_path, new_session=True, extra_args=["--ray", "local"])
+    partial = partial_path(tmp_path / "street.jsonl")
+    wait_for(lambda: len(records(partial)) >= 5, "the first records", 180, run)
+    os.killpg(run.process.pid, signal.SIGTERM)
+    signalled = time.monotonic()
+    code = run.wait(60)
+    took = time.monotonic() - signalled
+    assert code == 3, run.stderr()[-3000:]
+    assert run.events("ray cluster gone"), run.stderr()[-3000:]
+    assert took < 15, f"the run took {took:.1f} s to end"
+    assert partial.exists() and 5 <= len(records(partial)) < 250
