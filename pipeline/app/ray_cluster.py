@@ -34,6 +34,7 @@ import importlib.util
 import os
 import re
 import socket
+import sys
 import time
 from typing import Any
 
@@ -138,6 +139,8 @@ def connect(address: str) -> str | None:
     """
     import ray
 
+    if not sys.stderr.isatty():  # the units' log lines come with Ray's colour codes else
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if ray.is_initialized():
         return None
     if address == "local":

@@ -247,3 +247,5 @@ def test_a_stop_signal_to_the_whole_group_of_a_ray_local_run_ends_it_in_seconds(
     assert run.events("ray cluster gone"), run.stderr()[-3000:]
     assert took < 15, f"the run took {took:.1f} s to end"
     assert partial.exists() and 5 <= len(records(partial)) < 250
+    # the unit's log lines, which Ray prints for it, are in the log without colour codes
+    assert "(RayUnit pid=" in run.stderr() and "\x1b[" not in run.stderr()
