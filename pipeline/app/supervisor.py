@@ -222,6 +222,8 @@ class Supervisor:
         self._lock = threading.RLock()  # add_source / remove_source vs the loop
         self._next_view = 0.0  # when the hosts are told next which sources are watched
         self._turn: dict[str, float] = {}  # the loop's turn: seconds of each part (``run``)
+        self._answered: set[int] = set()  # hosts whose poll answered once (a first is slow)
+        self._first_answer = False  # this turn had a host's first answer (``_poll_hosts``)
 
     @property
     def frames(self) -> dict[str, int]:
@@ -348,6 +350,7 @@ class Supervisor:
             while True:
                 turn_started = time.monotonic()
                 self._turn = dict.fromkeys(("poll", "reports", "want", "place"), 0.0)
+                self._first_answer = False
                 if self._abort.is_set() and not aborting:
                     aborting = stopping = True
                     for host in self._live_hosts():
@@ -368,7 +371,9 @@ class Supervisor:
                     self._start_placed()
                     self._turn["place"] = time.monotonic() - placing
                 took = time.monotonic() - turn_started
-                if took >= SLOW_TURN_S:  # a worker's death waits this long to be seen
+                # A worker's death waits this long to be seen; a host's first answer may take
+                # its start (a Ray unit's actor is made then), which is not the loop's delay.
+                if took >= SLOW_TURN_S and not self._first_answer:
                     log.warning("supervisor turn slow", seconds=round(took, 2),
                                 **{f"{part}_s": round(t, 2) for part, t in self._turn.items()})
                 if stopping and all(state.finished or not state.alive
@@ -433,6 +438,9 @@ class Supervisor:
             began = time.monotonic()
             reports, died = self.executor.poll(host)
             polled = time.monotonic()
+            if host not in self._answered:
+                self._answered.add(host)
+                self._first_answer = True
             turn["poll"] += polled - began
             name = self.executor.names[host]
             for report in reports:

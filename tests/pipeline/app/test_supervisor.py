@@ -604,3 +604,40 @@ def test_a_dying_worker_s_exit_status_is_polled_not_waited_for():
     finally:
         process.kill()
     assert exit_status(process, 5.0) == -9
+
+
+def test_a_slow_turn_is_logged_but_not_a_host_s_first_answer(config):
+    """A turn of the loop that takes SLOW_TURN_S or more is logged (a death waits that long
+    to be seen); a host's first answer, which may take its start (a Ray unit's actor is made
+    then), is not the loop's delay and is not logged."""
+    from structlog.testing import capture_logs
+
+    from pipeline.app.supervisor import SLOW_TURN_S
+
+    class SlowPolls(ScriptedExecutor):
+        def __init__(self, hosts: int) -> None:
+            super().__init__(hosts)
+            self.slow: set[int] = set()  # hosts whose next poll is slow
+            self.polled: set[int] = set()
+
+        def poll(self, host: int):
+            if host not in self.polled or host in self.slow:
+                self.polled.add(host)
+                self.slow.discard(host)
+                time.sleep(SLOW_TURN_S + 0.05)
+            return super().poll(host)
+
+    executor = SlowPolls(2)
+    with capture_logs() as logs:
+        supervisor, thread, _ = start(config, executor)
+        wait_for(lambda: len(executor.running) == 4, "four sources started")
+        time.sleep(0.5)
+        assert not [e for e in logs if e["event"] == "supervisor turn slow"]
+        executor.slow.add(1)
+        wait_for(lambda: [e for e in logs if e["event"] == "supervisor turn slow"],
+                 "a slow turn logged")
+    (slow,) = [e for e in logs if e["event"] == "supervisor turn slow"]
+    assert slow["poll_s"] >= SLOW_TURN_S
+    for name in "abcd":
+        executor.finish(name)
+    thread.join(5)
