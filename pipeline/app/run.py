@@ -91,11 +91,15 @@ def make_executor(config: PipelineConfig, ray_address: str | None = None, metric
     )
 
     if ray_address is not None:
-        from pipeline.app.ray_cluster import RayExecutor, connect
+        from pipeline.app.ray_cluster import RayExecutor, connect, unit_count
 
         if on_batch_done is not None:
             raise ConfigError("--ray: the Python API's per-frame results need the pipeline in "
                               "this process")
+        if ray_address == "local" and isinstance(config.runtime.gpus, list) \
+                and config.inference.device != "cpu":
+            # the cluster to start has this machine's GPUs: a list longer is told before it
+            unit_count(config, {"GPU": gpu_count()}, 1)
         local_gcs = connect(ray_address)
         return RayExecutor(absolute_paths(config), metrics=metrics, local_gcs=local_gcs)
     devices = resolve_devices(config)

@@ -562,6 +562,26 @@ def test_a_ray_address_where_nothing_answers_fails_at_once(samples, tmp_path, ca
     assert not list(tmp_path.glob("*.jsonl*"))
 
 
+def test_ray_local_with_more_gpus_listed_than_this_machine_has_fails_before_ray_starts(
+        samples, tmp_path, capsys, monkeypatch):
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("ray") is None:
+        from tests.support.ci import skip_unless_ci
+
+        skip_unless_ci("ray is not installed (pip install -e '.[ray]')", "Ray")
+    monkeypatch.setattr("pipeline.app.supervisor.gpu_count", lambda: 1)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"sources: [{{name: a, uri: {samples.bikes}}}]\n"
+                      f"inference: {{device: cuda}}\nruntime: {{gpus: [0, 1]}}\n"
+                      f"output: {{dir: {tmp_path}}}\n")
+    assert cli.main(["--config", str(config), "--ray", "local"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == ("error: runtime.gpus: lists 2 GPUs; the Ray cluster has "
+                                       "1 (one unit per GPU)\n")
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
 def test_a_normal_run_imports_nothing_of_ray(repo_root):
     code = ("import sys, pkgutil, importlib, pipeline, pipeline.app, stages\n"
             "for package in (pipeline, pipeline.app, stages):\n"
