@@ -255,15 +255,16 @@ class WebhookEndpoint:
             self._wait(retry_after)
 
     def _delivered(self) -> None:
-        self.delivered += 1
-        if self._failing_since is not None:
+        since, self._failing_since = self._failing_since, None
+        self._last_error = self._logged_error = None
+        self._failures_in_row = 0
+        self.delivered += 1  # last: whoever sees it counted sees the endpoint not failing
+        if since is not None:
             with self._cond:
                 waiting = self._waiting.caught_up()
             log.info("webhook delivering again", url=self.url,
-                     failed_for_s=round(time.monotonic() - self._failing_since, 1),
+                     failed_for_s=round(time.monotonic() - since, 1),
                      waiting=waiting, dropped=self._waiting.dropped)
-        self._failing_since = self._last_error = self._logged_error = None
-        self._failures_in_row = 0
 
     def _failed(self, reason: str) -> None:
         self.failed += 1
