@@ -259,8 +259,9 @@ def finish(supervisor: Any, results: dict[str, str | None], interrupts: int,
         summary = dict(ended.summary) if ended is not None else {"source": name}
         summary.update(frames=run.frames, error=results.get(name),
                        pipelines=list(dict.fromkeys(run.hosts)), moves=run.moves)
-        if ended is not None and ended.cut_short and results.get(name) is None:
-            cut[name] = summary["cut_short"] = ended.cut_short
+        where = ended.cut_short if ended is not None and ended.cut_short else run.unended
+        if where and results.get(name) is None:
+            cut[name] = summary["cut_short"] = where
         log.info("source summary", **summary)
     log.info("run finished", seconds=round(elapsed, 2))
     if interrupts >= 2:

@@ -156,6 +156,8 @@ class SourceRun:
         frames: frames done, summed over the hosts it ran on.
         hosts: the hosts it ran on, in order.
         moves: times it was placed again because its host died.
+        unended: why the run ended with its outputs maybe not final: its host was lost while
+            the run was stopping, before it reported the source's end (None: it ended).
     """
 
     config: SourceConfig
@@ -175,6 +177,7 @@ class SourceRun:
     running_frames: int = 0  # frames reported by its current host
     first_frame: int | None = None  # the frame its first host in this run started at
     request: int | None = None  # the id of its latest ``add``
+    unended: str | None = None
 
 
 class Supervisor:
@@ -391,6 +394,10 @@ class Supervisor:
             with self._lock:
                 for name in self._unfinished():
                     self.results.setdefault(name, None if stopping else "stopped")
+                    if stopping:  # its host went before it could end it: outputs .partial
+                        run = self.sources[name]
+                        run.unended = f"stopped at frame {run.frames} (its worker was lost " \
+                            "while the run was stopping)"
                 for pending in self._pending.values():
                     pending.reply = Reply(pending.request.id, error="the run is ending",
                                           conflict=True)

@@ -661,3 +661,29 @@ def test_a_slow_turn_is_logged_but_not_a_host_s_first_answer(config):
     for name in "abcd":
         executor.finish(name)
     thread.join(5)
+
+
+def test_a_host_lost_while_the_run_stops_leaves_its_sources_cut_short_not_finished(config):
+    """A host that dies while the run is stopping (a group SIGTERM that also ended a local
+    Ray cluster) never reports its sources' ends: their outputs stay .partial, so the run
+    says they were stopped early (exit 3), not finished (exit 0)."""
+    from pipeline.app.run import EXIT_STOPPED, finish
+
+    class DiesOnStop(ScriptedExecutor):
+        def call(self, host: int, method: str, *args) -> None:
+            if method == "stop" and host == 1:
+                self.die(1)
+                return
+            super().call(host, method, *args)
+
+    executor = DiesOnStop(2)
+    supervisor, thread, results = start(config, executor, max_restarts=0)
+    wait_for(lambda: len(executor.running) == 4, "four sources started")
+    lost = sorted(executor.on(1))
+    supervisor.request_stop()
+    thread.join(5)
+    assert not thread.is_alive() and results == {name: None for name in "abcd"}
+    assert lost and all(supervisor.sources[name].unended == "stopped at frame 0 (its worker "
+                        "was lost while the run was stopping)" for name in lost)
+    assert all(supervisor.sources[name].unended is None for name in "abcd" if name not in lost)
+    assert finish(supervisor, results, 1, 1.0) == EXIT_STOPPED
