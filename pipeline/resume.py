@@ -105,5 +105,5 @@ def cut_files(config: PipelineConfig) -> dict[str, int]:
             cut[old.name] = moved.start_frame
             structlog.get_logger("resume").info(
                 "resuming a file cut short after its last record", source=old.name,
-                frame=moved.start_frame)
+                from_frame=moved.start_frame)
     return cut

@@ -96,7 +96,7 @@ def test_a_stopped_file_stays_partial_and_the_next_run_resumes_it(samples, clip:
     assert [r["frame"] for r in lines] == list(range(CLIP_FRAMES))  # each frame once, in order
     assert not (tmp_path / "bikes.partial.jsonl").exists()
     (resumed,) = again.events("resuming a file cut short after its last record")
-    assert resumed["frame"] == len(cut)
+    assert resumed["from_frame"] == len(cut)
     # every video part of the finished file has a final name, and together they hold it all
     videos = sorted(p.name for p in tmp_path.glob("bikes*.mp4"))
     assert videos == ["bikes.from-0.mp4", f"bikes.from-{len(cut)}.mp4"]
