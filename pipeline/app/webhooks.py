@@ -255,10 +255,12 @@ class WebhookEndpoint:
             self._wait(retry_after)
 
     def _delivered(self) -> None:
+        with self._cond:
+            self._sending = None  # no longer waiting
         since, self._failing_since = self._failing_since, None
         self._last_error = self._logged_error = None
         self._failures_in_row = 0
-        self.delivered += 1  # last: whoever sees it counted sees the endpoint not failing
+        self.delivered += 1  # last: whoever sees it counted sees it neither failing nor waiting
         if since is not None:
             with self._cond:
                 waiting = self._waiting.caught_up()
@@ -272,9 +274,11 @@ class WebhookEndpoint:
         self._note(reason, "webhook failing; sending again with backoff")
 
     def _rejected(self, reason: str) -> None:
-        self.rejected += 1
+        with self._cond:
+            self._sending = None  # as in _delivered: counted last, the rest already true
         self._failures_in_row = 0
         self._note(reason, "webhook refused an event; it is not sent again")
+        self.rejected += 1
 
     def _note(self, reason: str, message: str) -> None:
         """Mark the endpoint failing; log ``message`` once per distinct reason in a row."""
