@@ -196,7 +196,6 @@ class WebhookEndpoint:
             while (item := self._next()) is not None:
                 if not self._deliver(client, *item):
                     return  # out of flush time: the event stays counted as unsent
-                self._sending = None
         except Exception as error:  # noqa: BLE001 - a webhook never stops the run
             log.error("webhook thread failed; this endpoint gets no more events", url=self.url,
                       error=f"{type(error).__name__}: {error}")
@@ -205,8 +204,8 @@ class WebhookEndpoint:
                 client.close()
 
     def _next(self) -> tuple[str, dict[str, Any]] | None:
-        """The next event to send (kept as ``_sending`` until it is done), or None when
-        closing and nothing is left or the flush time is up."""
+        """The next event to send (kept as ``_sending`` until ``_delivered`` or ``_rejected``
+        counts it), or None when closing and nothing is left or the flush time is up."""
         with self._cond:
             while not self._waiting:
                 if self._closing:
