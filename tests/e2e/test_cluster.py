@@ -228,9 +228,10 @@ def test_ray_units_a_killed_unit_s_sources_continue_on_the_other(samples, tmp_pa
 def test_a_stop_signal_to_the_whole_group_of_a_ray_local_run_ends_it_in_seconds(
         samples, tmp_path, run_pipeline):
     """``kill -TERM -PGID`` (what ``timeout`` and systemd send) on ``run.py --ray local``
-    reaches the Ray instance the run started too, and its unit goes with it: the run sees
-    its cluster gone and ends in seconds with exit 3, its output kept to resume. (Before, it
-    waited out Ray's call timeouts: 48-57 s, once exit 1 when Ray's driver gave the GCS up.)"""
+    reaches the Ray instance the run started too (its unit, in a process group of its own,
+    drains until Ray's processes have gone): the run sees its cluster gone and ends in
+    seconds with exit 3, its output kept to resume. (Before, it waited out Ray's call
+    timeouts: 48-57 s, once exit 1 when Ray's driver gave the GCS up.)"""
     require_ray()
     config = pipeline_config(
         samples, tmp_path, [{"name": "street", "uri": str(samples.bikes), "pace_fps": 10,
