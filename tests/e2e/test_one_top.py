@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import socket
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -31,6 +32,24 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_for_picture(page, client: httpx.Client, name: str, timeout_s: float = 30.0) -> None:
+    """Wait until the page shows a picture of source ``name``; fail saying what the card
+    and the server showed then."""
+    from playwright.sync_api import TimeoutError as PageTimeout
+
+    try:
+        page.wait_for_function(
+            f"""() => {{ const img = document.querySelector('.source[data-source="{name}"] img');
+                        return img && img.complete && img.naturalWidth > 0; }}""",
+            timeout=timeout_s * 1000)
+    except PageTimeout:
+        card = page.locator(f'.source[data-source="{name}"]').inner_text()
+        snapshot = client.get(f"api/sources/{name}/snapshot.jpg")
+        pytest.fail(f"no picture of {name} on the page in {timeout_s:.0f} s; its card read "
+                    f"{card!r}; snapshot.jpg answered {snapshot.status_code} now; health: "
+                    f"{client.get('api/health').text}")
 
 
 def picture(page, name: str) -> np.ndarray:
@@ -61,13 +80,18 @@ def test_two_pipelines_one_live_view_add_and_remove_without_touching_the_others(
     config["output"]["video"] = None
     run = run_pipeline(config, tmp_path, extra_args=["--ray", "local"] if mode == "ray" else [])
     base = f"http://127.0.0.1:{http_port}/"
-    with httpx.Client(base_url=base, timeout=30) as client:
+    with httpx.Client(base_url=base, timeout=30) as client, ExitStack() as browser:
         def health() -> dict:
             try:
                 return client.get("api/health").json()
             except httpx.HTTPError:
                 return {}
 
+        # The page opens as soon as the server answers, as a user's would: street (a 25 s
+        # file) must still be running when the page first asks for its picture.
+        wait_for(lambda: health() != {}, "the live view answering", 180, run)
+        page = browser.enter_context(headless_page(chromium))
+        page.goto(base)
         wait_for(lambda: health().get("status") == "ok"
                  and health()["sources"] == dict.fromkeys(["street", "door", "yard"], "running"),
                  "every source running", 180, run)
@@ -86,31 +110,26 @@ def test_two_pipelines_one_live_view_add_and_remove_without_touching_the_others(
         assert engine["standby"] in ("starting", "ready"), engine
         assert len(health()["engines"]) == 1
 
-        with headless_page(chromium) as page:
-            page.goto(base)
-            # the spare is listed as one, not as a worker with none
-            page.wait_for_function("() => document.getElementById('hosts').textContent"
-                                   f".includes('{unit}worker2 (ready, spare)')", timeout=30_000)
-            cards = page.locator(".source").evaluate_all("cards => cards.map(c => c.dataset.source)")
-            assert cards == ["street", "door", "yard"]
-            for name in cards:
-                page.wait_for_function(
-                    f"""() => {{ const img = document.querySelector(
-                                   '.source[data-source="{name}"] img');
-                                return img && img.complete && img.naturalWidth > 0; }}""",
-                    timeout=30_000)
-                assert page.locator(f'.source[data-source="{name}"] [data-field=host]'
-                                    ).text_content() == sources[name]["host"]
-            # the preview moves (polled for 10 s: a loaded CI machine can hold a 4 fps
-            # preview back for seconds; once had it still after a fixed 2 s)
-            first, moved = picture(page, "street"), 0.0
-            deadline = time.monotonic() + 10.0
-            while moved <= 0.01 and time.monotonic() < deadline:
-                time.sleep(0.5)
-                second = picture(page, "street")
-                moved = (np.abs(first.astype(np.int16) - second.astype(np.int16)).max(axis=2)
-                         > 24).mean()
-            assert moved > 0.01, f"the preview did not move in 10 s: {moved:.4f}"
+        # the spare is listed as one, not as a worker with none
+        page.wait_for_function("() => document.getElementById('hosts').textContent"
+                               f".includes('{unit}worker2 (ready, spare)')", timeout=30_000)
+        cards = page.locator(".source").evaluate_all("cards => cards.map(c => c.dataset.source)")
+        assert cards == ["street", "door", "yard"]
+        for name in cards:
+            wait_for_picture(page, client, name)
+            assert page.locator(f'.source[data-source="{name}"] [data-field=host]'
+                                ).text_content() == sources[name]["host"]
+        # the preview moves (polled for 10 s: a loaded CI machine can hold a 4 fps
+        # preview back for seconds; once had it still after a fixed 2 s)
+        first, moved = picture(page, "street"), 0.0
+        deadline = time.monotonic() + 10.0
+        while moved <= 0.01 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            second = picture(page, "street")
+            moved = (np.abs(first.astype(np.int16) - second.astype(np.int16)).max(axis=2)
+                     > 24).mean()
+        assert moved > 0.01, f"the preview did not move in 10 s: {moved:.4f}"
+        browser.close()  # the page's polling stops: the rest needs no pictures
 
         # Prometheus: every host's samples on the one endpoint.
         metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
