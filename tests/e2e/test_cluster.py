@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 from pipeline.app.supervisor import LocalExecutor, Supervisor, absolute_paths
 from pipeline.config import PipelineConfig, parse_config, partial_path
 from tests.e2e.conftest import pipeline_config, records
-from tests.support.ci import skip_unless_ci
+from tests.support.ci import require_ray_installed
 from tests.support.harness import wait_for
 
 FRAMES = 60  # per source
@@ -176,10 +176,9 @@ def running(pid: int) -> bool:
 
 def require_ray():
     """Ray, or a skip (a failure in CI: ``skip_unless_ci``)."""
-    try:
-        import ray
-    except ImportError:
-        skip_unless_ci("ray is not installed (pip install -e '.[ray]')", "Ray")
+    require_ray_installed()
+    import ray
+
     return ray
 
 

@@ -14,6 +14,7 @@ import pytest
 from pipeline.app.build import build_graph
 from pipeline.config import parse_config
 from pipeline.gpu import gpu_unavailable_reason
+from tests.support.ci import require_ray_installed
 
 pytestmark = pytest.mark.gpu
 ENGINE_CACHE = Path(__file__).resolve().parents[2] / "assets" / "engines"  # shared compile cache
@@ -177,10 +178,8 @@ def test_the_engine_and_two_workers_give_the_cpu_detections(samples, tmp_path: P
     gave it, ``CUDA_VISIBLE_DEVICES``, and its workers on that engine's rings)."""
     from pipeline.app.run import run as run_config
 
-    if ray_address is not None and importlib.util.find_spec("ray") is None:
-        from tests.support.ci import skip_unless_ci
-
-        skip_unless_ci("ray is not installed (pip install -e '.[ray]')", "Ray")
+    if ray_address is not None:
+        require_ray_installed()
 
     clips = ("bikes", "bigbuckbunny", "carphone")
     cpu = run(samples, tmp_path / "cpu", clips=clips, device="cpu")

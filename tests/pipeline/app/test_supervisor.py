@@ -538,14 +538,12 @@ def test_a_ray_address_of_no_known_form_is_a_usage_error(samples, tmp_path, caps
 
 def test_a_ray_address_where_nothing_answers_fails_at_once(samples, tmp_path, capsys):
     """Ray itself would wait for the cluster without end; nothing is listening on the port."""
-    import importlib.util
     import socket
     import time
 
-    from tests.support.ci import skip_unless_ci
+    from tests.support.ci import require_ray_installed
 
-    if importlib.util.find_spec("ray") is None:
-        skip_unless_ci("ray is not installed (pip install -e '.[ray]')", "Ray")
+    require_ray_installed()
 
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
@@ -564,13 +562,11 @@ def test_a_ray_address_where_nothing_answers_fails_at_once(samples, tmp_path, ca
 
 def test_ray_local_with_more_gpus_listed_than_this_machine_has_fails_before_ray_starts(
         samples, tmp_path, capsys, monkeypatch):
-    import importlib.util
     import sys
 
-    if importlib.util.find_spec("ray") is None:
-        from tests.support.ci import skip_unless_ci
+    from tests.support.ci import require_ray_installed
 
-        skip_unless_ci("ray is not installed (pip install -e '.[ray]')", "Ray")
+    require_ray_installed()
     monkeypatch.setattr("pipeline.app.supervisor.gpu_count", lambda: 1)
     config = tmp_path / "c.yaml"
     config.write_text(f"sources: [{{name: a, uri: {samples.bikes}}}]\n"
