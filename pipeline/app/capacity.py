@@ -311,7 +311,8 @@ def measure_cameras(options: Options, user: dict[str, Any], clip: Path, fps: flo
             time.sleep(max(0.0, t0 + options.seconds - time.monotonic()))
             (folder / "metrics-end.txt").write_text(poller.scrape())
             t1, p1 = time.monotonic(), time.perf_counter()
-        window.gpu_util, window.window_s = sampler.mean(p0, p1), t1 - t0
+        window.gpu_util, window.nvdec_util = sampler.mean(p0, p1) or (None, None)
+        window.window_s = t1 - t0
         span = (t0 - started, t1 - started)
         if control is not None:
             row.control = control.result()

@@ -7,7 +7,7 @@ run (``RunRow``), the ceilings, the tables, the verdicts, and the JSON of it all
 - the unpaced row: throughput (delivered frames/s), beside the slower of decode alone (as the
   run places its cameras) and engine alone, as a ratio;
 - the busiest stage of any process (a host's, from Prometheus; the engine's, from its log),
-  device memory and GPU utilisation, and, with ``--http``, the live view's add and remove.
+  device memory, GPU and NVDEC utilisation, and, with ``--http``, the live view's add and remove.
 """
 
 from __future__ import annotations
@@ -154,10 +154,10 @@ EVENTS_COLUMN = "events written, whole run"
 
 
 def extra_columns(rows: list[RunRow]) -> list[str]:
-    """The columns only some runs have: GPU utilisation, memory, the live view's calls, the
-    events (and snapshots) written."""
+    """The columns only some runs have: GPU and NVDEC utilisation, memory, the live view's
+    calls, the events (and snapshots) written."""
     windows = [row.window for row in rows if row.window is not None]
-    return ((["GPU"] if any(w.gpu_util is not None for w in windows) else [])
+    return ((["GPU", "NVDEC"] if any(w.gpu_util is not None for w in windows) else [])
             + (["GPU memory"] if any(w.gpu_memory is not None for w in windows) else [])
             + (["live view (--http)"] if any(row.control is not None for row in rows) else [])
             + ([EVENTS_COLUMN] if any(row.events is not None for row in rows) else []))
@@ -165,6 +165,7 @@ def extra_columns(rows: list[RunRow]) -> list[str]:
 
 def extra_cells(row: RunRow, window: Window, columns: list[str]) -> list[str]:
     cells = {"GPU": "-" if window.gpu_util is None else f"{window.gpu_util:.0f}%",
+             "NVDEC": "-" if window.nvdec_util is None else f"{window.nvdec_util:.0f}%",
              "GPU memory": memory_text(window),
              "live view (--http)": "-" if row.control is None else row.control.text(),
              EVENTS_COLUMN: "-" if row.events is None

@@ -253,6 +253,8 @@ class Window:
             any process: a host's (the sinks, many threads, left out) or an engine's
             (``engines``; ``add_engines``).
         gpu_util: the mean GPU utilisation (%) over the window, when sampled.
+        nvdec_util: the mean utilisation (%) of the GPU's video decoders over the window,
+            when sampled.
         ended: how many of the cameras had ended (or failed) by the window's end.
         engines: engine name (``engine``; ``engine PID`` when there are several) -> its
             stages over the span of its log lines around the window
@@ -272,6 +274,7 @@ class Window:
     stages: dict[str, tuple[float, float]] = field(default_factory=dict)
     busiest: tuple[str, str, float] | None = None
     gpu_util: float | None = None
+    nvdec_util: float | None = None
     ended: int | None = None
     engines: dict[str, EngineWindow] = field(default_factory=dict)
     gpu_memory: GpuMemory | None = None
@@ -484,36 +487,45 @@ def wait_delivering(poller: MetricsPoller, process: subprocess.Popen[Any], camer
 
 
 class UtilisationSampler:
-    """Utilisation (%) of GPU ``index`` every ``interval_s`` in a thread: NVML, else
-    ``nvidia-smi`` (neither creates a CUDA context)."""
+    """Utilisation (%) of GPU ``index``'s SMs and of its video decoders (NVDEC) every
+    ``interval_s`` in a thread: NVML, else ``nvidia-smi`` (neither creates a CUDA context).
+    A run whose cameras' decoding is the wall shows NVDEC near 100% with the GPU not."""
 
     def __init__(self, enabled: bool, interval_s: float = 0.2, index: int = 0) -> None:
-        self.samples: list[tuple[float, float]] = []
+        self.samples: list[tuple[float, float, float]] = []  # (perf_counter, GPU %, NVDEC %)
         self.interval_s = interval_s
         self._read = self._reader(index) if enabled else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     @staticmethod
-    def _reader(index: int) -> Callable[[], float] | None:
+    def _reader(index: int) -> Callable[[], tuple[float, float]] | None:
+        """A function that reads (GPU %, NVDEC %) now, or None when neither NVML nor
+        ``nvidia-smi`` is there."""
         try:
             import pynvml
 
             pynvml.nvmlInit()
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            return lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            return lambda: (float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                            float(pynvml.nvmlDeviceGetDecoderUtilization(handle)[0]))
         except Exception:  # noqa: BLE001 - not installed or no driver: try the CLI
             if shutil.which("nvidia-smi") is None:
                 return None
-            command = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                       "-i", str(index)]
-            return lambda: float(subprocess.run(command, capture_output=True, text=True,
-                                                timeout=5).stdout.split()[0])
+            command = ["nvidia-smi", "--query-gpu=utilization.gpu,utilization.decoder",
+                       "--format=csv,noheader,nounits", "-i", str(index)]
+
+            def read() -> tuple[float, float]:
+                answer = subprocess.run(command, capture_output=True, text=True, timeout=5)
+                gpu, nvdec = answer.stdout.strip().split(",")
+                return float(gpu), float(nvdec)
+
+            return read
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.samples.append((time.perf_counter(), self._read()))
+                self.samples.append((time.perf_counter(), *self._read()))
             except Exception:  # noqa: BLE001 - one failed read leaves a gap, no more
                 pass
 
@@ -527,9 +539,14 @@ class UtilisationSampler:
         if self._thread.is_alive():
             self._thread.join()
 
-    def mean(self, start: float, end: float) -> float | None:
-        inside = [value for t, value in self.samples if start <= t <= end]
-        return statistics.fmean(inside) if inside else None
+    def mean(self, start: float, end: float) -> tuple[float, float] | None:
+        """(GPU %, NVDEC %) averaged over the samples taken from ``start`` to ``end``
+        (``time.perf_counter()``), or None when none was."""
+        inside = [(gpu, nvdec) for t, gpu, nvdec in self.samples if start <= t <= end]
+        if not inside:
+            return None
+        return (statistics.fmean(gpu for gpu, _ in inside),
+                statistics.fmean(nvdec for _, nvdec in inside))
 
 
 # ---- device memory -------------------------------------------------------------------------

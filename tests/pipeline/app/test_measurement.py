@@ -15,6 +15,7 @@ from pipeline.app.measurement import (
     HostSample,
     MeasurementError,
     MetricsPoller,
+    UtilisationSampler,
     Window,
     bucket_text,
     dropped_between,
@@ -29,6 +30,7 @@ from pipeline.app.measurement import (
     window_numbers,
 )
 from pipeline.app.run_log import EngineWindow
+from tests.support.harness import wait_for
 
 
 def metrics_page(frames: int, fast: int, dropped: int = 0, work: float = 1.0,
@@ -205,6 +207,27 @@ def test_query_compute_apps_per_process_from_nvidia_smi(tmp_path, monkeypatch):
     assert query_compute_apps() == {101: 4010.0, 102: 300.0}  # two GPUs' entries summed
     fake.unlink()
     assert query_compute_apps() is None
+
+
+def test_the_utilisation_sampler_reads_the_gpu_and_its_decoders_from_nvidia_smi(
+        tmp_path, monkeypatch):
+    """A fake ``nvidia-smi`` (no GPU here) answers 90/80 then 100/[N/A] in turn: the second
+    kind of answer (a field the device lacks) leaves a gap, not a zero."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\nif [ -e {tmp_path}/odd ]; then rm {tmp_path}/odd; echo '90, 80'\n"
+                    f"else touch {tmp_path}/odd; echo '100, [N/A]'; fi\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # NVML absent: the CLI is read
+    start = time.perf_counter()
+    with UtilisationSampler(True, interval_s=0.01) as sampler:
+        wait_for(lambda: len(sampler.samples) >= 3, "three samples")
+    assert {sample[1:] for sample in sampler.samples} == {(90.0, 80.0)}
+    assert sampler.mean(start, time.perf_counter()) == (90.0, 80.0)
+    assert sampler.mean(0.0, start) is None  # none taken then
+    with UtilisationSampler(False, interval_s=0.01) as off:
+        time.sleep(0.05)
+    assert off.samples == [] and off.mean(0.0, time.perf_counter()) is None
 
 
 def test_a_window_needs_two_snapshots_of_every_host():
