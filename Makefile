@@ -28,10 +28,11 @@ demo: samples
 	$(BIN)/python run.py --config $(CONFIG)
 
 # Two test files at a time (pytest-xdist; a file's tests stay together, so its module
-# fixtures run once): on 2 cores the suite took 683-693 s so, 1,066 s one at a time.
+# fixtures run once): on 2 cores the suite took 683-693 s so, 1,066 s one at a time. The
+# slowest tests are listed at the end (CI must stay under 15 minutes).
 TEST_WORKERS ?= 2
 test: setup-test samples
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 lint: setup-test
 	$(BIN)/ruff check .
