@@ -3,7 +3,8 @@ pipeline, the page served by the pipeline's HTTP server on a free loopback port;
 lists both sources with their state, counters and host, and a source's picture changes
 between two screenshots taken more than a second apart; the page's form adds a source through
 the API (a bad URI shows the API's one-line message in the form), which gets a card with its
-picture and delivers frames, and its card's remove button removes it."""
+picture and delivers frames, and its card's remove button removes it. The cards keep the
+configured order when the hosts report their sources in another."""
 
 from __future__ import annotations
 
@@ -125,3 +126,35 @@ def test_page_lists_the_sources_and_their_pictures_move(chromium: str, page_url:
             assert client.get("api/sources/clip").status_code == 404
         names = page.locator(".source").evaluate_all("cards => cards.map(c => c.dataset.source)")
         assert names == ["street", "car"]
+
+
+def test_cards_keep_the_configured_order_whichever_host_reports_first(chromium: str, samples,
+                                                                       tmp_path) -> None:
+    """Two hosts, reports made by hand: the page opens while only host h1's source (the
+    second configured) is reported; once h0 reports the first, the cards read in config
+    order, not in the order the sources came."""
+    from pipeline.app.board import SourceBoard, ViewReport, starting_json
+    from pipeline.config import SourceConfig, build_section
+
+    def shown(name: str) -> dict:
+        source = build_section(SourceConfig, {"name": name, "uri": f"rtsp://cam/{name}"},
+                               "sources[0]")
+        return {**starting_json(source), "state": "running"}
+
+    config = parse_config(pipeline_config(samples, tmp_path, [
+        {"name": "first", "uri": "rtsp://cam/first"}, {"name": "second", "uri": "rtsp://cam/second"}],
+        runtime={"http": {"port": 0}}))
+    board = SourceBoard(None, None, preview_fps=4, order=["first", "second"])
+    board.update(ViewReport("h1", True, {"second": shown("second")}))
+    server = HttpServer(config.runtime.http, board, config)
+    port = server.start()
+    try:
+        with headless_page(chromium) as page:
+            page.goto(f"http://127.0.0.1:{port}/")
+            cards = "() => [...document.querySelectorAll('.source')].map(c => c.dataset.source)"
+            assert page.evaluate(cards) == ["second"]
+            board.update(ViewReport("h0", True, {"first": shown("first")}))
+            page.wait_for_function(f"() => ({cards})().length === 2", timeout=10_000)
+            assert page.evaluate(cards) == ["first", "second"]
+    finally:
+        server.close()
