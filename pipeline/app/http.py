@@ -21,7 +21,8 @@ route                                    answer
 ``GET /api/sources/{name}/snapshot.jpg`` its latest annotated frame as JPEG (header
                                          ``X-Picture``: the picture's number, rising); 503
                                          when it has none yet (starting, decoded on the
-                                         GPU)
+                                         GPU), 404 when none will come (it ended or failed
+                                         before anyone watched it)
 ``GET /api/sources/{name}/stream.mjpg``  ``multipart/x-mixed-replace`` JPEGs of its frames,
                                          at most ``preview_fps`` a second; ends with the
                                          source
@@ -449,6 +450,10 @@ class HttpServer:
                     break
                 await asyncio.sleep(0.02)
         picture = board.picture(name)
+        if picture is None and (state := board.state(name)) in ENDED:  # none will come
+            return self.json({"error": f"source {name!r} {state or 'left'} with no picture "
+                                       "taken (pictures are made only while it is watched)"},
+                             404)
         if picture is None:
             return self.json({"error": f"source {name!r} has no picture yet"}, 503,
                              {"Retry-After": "1"})

@@ -131,21 +131,22 @@ def test_page_lists_the_sources_and_their_pictures_move(chromium: str, page_url:
 def test_cards_keep_the_configured_order_whichever_host_reports_first(chromium: str, samples,
                                                                        tmp_path) -> None:
     """Two hosts, reports made by hand: the page opens while only host h1's source (the
-    second configured) is reported; once h0 reports the first, the cards read in config
-    order, not in the order the sources came."""
+    second configured, a file that has ended unwatched) is reported; once h0 reports the
+    first, the cards read in config order, not in the order the sources came. The ended
+    file's card says that no picture will come."""
     from pipeline.app.board import SourceBoard, ViewReport, starting_json
     from pipeline.config import SourceConfig, build_section
 
-    def shown(name: str) -> dict:
+    def shown(name: str, state: str = "running") -> dict:
         source = build_section(SourceConfig, {"name": name, "uri": f"rtsp://cam/{name}"},
                                "sources[0]")
-        return {**starting_json(source), "state": "running"}
+        return {**starting_json(source), "state": state}
 
     config = parse_config(pipeline_config(samples, tmp_path, [
         {"name": "first", "uri": "rtsp://cam/first"}, {"name": "second", "uri": "rtsp://cam/second"}],
         runtime={"http": {"port": 0}}))
     board = SourceBoard(None, None, preview_fps=4, order=["first", "second"])
-    board.update(ViewReport("h1", True, {"second": shown("second")}))
+    board.update(ViewReport("h1", True, {"second": shown("second", "ended")}))
     server = HttpServer(config.runtime.http, board, config)
     port = server.start()
     try:
@@ -156,5 +157,8 @@ def test_cards_keep_the_configured_order_whichever_host_reports_first(chromium: 
             board.update(ViewReport("h0", True, {"first": shown("first")}))
             page.wait_for_function(f"() => ({cards})().length === 2", timeout=10_000)
             assert page.evaluate(cards) == ["first", "second"]
+            page.wait_for_function("""() => document.querySelector(
+                '.source[data-source="second"] .placeholder').textContent
+                === 'no picture: it ended unwatched'""", timeout=10_000)
     finally:
         server.close()

@@ -109,6 +109,19 @@ def test_snapshot_of_a_camera_without_frames_is_503(live: LiveView) -> None:
     assert response.json() == {"error": "source 'door' has no picture yet"}
 
 
+def test_snapshot_of_a_file_that_ended_unwatched_is_404_not_a_retry(live: LiveView,
+                                                                      make_clip) -> None:
+    """No picture of it was made (nobody asked while it ran) and none will come."""
+    clip = make_clip("bikes", 8, (320, 240))
+    live.board.add({"name": "short", "uri": str(clip)})
+    wait_for(lambda: source(live, "short")["state"] == "ended", "short ended", 30)
+    response = live.client.get("/api/sources/short/snapshot.jpg")
+    assert response.status_code == 404 and "retry-after" not in response.headers
+    assert response.json() == {"error": "source 'short' ended with no picture taken (pictures "
+                                        "are made only while it is watched)"}
+    live.board.remove("short", 10)
+
+
 def test_mjpeg_stream_sends_new_pictures_at_most_preview_fps(live: LiveView) -> None:
     parts: list[bytes] = []
     buffer = b""
