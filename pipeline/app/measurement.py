@@ -492,35 +492,47 @@ class UtilisationSampler:
     A run whose cameras' decoding is the wall shows NVDEC near 100% with the GPU not."""
 
     def __init__(self, enabled: bool, interval_s: float = 0.2, index: int = 0) -> None:
-        self.samples: list[tuple[float, float, float]] = []  # (perf_counter, GPU %, NVDEC %)
+        # (perf_counter, GPU %, NVDEC % or None where the device does not say)
+        self.samples: list[tuple[float, float, float | None]] = []
         self.interval_s = interval_s
         self._read = self._reader(index) if enabled else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     @staticmethod
-    def _reader(index: int) -> Callable[[], tuple[float, float]] | None:
-        """A function that reads (GPU %, NVDEC %) now, or None when neither NVML nor
-        ``nvidia-smi`` is there."""
+    def _reader(index: int) -> Callable[[], tuple[float, float | None]] | None:
+        """A function that reads (GPU %, NVDEC % or None) now, or None when neither NVML
+        nor ``nvidia-smi`` is there. A device that gives no decoder figure (``[N/A]``, a
+        MIG instance) still gives the GPU's."""
         try:
             import pynvml
 
             pynvml.nvmlInit()
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            return lambda: (float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
-                            float(pynvml.nvmlDeviceGetDecoderUtilization(handle)[0]))
+
+            def read_nvml() -> tuple[float, float | None]:
+                gpu = float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+                try:
+                    return gpu, float(pynvml.nvmlDeviceGetDecoderUtilization(handle)[0])
+                except pynvml.NVMLError:
+                    return gpu, None
+
+            return read_nvml
         except Exception:  # noqa: BLE001 - not installed or no driver: try the CLI
             if shutil.which("nvidia-smi") is None:
                 return None
             command = ["nvidia-smi", "--query-gpu=utilization.gpu,utilization.decoder",
                        "--format=csv,noheader,nounits", "-i", str(index)]
 
-            def read() -> tuple[float, float]:
+            def read_cli() -> tuple[float, float | None]:
                 answer = subprocess.run(command, capture_output=True, text=True, timeout=5)
-                gpu, nvdec = answer.stdout.strip().split(",")
-                return float(gpu), float(nvdec)
+                gpu, _, nvdec = answer.stdout.strip().partition(",")
+                try:
+                    return float(gpu), float(nvdec)
+                except ValueError:  # [N/A]
+                    return float(gpu), None
 
-            return read
+            return read_cli
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -539,14 +551,15 @@ class UtilisationSampler:
         if self._thread.is_alive():
             self._thread.join()
 
-    def mean(self, start: float, end: float) -> tuple[float, float] | None:
-        """(GPU %, NVDEC %) averaged over the samples taken from ``start`` to ``end``
-        (``time.perf_counter()``), or None when none was."""
+    def mean(self, start: float, end: float) -> tuple[float, float | None] | None:
+        """(GPU %, NVDEC % or None) averaged over the samples taken from ``start`` to
+        ``end`` (``time.perf_counter()``), or None when none was."""
         inside = [(gpu, nvdec) for t, gpu, nvdec in self.samples if start <= t <= end]
         if not inside:
             return None
+        nvdec = [value for _, value in inside if value is not None]
         return (statistics.fmean(gpu for gpu, _ in inside),
-                statistics.fmean(nvdec for _, nvdec in inside))
+                statistics.fmean(nvdec) if nvdec else None)
 
 
 # ---- device memory -------------------------------------------------------------------------

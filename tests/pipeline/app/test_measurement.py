@@ -211,20 +211,33 @@ def test_query_compute_apps_per_process_from_nvidia_smi(tmp_path, monkeypatch):
 
 def test_the_utilisation_sampler_reads_the_gpu_and_its_decoders_from_nvidia_smi(
         tmp_path, monkeypatch):
-    """A fake ``nvidia-smi`` (no GPU here) answers 90/80 then 100/[N/A] in turn: the second
-    kind of answer (a field the device lacks) leaves a gap, not a zero."""
+    """A fake ``nvidia-smi`` (no GPU here): its answers averaged over a window; a device
+    without a decoder figure (``[N/A]``) still gives the GPU's; an answer that is not one
+    leaves a gap, not a zero."""
     fake = tmp_path / "nvidia-smi"
-    fake.write_text(f"#!/bin/sh\nif [ -e {tmp_path}/odd ]; then rm {tmp_path}/odd; echo '90, 80'\n"
-                    f"else touch {tmp_path}/odd; echo '100, [N/A]'; fi\n")
-    fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     monkeypatch.setitem(sys.modules, "pynvml", None)  # NVML absent: the CLI is read
+
+    def sampled(*answers: str) -> UtilisationSampler:
+        """A sampler, stopped after four samples, while the fake gives ``answers`` in turn."""
+        turn = tmp_path / "turn"
+        turn.write_text("0")
+        lines = "".join(f"  {i}) echo '{answer}';;\n" for i, answer in enumerate(answers))
+        fake.write_text(f"#!/bin/sh\nn=$(cat {turn}); echo $(( (n + 1) % {len(answers)} )) > {turn}\n"
+                        f"case $n in\n{lines}esac\n")
+        fake.chmod(0o755)
+        with UtilisationSampler(True, interval_s=0.01) as sampler:
+            wait_for(lambda: len(sampler.samples) >= 4, "four samples")
+        return sampler
+
     start = time.perf_counter()
-    with UtilisationSampler(True, interval_s=0.01) as sampler:
-        wait_for(lambda: len(sampler.samples) >= 3, "three samples")
-    assert {sample[1:] for sample in sampler.samples} == {(90.0, 80.0)}
-    assert sampler.mean(start, time.perf_counter()) == (90.0, 80.0)
+    sampler = sampled("90, 80", "100, 60", "no GPU found")
+    assert {sample[1:] for sample in sampler.samples} == {(90.0, 80.0), (100.0, 60.0)}
+    gpu, nvdec = sampler.mean(start, time.perf_counter())
+    assert 90 <= gpu <= 100 and 60 <= nvdec <= 80 and gpu - 90 == pytest.approx((80 - nvdec) / 2)
     assert sampler.mean(0.0, start) is None  # none taken then
+    assert {s[1:] for s in sampled("97, [N/A]").samples} == {(97.0, None)}
+    assert sampled("97, [N/A]").mean(0.0, time.perf_counter()) == (97.0, None)
     with UtilisationSampler(False, interval_s=0.01) as off:
         time.sleep(0.05)
     assert off.samples == [] and off.mean(0.0, time.perf_counter()) is None
