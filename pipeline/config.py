@@ -28,6 +28,12 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message is one line meant for the user."""
 
 
+def install_hint(extra: str) -> str:
+    """How to install an extra's packages, as the one-line errors say it (the project is
+    installed from its folder, not from PyPI)."""
+    return f"pip install -e '.[{extra}]' in the project's folder (the {extra} extra)"
+
+
 # Frames of one inference call: the pinned frame ring and the device batch sets grow with it
 # (at 1080p, 512 frames are 1.6 GB per batch set).
 MAX_BATCH_SIZE = 512

@@ -17,7 +17,13 @@ import structlog
 
 from pipeline.app.preview import PreviewHub
 from pipeline.app.workers import DecodeWorkerPool, default_worker_count
-from pipeline.config import ConfigError, PipelineConfig, SourceConfig, is_stream_url
+from pipeline.config import (
+    ConfigError,
+    PipelineConfig,
+    SourceConfig,
+    install_hint,
+    is_stream_url,
+)
 from pipeline.engine_link import EngineLink
 from pipeline.gpu import GpuContext, gpu_unavailable_reason
 from pipeline.graph import Graph
@@ -529,7 +535,7 @@ def check_extras(config: PipelineConfig) -> None:
     for key, module, extra in wants:
         if importlib.util.find_spec(module) is None:
             raise ConfigError(f"{key}: needs the Python package {module!r}, which is not "
-                              f"installed: pip install 'streamdet[{extra}]'")
+                              f"installed: {install_hint(extra)}")
 
 
 def host_outputs_reason(config: PipelineConfig) -> str | None:

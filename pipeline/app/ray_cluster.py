@@ -42,7 +42,7 @@ import structlog
 
 from pipeline.app.host import HostReport
 from pipeline.app.supervisor import JOIN_TIMEOUT_S, LocalExecutor, default_workers
-from pipeline.config import ConfigError, PipelineConfig
+from pipeline.config import ConfigError, PipelineConfig, install_hint
 
 log = structlog.get_logger("ray")
 
@@ -62,7 +62,7 @@ def ray_missing(address: str = "auto") -> str | None:
     if not re.fullmatch(ADDRESS_FORMS, address):
         return (f"--ray: {address!r} is not auto, local, HOST:PORT (a cluster's head, e.g. "
                 f"head:6379) or ray://HOST:PORT (Ray's client, e.g. ray://head:10001)")
-    install = "pip install -e '.[ray]' in the project's folder (the ray extra)"
+    install = install_hint("ray")
     if importlib.util.find_spec("ray") is None:
         return f"--ray: needs the Python package 'ray', which is not installed: {install}"
     if address.startswith("ray://") and importlib.util.find_spec("grpc") is None:

@@ -227,7 +227,7 @@ def test_nvdec_event_snapshots_show_their_own_frame(samples, tmp_path: Path) -> 
     from stages.event_media import snapshot_jpeg
 
     if importlib.util.find_spec("trackers") is None:
-        pytest.skip("trackers is not installed (pip install 'streamdet[analytics]')")
+        pytest.skip("trackers is not installed (pip install -e '.[analytics]')")
     out = tmp_path / "out"
     config = {
         "sources": [{"name": "bikes", "uri": str(samples.bikes), "decode": "gpu",

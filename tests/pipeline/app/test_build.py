@@ -29,7 +29,8 @@ def test_a_missing_extra_is_a_one_line_error_naming_it(samples, monkeypatch, mis
     with pytest.raises(ConfigError) as error:
         check_extras(config(samples, tracker="bytetrack"))
     assert str(error.value) == (f"{key}: needs the Python package {missing!r}, which is not "
-                                f"installed: pip install 'streamdet[{extra}]'")
+                                f"installed: pip install -e '.[{extra}]' in the project's folder "
+                                f"(the {extra} extra)")
 
 
 def test_installed_extras_pass(samples):
