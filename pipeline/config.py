@@ -1067,12 +1067,19 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def _check_semantics(config: PipelineConfig, base_dir: Path) -> None:
+def _source_key(config: PipelineConfig, index: int, added_key: str | None) -> str:
+    """Source ``index``'s key in messages: ``sources[index]``, or ``added_key`` for the last
+    source when it is one added to a running run (``check_config``)."""
+    last = index == len(config.sources) - 1
+    return added_key if added_key is not None and last else f"sources[{index}]"
+
+
+def _check_semantics(config: PipelineConfig, base_dir: Path, added_key: str | None) -> None:
     if not config.sources:
         raise ConfigError("sources: expected at least one source, got an empty list")
     seen: set[str] = set()
     for i, source in enumerate(config.sources):
-        key = f"sources[{i}]"
+        key = _source_key(config, i, added_key)
         if not _NAME_PATTERN.match(source.name):
             raise ConfigError(
                 f"{key}.name: expected letters, digits, '_', '-' or '.', got {source.name!r}"
@@ -1101,7 +1108,7 @@ def _check_semantics(config: PipelineConfig, base_dir: Path) -> None:
             raise ConfigError(
                 f"output.{key}: only {{source}} may be used in the path, got {template!r}"
             ) from None
-    _check_output_paths(config, base_dir)
+    _check_output_paths(config, base_dir, added_key)
     config.output.check()
     if config.runtime.http is not None:
         config.runtime.http.check("runtime.http")
@@ -1122,7 +1129,7 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f"{path.stem}.partial{path.suffix}")
 
 
-def _check_output_paths(config: PipelineConfig, base_dir: Path) -> None:
+def _check_output_paths(config: PipelineConfig, base_dir: Path, added_key: str | None) -> None:
     """The output folder is not a file, and no two of the files a run reads or writes are one
     file: each output, its temporary ``.partial`` name, every file source and the model (and
     its class names). Paths are compared as the file system finds them (``same_file_key``):
@@ -1144,7 +1151,8 @@ def _check_output_paths(config: PipelineConfig, base_dir: Path) -> None:
     for i, source in enumerate(config.sources):
         if not is_stream_url(source.uri):
             owners.setdefault(same_file_key(base_dir / source.uri, folds),
-                              f"sources[{i}].uri (the input of source {source.name!r})")
+                              f"{_source_key(config, i, added_key)}.uri (the input of source "
+                              f"{source.name!r})")
     for key in ("model.path", "model.class_names"):
         if (value := getattr(config.model, key.split(".")[1])) is not None:
             owners.setdefault(same_file_key(base_dir / value, folds), key)
@@ -1197,13 +1205,21 @@ def build_section(cls: type, data: dict[str, Any], key: str) -> Any:
     return _build(cls, data, key)
 
 
-def check_config(config: PipelineConfig, base_dir: Path = Path(".")) -> None:
+def check_config(config: PipelineConfig, base_dir: Path = Path("."),
+                 added_key: str | None = None) -> None:
     """The checks across keys ``parse_config`` makes (names, files, output paths).
+
+    Args:
+        config: the configuration; for a source added to a running run, the run's
+            unfinished sources and then the added one.
+        base_dir: folder relative file paths are checked against.
+        added_key: the added source's key in messages (``sources[N]``, N its place among
+            every source the run has had), as its own keys' messages name it.
 
     Raises:
         ConfigError: a one-line message naming the key.
     """
-    _check_semantics(config, base_dir)
+    _check_semantics(config, base_dir, added_key)
 
 
 def parse_config(data: Any, base_dir: Path = Path(".")) -> PipelineConfig:
@@ -1219,7 +1235,7 @@ def parse_config(data: Any, base_dir: Path = Path(".")) -> PipelineConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got {data!r}")
     config = _build(PipelineConfig, data, "")
-    _check_semantics(config, base_dir)
+    _check_semantics(config, base_dir, None)
     return config
 
 

@@ -160,7 +160,7 @@ class SourceControl:
                 others = [s for i, s in enumerate(self.sources)
                           if i not in self.retired and i not in earlier]
                 check_config(dataclasses.replace(self.config, sources=[*others, source]),
-                             self.base_dir)
+                             self.base_dir, key)
             else:
                 raise ConfigError(f"{key}: expected a mapping of a source's keys, got "
                                   f"{type(data).__name__}")

@@ -280,7 +280,8 @@ class Supervisor:
                                      "this run (running, or its outputs are being finalised)")
             others = [run.config for name, run in self.sources.items()
                       if name != source.name and name not in self.results]
-            check_config(dataclasses.replace(self.config, sources=[*others, source]))
+            check_config(dataclasses.replace(self.config, sources=[*others, source]),
+                         added_key=key)
         load = load or probe_load(source)  # outside the lock: it may open the file
         with self._lock:
             live = self._placeable_hosts()

@@ -189,3 +189,11 @@ def test_an_unreadable_file_is_a_400_naming_its_key_and_a_frameless_removal_list
     assert removed.json()["outputs"] == []
     assert not list(run["out"].glob("gate*"))
     assert [s["name"] for s in client.get("/api/sources").json()["sources"]] == ["street", "door"]
+    # the next is the run's fourth source (gate was the third): every message numbers it so,
+    # those of the whole-config checks (a missing file) as those of its own keys
+    missing = client.post("/api/sources", json={"name": "late", "uri": str(tmp_path / "no.mp4")})
+    assert missing.json()["error"] == (f"sources[3].uri (source 'late'): file not found: "
+                                       f"{str(tmp_path / 'no.mp4')!r}")
+    typed = client.post("/api/sources", json={"name": "late", "uri": "rtsp://cam/x",
+                                              "pace_fps": "fast"})
+    assert typed.json()["error"].startswith("sources[3].pace_fps: "), typed.text

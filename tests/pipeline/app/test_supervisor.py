@@ -349,6 +349,9 @@ def test_removing_a_source_cuts_only_it_and_an_added_one_goes_to_the_least_loade
         supervisor.add_source({"name": "e", "uri": "rtsp://h/y"}, SourceLoad("e", 100, 100, 1))
     with pytest.raises(ConfigError, match=r"^sources\[5\]\.uri: "):
         supervisor.add_source({"name": "f"}, SourceLoad("f", 100, 100, 1))
+    # the whole-config checks number it as the run's sixth too (c, finished, is left out)
+    with pytest.raises(ConfigError, match=r"^sources\[5\]\.uri \(source 'f'\): file not found"):
+        supervisor.add_source({"name": "f", "uri": "no-such.mp4"}, SourceLoad("f", 100, 100, 1))
     executor.refuse["g"] = ("sources[5].tracker: this run has no tracking stage", False)
     with pytest.raises(ConfigError, match="no tracking stage"):
         supervisor.add_source({"name": "g", "uri": "rtsp://h/z"}, SourceLoad("g", 100, 100, 1))
