@@ -352,8 +352,9 @@ class SourceBoard:
         """``{"status", "reasons", "sources": {name: state}, "hosts": {host: {"ready",
         "sources", "report_age_s", "gone", "spare"}}, "engines": {name: {...}}}``.
 
-        ``starting`` while no host has reported yet or a live host is not ready (its model
-        warming up: its sources are ``starting`` here); else ``degraded`` when there are
+        ``starting`` while no host has reported yet, a host that sources are placed on has
+        not, or a live host is not ready (its model warming up: its sources are ``starting``
+        here); else ``degraded`` when there are
         reasons: each live host's (``ViewReport.reasons``; prefixed ``HOST: `` when there
         are several hosts), a host that has not reported for ``SILENT_AFTER_S``, a host
         gone, a source reconnecting because its host is gone; else ``ok``. ``sources``: the
@@ -371,6 +372,9 @@ class SourceBoard:
             starting = not self._hosts
             if starting:
                 reasons.append("no pipeline has reported yet")
+            for host in sorted({self._placed[name] for name in self._pending} - set(self._hosts)):
+                starting = True  # its sources are placed there: it is still starting
+                reasons.append(f"host {host} has not reported yet")
             for host, known in self._hosts.items():
                 age = now - known.at
                 hosts[host] = {"ready": known.report.ready and not known.gone,

@@ -712,6 +712,10 @@ class Supervisor:
                 run.hosts.append(self.executor.names[host])
                 log.info("source placed", source=name, host=self.executor.names[host],
                          resumed=run.resume)
+                if self.board is not None and len(run.hosts) == 1:
+                    # listed at once (starting, on its host), not only once a host that may
+                    # still be starting has taken it
+                    self.board.added(run.config, self.executor.names[host])
                 self.executor.call(host, "add", request)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import socket
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 
 import httpx
@@ -113,7 +113,14 @@ def test_two_pipelines_one_live_view_add_and_remove_without_touching_the_others(
         # the spare is listed as one, not as a worker with none
         page.wait_for_function("() => document.getElementById('hosts').textContent"
                                f".includes('{unit}worker2 (ready, spare)')", timeout=30_000)
-        cards = page.locator(".source").evaluate_all("cards => cards.map(c => c.dataset.source)")
+        # every card, in config order (the page was open while the hosts reported them)
+        listed = "() => [...document.querySelectorAll('.source')].map(c => c.dataset.source)"
+        from playwright.sync_api import TimeoutError as PageTimeout
+
+        with suppress(PageTimeout):  # the assertion below says what was there
+            page.wait_for_function(f"() => ({listed})().join() === 'street,door,yard'",
+                                   timeout=10_000)
+        cards = page.evaluate(listed)
         assert cards == ["street", "door", "yard"]
         for name in cards:
             wait_for_picture(page, client, name)

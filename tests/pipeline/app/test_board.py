@@ -249,6 +249,23 @@ def test_health_is_starting_until_every_host_is_ready_and_names_hosts_when_sever
         board.add({"name": "c", "uri": "rtsp://cam/c"})
 
 
+def test_a_source_placed_on_a_host_that_has_not_reported_is_listed_and_the_run_starting(
+        ) -> None:
+    """A worker slow to start (9 s once in CI): its placed sources are listed as starting
+    on it from the placement, and health says starting until it reports, not ok."""
+    board = SourceBoard(None, None, preview_fps=5, order=["a", "b"])
+    board.added(source_config("a"), "h0")
+    board.added(source_config("b"), "h1")
+    board.update(report("h0", shown("a")))
+    assert board.names() == ["a", "b"]
+    assert (board.source("b")["state"], board.source("b")["host"]) == ("starting", "h1")
+    health = board.health()
+    assert (health["status"], health["reasons"], health["sources"]) == (
+        "starting", ["host h1 has not reported yet"], {"a": "running", "b": "starting"})
+    board.update(report("h1", shown("b")))
+    assert board.health()["status"] == "ok"
+
+
 def test_a_report_made_before_a_forget_does_not_bring_the_source_back() -> None:
     board = SourceBoard(None, None, preview_fps=5)
     board.update(report("h0", shown("a"), shown("b")))

@@ -321,6 +321,31 @@ def test_a_file_that_ends_before_its_move_is_done_not_started_over(config):
     assert not set(cut) & set(adds[2:])  # host 1's adds after its restart: none of the cut
 
 
+def test_the_live_view_lists_every_placed_source_before_its_host_has_taken_it(config):
+    """Host 1 answers nothing yet (a worker still starting): its sources are on the board
+    as starting there from their placement, not missing from the API."""
+    from pipeline.app.board import SourceBoard
+
+    class SlowHostOne(ScriptedExecutor):
+        held = True
+
+        def poll(self, host: int):
+            return ([], None) if host == 1 and self.held else super().poll(host)
+
+    executor = SlowHostOne(2)
+    board = SourceBoard(None, None, preview_fps=5, order=["a", "b", "c", "d"])
+    supervisor, thread, results = start(config, executor, board=board)
+    wait_for(lambda: len(executor.running) == 4, "four sources placed")
+    on_one = set(executor.on(1))
+    assert on_one and board.names() == ["a", "b", "c", "d"]
+    assert {name: board.source(name)["host"] for name in on_one} == dict.fromkeys(on_one, "h1")
+    assert {board.source(name)["state"] for name in on_one} == {"starting"}
+    executor.held = False
+    supervisor.request_stop()
+    thread.join(5)
+    assert not thread.is_alive() and set(results) == set("abcd")
+
+
 def test_every_host_dead_for_good_fails_the_remaining_sources(config):
     executor = ScriptedExecutor(1)
     supervisor, thread, results = start(config, executor, max_restarts=0)
