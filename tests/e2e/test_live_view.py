@@ -21,7 +21,7 @@ from pipeline.app.http import HttpServer
 from pipeline.config import parse_config
 from tests.e2e.conftest import pipeline_config
 from tests.support import headless_page, require_chromium
-from tests.support.live_view import local_board, running
+from tests.support.live_view import local_board, running, shown
 
 pytestmark = pytest.mark.slow  # a real browser
 
@@ -134,13 +134,7 @@ def test_cards_keep_the_configured_order_whichever_host_reports_first(chromium: 
     second configured, a file that has ended unwatched) is reported; once h0 reports the
     first, the cards read in config order, not in the order the sources came. The ended
     file's card says that no picture will come."""
-    from pipeline.app.board import SourceBoard, ViewReport, starting_json
-    from pipeline.config import SourceConfig, build_section
-
-    def shown(name: str, state: str = "running") -> dict:
-        source = build_section(SourceConfig, {"name": name, "uri": f"rtsp://cam/{name}"},
-                               "sources[0]")
-        return {**starting_json(source), "state": state}
+    from pipeline.app.board import SourceBoard, ViewReport
 
     config = parse_config(pipeline_config(samples, tmp_path, [
         {"name": "first", "uri": "rtsp://cam/first"}, {"name": "second", "uri": "rtsp://cam/second"}],

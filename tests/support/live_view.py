@@ -1,7 +1,8 @@
 """A real pipeline run on a thread (``running``), ``runtime.http`` settings made by hand
 (``HttpSettings``), and one graph's live view joined to a board in this process
 (``local_board``: a ``HostView`` and a ``SourceBoard`` joined by a ``LocalPump`` thread, where
-a run joins them through its supervisor), for the HTTP API and page tests."""
+a run joins them through its supervisor), for the HTTP API and page tests; and a source's
+config and JSON made by hand (``source_config``, ``shown``) for a board fed reports by hand."""
 
 from __future__ import annotations
 
@@ -14,16 +15,27 @@ from typing import Any
 
 import structlog
 
-from pipeline.app.board import SourceBoard
+from pipeline.app.board import SourceBoard, starting_json
 from pipeline.app.preview import PreviewHub
 from pipeline.app.view import CLOSE_TIMEOUT_S, HostView
-from pipeline.config import PipelineConfig, SourceConfig
+from pipeline.config import PipelineConfig, SourceConfig, build_section
 from pipeline.graph import Graph
 from pipeline.metrics import STALE_AFTER_S
 
 log = structlog.get_logger("view")
 
 PUMP_S = 0.1  # local_board: a report this often
+
+
+def source_config(name: str, uri: str | None = None) -> SourceConfig:
+    """A camera source ``name`` (``rtsp://cam/NAME`` unless ``uri``)."""
+    return build_section(SourceConfig, {"name": name, "uri": uri or f"rtsp://cam/{name}"},
+                         "sources[0]")
+
+
+def shown(name: str, state: str = "running", frames: int = 0) -> dict:
+    """A source's JSON as a host reports it."""
+    return {**starting_json(source_config(name)), "state": state, "frames": frames}
 
 
 @dataclass

@@ -24,15 +24,15 @@ import numpy as np
 import pytest
 
 import pipeline.app.board as board_module
-from pipeline.app.board import SourceBoard, ViewReport, starting_json
+from pipeline.app.board import SourceBoard, ViewReport
 from pipeline.app.build import build_graph
 from pipeline.app.http import HttpServer
 from pipeline.app.view import HostView
-from pipeline.config import SourceConfig, build_section, parse_config
+from pipeline.config import parse_config
 from pipeline.graph import Graph, SourceConflict
 from tests.e2e.conftest import pipeline_config
 from tests.support.harness import wait_for
-from tests.support.live_view import LocalPump, local_board, running
+from tests.support.live_view import LocalPump, local_board, running, shown, source_config
 
 
 def jpeg_shape(data: bytes) -> tuple[int, ...]:
@@ -198,16 +198,6 @@ def test_a_stream_of_a_source_that_is_removed_ends(local, samples) -> None:
 
 
 # -- the merging rules, step by step -------------------------------------------------------------
-def source_config(name: str, uri: str | None = None) -> SourceConfig:
-    return build_section(SourceConfig, {"name": name, "uri": uri or f"rtsp://cam/{name}"},
-                         "sources[0]")
-
-
-def shown(name: str, state: str = "running", frames: int = 0) -> dict:
-    """A source's JSON as a host reports it."""
-    return {**starting_json(source_config(name)), "state": state, "frames": frames}
-
-
 def report(host: str, *sources: dict, ready: bool = True, pictures: dict | None = None,
            reasons: tuple[str, ...] = ()) -> ViewReport:
     return ViewReport(host, ready, {s["name"]: s for s in sources}, pictures or {},
