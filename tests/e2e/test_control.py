@@ -13,13 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.app.build import build_graph
-from pipeline.app.http import HttpServer
 from pipeline.config import ConfigError, parse_config
 from tests.e2e.conftest import pipeline_config
 from tests.support import RtspServer, free_port, require_rtsp_server
 from tests.support.harness import wait_for
-from tests.support.live_view import local_board, running
+from tests.support.live_view import served
 
 pytestmark = pytest.mark.slow  # real RTSP servers, paced files
 
@@ -44,17 +42,8 @@ def control_run(samples, make_clip, out: Path, cameras: RtspServer
           "pace_fps": 15},
          {"name": "door", "uri": cameras.url("door")}],
         runtime={"decode_workers": 2, "stop_when": "never", "http": {"port": 0}})
-    config = parse_config(data)
-    graph = build_graph(config)
-    board, _, pump = local_board(graph, graph.preview, config)
-    server = HttpServer(config.runtime.http, board, config)
-    port = server.start()
-    try:
-        with pump, running(graph), httpx.Client(base_url=f"http://127.0.0.1:{port}",
-                                          timeout=60) as client:
-            yield client, {"data": data, "yard": cameras.url("yard"), "out": out}, graph
-    finally:
-        server.close()
+    with served(parse_config(data), timeout_s=60) as run:
+        yield run.client, {"data": data, "yard": cameras.url("yard"), "out": out}, run.graph
 
 
 CAMERAS = {"door": "live:5", "yard": "live:5"}  # 5 frames/s: CI has 2 cores

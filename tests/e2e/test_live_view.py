@@ -16,12 +16,11 @@ import httpx
 import numpy as np
 import pytest
 
-from pipeline.app.build import build_graph
 from pipeline.app.http import HttpServer
 from pipeline.config import parse_config
 from tests.e2e.conftest import pipeline_config
 from tests.support import headless_page, require_chromium
-from tests.support.live_view import local_board, running, shown
+from tests.support.live_view import served, shown
 
 pytestmark = pytest.mark.slow  # a real browser
 
@@ -40,15 +39,8 @@ def page_url(samples, tmp_path) -> Iterator[str]:
         [{"name": "street", "uri": str(samples.bikes), "pace_fps": 4, "live": True},
          {"name": "car", "uri": str(samples.carphone), "pace_fps": 4, "live": True}],
         output={"video": "{source}.mp4", "jsonl": None}, runtime={"decode_workers": 0, "http": {"port": 0}}))
-    graph = build_graph(config)
-    board, _, pump = local_board(graph, graph.preview, config)
-    server = HttpServer(config.runtime.http, board, config)
-    port = server.start()
-    try:
-        with pump, running(graph):
-            yield f"http://127.0.0.1:{port}/"
-    finally:
-        server.close()
+    with served(config) as run:
+        yield f"{run.client.base_url}/"
 
 
 def picture_of(page, name: str) -> np.ndarray:

@@ -17,13 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.app.build import build_graph
-from pipeline.app.http import HttpServer
 from pipeline.config import parse_config
 from pipeline.metrics import STALE_AFTER_S
 from tests.e2e.conftest import pipeline_config, records
+from tests.support import live_view
 from tests.support.harness import wait_for
-from tests.support.live_view import local_board, running
 from tests.support.metrics import HostMetrics
 
 OUTAGE_S = 10.0
@@ -40,17 +38,8 @@ def closed_port() -> int:
 def served(config: dict) -> Iterator[tuple[httpx.Client, HostMetrics]]:
     """The pipeline of ``config`` running, with its live view on a free port and its
     metrics served as a run serves them (host ``pipeline0``): (API client, metrics)."""
-    parsed = parse_config(config)
-    graph = build_graph(parsed)
-    board, _, pump = local_board(graph, graph.preview, parsed)
-    server = HttpServer(parsed.runtime.http, board, parsed)
-    try:
-        api_port = server.start()
-        with HostMetrics(graph) as metrics, pump, running(graph), \
-                httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=10) as api:
-            yield api, metrics
-    finally:
-        server.close()
+    with live_view.served(parse_config(config)) as run, HostMetrics(run.graph) as metrics:
+        yield run.client, metrics
 
 
 def reconnects_metric(metrics: HostMetrics, name: str) -> float:

@@ -1,8 +1,9 @@
 """A real pipeline run on a thread (``running``), ``runtime.http`` settings made by hand
 (``HttpSettings``), and one graph's live view joined to a board in this process
 (``local_board``: a ``HostView`` and a ``SourceBoard`` joined by a ``LocalPump`` thread, where
-a run joins them through its supervisor), for the HTTP API and page tests; and a source's
-config and JSON made by hand (``source_config``, ``shown``) for a board fed reports by hand."""
+a run joins them through its supervisor), all of them served over HTTP (``served``), for the
+HTTP API and page tests; and a source's config and JSON made by hand (``source_config``,
+``shown``) for a board fed reports by hand."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import structlog
 
 from pipeline.app.board import SourceBoard, starting_json
+from pipeline.app.build import build_graph
+from pipeline.app.http import HttpServer
 from pipeline.app.preview import PreviewHub
 from pipeline.app.view import CLOSE_TIMEOUT_S, HostView
 from pipeline.config import PipelineConfig, SourceConfig, build_section
@@ -181,3 +185,31 @@ def local_board(graph: Any, hub: PreviewHub | None, config: PipelineConfig,
                         order=[source.name for source in config.sources])
     pump = LocalPump(board, view)
     return board, view, pump
+
+
+@dataclass
+class Served:
+    """What ``served`` runs: the graph, its board, the HTTP server and a client of it."""
+
+    graph: Graph
+    board: SourceBoard
+    server: HttpServer
+    client: httpx.Client
+
+
+@contextmanager
+def served(config: PipelineConfig, timeout_s: float = 10.0) -> Iterator[Served]:
+    """The pipeline of ``config`` running on a thread (``running``), its live view joined to
+    a board (``local_board``, host ``pipeline0``) that an ``HttpServer`` serves on
+    ``config.runtime.http``'s port (0: a free one); an ``httpx.Client`` of that server (request
+    timeout ``timeout_s``) for the block. The server closes after the graph has stopped."""
+    graph = build_graph(config)
+    board, _, pump = local_board(graph, graph.preview, config)
+    server = HttpServer(config.runtime.http, board, config)
+    port = server.start()
+    try:
+        with pump, running(graph), httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                                                timeout=timeout_s) as client:
+            yield Served(graph, board, server, client)
+    finally:
+        server.close()

@@ -10,64 +10,43 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import cv2
 import httpx
 import numpy as np
 import pytest
 
-from pipeline.app.board import SourceBoard
-from pipeline.app.build import build_graph
 from pipeline.app.http import HttpServer, check_settings
 from pipeline.config import is_loopback, parse_config
-from pipeline.graph import Graph
 from tests.e2e.conftest import pipeline_config
 from tests.support.harness import wait_for
-from tests.support.live_view import HttpSettings, local_board, running
+from tests.support.live_view import HttpSettings, Served, served
 
 PASSWORD = "s3cr3t-pw"
 DOOR_URI = f"rtsp://admin:{PASSWORD}@127.0.0.1:1/stream1"  # refused: reconnects all along
 TOKEN = "tok-9f2c1e77"
 
 
-@dataclass
-class LiveView:
-    graph: Graph
-    board: SourceBoard
-    server: HttpServer
-    client: httpx.Client
-
-
 @pytest.fixture(scope="module")
-def live(samples, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveView]:
+def live(samples, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """The pipeline running (annotated video on) with the live view on a free port."""
     config = parse_config(pipeline_config(
         samples, tmp_path_factory.mktemp("http"),
         [{"name": "street", "uri": str(samples.bikes), "pace_fps": 6, "live": True},
          {"name": "door", "uri": DOOR_URI, "open_timeout_s": 1, "reconnect_max_s": 1}],
         output={"video": "{source}.mp4", "jsonl": None}, runtime={"decode_workers": 0, "http": {"port": 0}}))
-    graph = build_graph(config)
-    board, _, pump = local_board(graph, graph.preview, config)
-    server = HttpServer(config.runtime.http, board, config)
-    port = server.start()
-    try:
-        with pump, running(graph), httpx.Client(base_url=f"http://127.0.0.1:{port}",
-                                                timeout=10) as client:
-            view = LiveView(graph, board, server, client)
-            wait_for(lambda: source(view, "street")["frames"] > 0, "the first frame", 30)
-            yield view
-    finally:
-        server.close()
+    with served(config) as view:
+        wait_for(lambda: source(view, "street")["frames"] > 0, "the first frame", 30)
+        yield view
 
 
-def source(view: LiveView, name: str) -> dict:
+def source(view: Served, name: str) -> dict:
     response = view.client.get(f"/api/sources/{name}")
     assert response.status_code == 200, response.text
     return response.json()
 
 
-def test_sources_lists_every_source_with_its_counters(live: LiveView) -> None:
+def test_sources_lists_every_source_with_its_counters(live: Served) -> None:
     wait_for(lambda: source(live, "street")["fps"] > 0, "a frame rate", 10)
     listed = live.client.get("/api/sources").json()["sources"]
     assert [s["name"] for s in listed] == ["street", "door"]
@@ -82,7 +61,7 @@ def test_sources_lists_every_source_with_its_counters(live: LiveView) -> None:
     assert door["frames"] == 0 and door["last_frame_age_s"] is None and door["picture"] is None
 
 
-def test_health_is_degraded_with_the_reconnecting_camera_named(live: LiveView) -> None:
+def test_health_is_degraded_with_the_reconnecting_camera_named(live: Served) -> None:
     wait_for(lambda: source(live, "door")["state"] == "reconnecting", "door reconnecting", 10)
     health = live.client.get("/api/health").json()
     assert health["status"] == "degraded"
@@ -93,7 +72,7 @@ def test_health_is_degraded_with_the_reconnecting_camera_named(live: LiveView) -
     assert source(live, "door")["reconnects"] >= 1
 
 
-def test_snapshot_is_a_jpeg_of_the_frame_size(live: LiveView) -> None:
+def test_snapshot_is_a_jpeg_of_the_frame_size(live: Served) -> None:
     response = live.client.get("/api/sources/street/snapshot.jpg")
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == "image/jpeg"
@@ -103,13 +82,13 @@ def test_snapshot_is_a_jpeg_of_the_frame_size(live: LiveView) -> None:
     assert source(live, "street")["picture"] == {"width": 640, "height": 272}
 
 
-def test_snapshot_of_a_camera_without_frames_is_503(live: LiveView) -> None:
+def test_snapshot_of_a_camera_without_frames_is_503(live: Served) -> None:
     response = live.client.get("/api/sources/door/snapshot.jpg")
     assert response.status_code == 503
     assert response.json() == {"error": "source 'door' has no picture yet"}
 
 
-def test_snapshot_of_a_file_that_ended_unwatched_is_404_not_a_retry(live: LiveView,
+def test_snapshot_of_a_file_that_ended_unwatched_is_404_not_a_retry(live: Served,
                                                                       make_clip) -> None:
     """No picture of it was made (nobody asked while it ran) and none will come."""
     clip = make_clip("bikes", 8, (320, 240))
@@ -122,7 +101,7 @@ def test_snapshot_of_a_file_that_ended_unwatched_is_404_not_a_retry(live: LiveVi
     live.board.remove("short", 10)
 
 
-def test_mjpeg_stream_sends_new_pictures_at_most_preview_fps(live: LiveView) -> None:
+def test_mjpeg_stream_sends_new_pictures_at_most_preview_fps(live: Served) -> None:
     parts: list[bytes] = []
     buffer = b""
     started = time.monotonic()
@@ -153,20 +132,20 @@ def test_mjpeg_stream_sends_new_pictures_at_most_preview_fps(live: LiveView) -> 
 
 @pytest.mark.parametrize("path", [
     "/api/sources/nope", "/api/sources/nope/snapshot.jpg", "/api/sources/nope/stream.mjpg"])
-def test_unknown_source_is_404(live: LiveView, path: str) -> None:
+def test_unknown_source_is_404(live: Served, path: str) -> None:
     response = live.client.get(path)
     assert response.status_code == 404
     assert response.json() == {"error": "no source named 'nope'"}
 
 
-def test_page_lists_every_source(live: LiveView) -> None:
+def test_page_lists_every_source(live: Served) -> None:
     response = live.client.get("/")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
     assert 'data-source="street"' in response.text and 'data-source="door"' in response.text
     assert "rtsp://***@127.0.0.1:1/stream1" in response.text
 
 
-def test_no_response_contains_the_camera_password(live: LiveView) -> None:
+def test_no_response_contains_the_camera_password(live: Served) -> None:
     wait_for(lambda: source(live, "door")["reconnects"] >= 1, "a reconnection", 10)
     bodies = [live.client.get(path).text for path in (
         "/", "/api/health", "/api/sources", "/api/sources/door", "/api/sources/door/snapshot.jpg",
@@ -186,7 +165,7 @@ def non_loopback_address() -> str:
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "interface"])
-def test_a_non_loopback_bind_requires_the_token(live: LiveView, host: str) -> None:
+def test_a_non_loopback_bind_requires_the_token(live: Served, host: str) -> None:
     host = non_loopback_address() if host == "interface" else host
     server = HttpServer(HttpSettings(host=host, token=TOKEN), live.board, live.server.config)
     port = server.start()
@@ -245,7 +224,7 @@ def test_check_settings(host: str, token: str | None, error: str | None) -> None
         assert str(raised.value) == error
 
 
-def test_a_taken_port_is_one_line_naming_the_key(live: LiveView) -> None:
+def test_a_taken_port_is_one_line_naming_the_key(live: Served) -> None:
     server = HttpServer(HttpSettings(port=live.server.port), live.board, live.server.config)
     with pytest.raises(OSError, match=rf"^\[Errno \d+\] runtime\.http: cannot serve on "
                                       rf"127\.0\.0\.1:{live.server.port}: "):
