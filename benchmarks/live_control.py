@@ -310,7 +310,7 @@ def measure(plan: Plan, command: list[str], result: Result) -> None:
         result.watched = spread(poller.host_of(), names, WATCHED)
         preview_fps = 5.0  # runtime.http.preview_fps's default: the page's rate
         viewer = Viewer(base, result.watched, preview_fps)
-        with UtilisationSampler(not plan.small) as sampler:
+        with UtilisationSampler(True) as sampler:  # none without NVML or nvidia-smi
             t0, p0 = time.monotonic(), time.perf_counter()
             (plan.out / "metrics-start.txt").write_text(poller.scrape())
             viewer.start()
@@ -320,7 +320,7 @@ def measure(plan: Plan, command: list[str], result: Result) -> None:
             time.sleep(max(0.0, t0 + plan.seconds - time.monotonic()))
             (plan.out / "metrics-end.txt").write_text(poller.scrape())
             t1, p1 = time.monotonic(), time.perf_counter()
-        result.gpu_util = sampler.mean(p0, p1)
+        result.gpu_util, result.nvdec_util = sampler.mean(p0, p1) or (None, None)
         result.window_s = t1 - t0
         result.offered = plan.cameras * plan.pace_fps
         window_numbers(poller, t0, t1, set(names), result)
@@ -379,8 +379,11 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
     if result.busiest is not None:
         host, stage, share = result.busiest
         rows.append(("busiest stage", f"{host} {stage}", f"work {share:.0f}% of the window"))
-    if not plan.small:
+    if result.gpu_util is not None:  # sampled (NVML or nvidia-smi)
         rows.append(("GPU utilisation", f"{num(result.gpu_util)}%", "mean over the window"))
+        rows.append(("NVDEC utilisation", "-" if result.nvdec_util is None
+                     else f"{num(result.nvdec_util)}%", "the GPU's video decoders, mean over "
+                     "the window (-: the device gives no figure)"))
     rows += [
         ("live view", f"health {result.health_end or '-'}",
          f"viewer: {result.viewer_served} snapshots served ({result.viewer_pictures} "

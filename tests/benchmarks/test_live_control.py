@@ -4,9 +4,11 @@ tested in tests/pipeline/app/test_measurement.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from benchmarks.live_control import main, spread
+from benchmarks.live_control import Plan, Result, main, markdown, spread
 from benchmarks.render_page import answer_for
 
 
@@ -28,6 +30,20 @@ def test_the_saved_files_answer_the_page_requests(tmp_path):
     assert answer_for(tmp_path, "/api/sources/cam%201/stream.mjpg")[0] == 200
     assert answer_for(tmp_path, "/api/sources/cam2/snapshot.jpg")[0] == 404
     assert answer_for(tmp_path, "/api/sources/../x/snapshot.jpg")[0] == 404
+
+
+@pytest.mark.parametrize(("gpu", "nvdec", "shown"), [
+    (97.0, 81.0, {"GPU utilisation": "97%", "NVDEC utilisation": "81%"}),
+    (97.0, None, {"GPU utilisation": "97%", "NVDEC utilisation": "-"}),  # no decoder figure
+    (None, None, {}),  # not sampled: no NVML, no nvidia-smi (this machine)
+])
+def test_the_table_gives_the_gpu_and_its_decoders_utilisation_when_sampled(gpu, nvdec, shown):
+    """The window's (GPU %, NVDEC %) as ``UtilisationSampler.mean`` gives them, in the table
+    of a full (GPU) run."""
+    plan = Plan(False, 100, None, 30.0, 10.0, 30.0, "auto", *[Path("x")] * 6, 1, 2, 420.0)
+    result = Result(gpu_util=gpu, nvdec_util=nvdec)
+    rows = table_rows(markdown(plan, result, "header"))
+    assert {name: cells[0] for name, cells in rows.items() if "utilisation" in name} == shown
 
 
 @pytest.fixture(scope="module")
