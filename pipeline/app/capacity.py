@@ -73,6 +73,8 @@ from pipeline.app.measurement import (
     UtilisationSampler,
     Window,
     child_env,
+    cores_busy,
+    cpu_ticks,
     free_port,
     gpu_memory,
     launch,
@@ -299,7 +301,7 @@ def measure_cameras(options: Options, user: dict[str, Any], clip: Path, fps: flo
         window = Window(offered=None if fps is None else cameras * fps)
         control = None
         with UtilisationSampler(gpu) as sampler:
-            t0, p0 = time.monotonic(), time.perf_counter()
+            t0, p0, ticks0 = time.monotonic(), time.perf_counter(), cpu_ticks()
             (folder / "metrics-start.txt").write_text(poller.scrape())
             if options.http and base is not None:
                 control = ControlThread(base, camera_sources(1, clip, fps, user)[0]
@@ -310,8 +312,10 @@ def measure_cameras(options: Options, user: dict[str, Any], clip: Path, fps: flo
                 apps, tree = query_compute_apps(), process_tree(process.pid)
             time.sleep(max(0.0, t0 + options.seconds - time.monotonic()))
             (folder / "metrics-end.txt").write_text(poller.scrape())
-            t1, p1 = time.monotonic(), time.perf_counter()
+            t1, p1, ticks1 = time.monotonic(), time.perf_counter(), cpu_ticks()
         window.gpu_util, window.nvdec_util = sampler.mean(p0, p1) or (None, None)
+        window.cpu_busy = cores_busy(ticks0, ticks1)
+        window.cpus = ticks1.cpus if ticks1 is not None else None
         window.window_s = t1 - t0
         span = (t0 - started, t1 - started)
         if control is not None:

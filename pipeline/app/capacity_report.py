@@ -154,17 +154,20 @@ EVENTS_COLUMN = "events written, whole run"
 
 
 def extra_columns(rows: list[RunRow]) -> list[str]:
-    """The columns only some runs have: GPU and NVDEC utilisation, memory, the live view's
-    calls, the events (and snapshots) written."""
+    """The columns only some runs have: the machine's CPUs busy, GPU and NVDEC utilisation,
+    memory, the live view's calls, the events (and snapshots) written."""
     windows = [row.window for row in rows if row.window is not None]
-    return ((["GPU", "NVDEC"] if any(w.gpu_util is not None for w in windows) else [])
+    return ((["CPU"] if any(w.cpu_busy is not None for w in windows) else [])
+            + (["GPU", "NVDEC"] if any(w.gpu_util is not None for w in windows) else [])
             + (["GPU memory"] if any(w.gpu_memory is not None for w in windows) else [])
             + (["live view (--http)"] if any(row.control is not None for row in rows) else [])
             + ([EVENTS_COLUMN] if any(row.events is not None for row in rows) else []))
 
 
 def extra_cells(row: RunRow, window: Window, columns: list[str]) -> list[str]:
-    cells = {"GPU": "-" if window.gpu_util is None else f"{window.gpu_util:.0f}%",
+    cells = {"CPU": "-" if window.cpu_busy is None
+             else f"{window.cpu_busy:.1f} of {window.cpus} cores",
+             "GPU": "-" if window.gpu_util is None else f"{window.gpu_util:.0f}%",
              "NVDEC": "-" if window.nvdec_util is None else f"{window.nvdec_util:.0f}%",
              "GPU memory": memory_text(window),
              "live view (--http)": "-" if row.control is None else row.control.text(),

@@ -6,7 +6,8 @@ and decide whether the run held. ``capacity`` and ``benchmarks.live_control`` me
     │                  snapshots that changed, each with the time it was first seen)
     │   wait_delivering: every camera counted a frame
     │   warm-up, then the window [t0, t1]
-    │   once in the window: query_compute_apps (nvidia-smi), process_tree(child)
+    │   once in the window: query_compute_apps (nvidia-smi), process_tree(child);
+    │   at its ends: cpu_ticks (/proc/stat) -> the machine's cores busy over it
     └── window_numbers(poller, t0, t1, cameras) ──> Window: delivered, dropped, p50/p99,
         stages' work and blocked seconds, the busiest stage, held
     stop(child): SIGINT, its exit status
@@ -260,6 +261,9 @@ class Window:
             stages over the span of its log lines around the window
             (``pipeline.app.run_log``).
         gpu_memory: device memory held by processes, sampled once in the window.
+        cpu_busy: how many of the machine's CPUs were busy, on average over the window (all
+            its processes, not only the run's: ``cores_busy``).
+        cpus: how many CPUs the machine has (``/proc/stat``).
     """
 
     window_s: float | None = None
@@ -278,6 +282,8 @@ class Window:
     ended: int | None = None
     engines: dict[str, EngineWindow] = field(default_factory=dict)
     gpu_memory: GpuMemory | None = None
+    cpu_busy: float | None = None
+    cpus: int | None = None
 
     def add_engines(self, engines: dict[int | None, EngineWindow]) -> None:
         """Add the engines' stages (``run_log.engine_windows``) and name the busiest stage
@@ -560,6 +566,45 @@ class UtilisationSampler:
         nvdec = [value for _, value in inside if value is not None]
         return (statistics.fmean(gpu for gpu, _ in inside),
                 statistics.fmean(nvdec) if nvdec else None)
+
+
+# ---- the machine's CPUs ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CpuTicks:
+    """The machine's CPU time since boot from ``/proc/stat`` (clock ticks, all CPUs)."""
+
+    busy: float  # all but idle and iowait
+    total: float
+    cpus: int  # its ``cpuN`` lines
+
+
+def cpu_ticks(stat_text: str | None = None) -> CpuTicks | None:
+    """``/proc/stat`` now (or ``stat_text``, its contents) as ``CpuTicks``; None where it
+    cannot be read (not Linux)."""
+    try:
+        if stat_text is None:
+            with open("/proc/stat") as stat:
+                stat_text = stat.read()
+        lines = stat_text.splitlines()
+        # cpu user nice system idle iowait irq softirq steal (guest time is inside user)
+        ticks = [float(value) for value in lines[0].split()[1:9]]
+        cpus = sum(1 for line in lines[1:] if line.startswith("cpu"))
+    except (OSError, ValueError, IndexError):
+        return None
+    if not lines[0].startswith("cpu ") or len(ticks) < 5 or cpus == 0:
+        return None
+    total = sum(ticks)
+    return CpuTicks(total - ticks[3] - ticks[4], total, cpus)
+
+
+def cores_busy(before: CpuTicks | None, after: CpuTicks | None) -> float | None:
+    """How many of the machine's CPUs were busy on average between two ``cpu_ticks`` (8.4:
+    as if 8.4 of them worked all the time); None without both or with no time between."""
+    if before is None or after is None or after.total <= before.total:
+        return None
+    return after.cpus * (after.busy - before.busy) / (after.total - before.total)
 
 
 # ---- device memory -------------------------------------------------------------------------

@@ -94,6 +94,9 @@ def test_a_small_search_prints_a_row_per_count_held_decided_from_the_numbers(sma
                 and window["delivered"] >= 0.95 * window["offered"])
         assert run["held"] is held and cells[6].startswith("yes" if held else "no: "), cells
         assert " s work, " in cells[7] and " s blocked)" in cells[7], cells
+        # the machine's CPUs busy over the window (the run's processes among others)
+        assert cells[8] == f"{window['cpu_busy']:.1f} of {window['cpus']} cores", cells
+        assert 0 < window["cpu_busy"] <= window["cpus"], window
     # three times what the engine alone does cannot be delivered: an overload, its drops and
     # p99 the result; the engine's infer (read from its JSON log lines) is the bottleneck
     window = runs[too_many]["window"]
@@ -191,7 +194,8 @@ def test_http_adds_and_removes_a_camera_in_the_window(samples, repo_root, tmp_pa
     assert run["window"]["delivered"] > 0 and run["error"] is None  # added is not counted
     assert table_rows(stdout)[1][-2].startswith("POST 201 ok, DELETE 200 ok, added "
                                                 "delivered frames: "), stdout
-    assert "| held | busiest stage | live view (--http) | events written, whole run |" in stdout
+    assert ("| held | busiest stage | CPU | live view (--http) | events written, whole run |"
+            in stdout)
     log = (out / "cameras-001" / "run.log").read_text()
     ended = [line for line in log.splitlines() if '"event": "source ended"' in line
              and '"source": "added"' in line]

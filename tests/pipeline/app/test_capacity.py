@@ -207,6 +207,7 @@ def unpaced_row(delivered: float | None, ended: int = 0, error: str | None = Non
     engine = EngineWindow(4242, 20.0, 50.0, {"infer": (28.5, 0.2, 150000)})
     w = Window(delivered=delivered, dropped=1200, p50=(0.02, 0.05), p99=(0.1, 0.2),
                hosts=["worker0", "worker1"], ended=ended, gpu_util=97.0, nvdec_util=88.0,
+               cpu_busy=8.41, cpus=16,
                gpu_memory=GpuMemory({4242: 2900.0, 4243: 512.0}, "run", [4242]))
     w.add_engines({4242: engine})
     return RunRow(100, None, None if error else w, error=error)
@@ -231,10 +232,10 @@ def test_the_unpaced_row_is_throughput_beside_the_slower_ceiling(ceilings, ratio
         f"window, {words}; 1,200 dropped (a live camera drops what the engine does not take).")
     head, _, cells = unpaced_table([row], ceilings).splitlines()
     assert head == ("| unpaced cameras | delivered fps | x slower ceiling | dropped | p50 latency "
-                    "| p99 latency | busiest stage | GPU | NVDEC | GPU memory |")
+                    "| p99 latency | busiest stage | CPU | GPU | NVDEC | GPU memory |")
     assert cells == (f"| 100 | 5,100.0 | {'-' if ratio is None else f'{ratio:.2f}x'} | 1200 | "
                      f"<= 50 ms | <= 200 ms | engine infer 95% (28.5 s work, 0.2 s blocked) | "
-                     f"97% | 88% | 3,412 MiB in 2 processes, engine 2,900 |")
+                     f"8.4 of 16 cores | 97% | 88% | 3,412 MiB in 2 processes, engine 2,900 |")
 
 
 def test_an_unpaced_camera_that_reached_the_clips_end_or_a_failed_run_is_said():

@@ -12,12 +12,15 @@ import time
 import pytest
 
 from pipeline.app.measurement import (
+    CpuTicks,
     HostSample,
     MeasurementError,
     MetricsPoller,
     UtilisationSampler,
     Window,
     bucket_text,
+    cores_busy,
+    cpu_ticks,
     dropped_between,
     gpu_memory,
     launch,
@@ -280,3 +283,36 @@ def test_the_child_runs_in_its_own_group_and_stops_on_one_sigint(tmp_path):
     assert stop(process, wait_s=20) == (0, None)
     reader.join(5)
     assert "stopped once" in log.read_text()
+
+
+STAT = """cpu  {user} 0 {system} {idle} {iowait} 0 0 0 0 0
+cpu0 1 0 1 1 0 0 0 0 0 0
+cpu1 1 0 1 1 0 0 0 0 0 0
+cpu2 1 0 1 1 0 0 0 0 0 0
+cpu3 1 0 1 1 0 0 0 0 0 0
+intr 12345
+"""
+
+
+def test_the_machine_s_cores_busy_come_from_proc_stat_s_ticks():
+    """Two readings of /proc/stat (4 CPUs): 300 of 1,000 ticks worked (user and system; idle
+    and iowait are not work) is 1.2 cores busy."""
+    before = cpu_ticks(STAT.format(user=1000, system=500, idle=8000, iowait=500))
+    after = cpu_ticks(STAT.format(user=1200, system=600, idle=8650, iowait=550))
+    assert before == CpuTicks(busy=1500.0, total=10000.0, cpus=4)
+    assert cores_busy(before, after) == pytest.approx(4 * 300 / 1000)
+    assert cores_busy(before, before) is None  # no time between
+    assert cores_busy(None, after) is None
+    assert cpu_ticks("intr 1\n") is None and cpu_ticks("") is None  # not a /proc/stat
+
+
+def test_this_machine_s_proc_stat_reads_and_its_cores_busy_are_within_its_cpus():
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat: not Linux")
+    before = cpu_ticks()
+    deadline = time.perf_counter() + 0.3
+    while time.perf_counter() < deadline:  # this process keeps one core busy
+        pass
+    busy = cores_busy(before, cpu_ticks())
+    assert before is not None and before.cpus >= 1
+    assert busy is not None and 0.5 <= busy <= before.cpus, busy
