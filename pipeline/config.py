@@ -16,6 +16,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -308,11 +309,7 @@ class SourceConfig:
         if not self.uri:
             raise ConfigError(f"{where}: expected a file path or a URL, got ''")
         if not is_stream_url(self.uri):
-            path = base_dir / self.uri
-            if path.is_dir():
-                raise ConfigError(f"{where}: {self.uri!r} is a folder, not a video file")
-            if not path.is_file():
-                raise ConfigError(f"{where}: file not found: {self.uri!r}")
+            _check_file(where, self.uri, base_dir, "a video file")
             if self.reconnect:
                 raise ConfigError(f"{key}.reconnect: files never reconnect; only stream URLs can")
             if self.loop and self.live is False:
@@ -1091,9 +1088,10 @@ def _check_semantics(config: PipelineConfig, base_dir: Path, added_key: str | No
             raise ConfigError(f"{key}.name: duplicate source name {source.name!r}")
         seen.add(source.name)
         source.check(key, base_dir)
-    for key, path in (("model.path", config.model.path), ("model.class_names", config.model.class_names)):
-        if path is not None and not (base_dir / path).is_file():
-            raise ConfigError(f"{key}: file not found: {path!r}")
+    for key, path, kind in (("model.path", config.model.path, "a model file"),
+                            ("model.class_names", config.model.class_names, "a names file")):
+        if path is not None:
+            _check_file(key, path, base_dir, kind)
     for key in OUTPUT_KEYS:
         template = getattr(config.output, key)
         if template is None:
@@ -1122,6 +1120,17 @@ def _check_semantics(config: PipelineConfig, base_dir: Path, added_key: str | No
         if not runtime.gpus or len(set(runtime.gpus)) != len(runtime.gpus) or min(runtime.gpus) < 0:
             raise ConfigError(f"runtime.gpus: expected distinct GPU numbers >= 0 (or all, or "
                               f"null), got {runtime.gpus!r}")
+
+
+def _check_file(where: str, path: str, base_dir: Path, kind: str) -> None:
+    """Raise a ``ConfigError`` at ``where`` unless ``path`` (relative: to ``base_dir``) is a
+    file; a relative path that is not found says where it was looked for."""
+    found = base_dir / path
+    if found.is_dir():
+        raise ConfigError(f"{where}: {path!r} is a folder, not {kind}")
+    if not found.is_file():
+        looked = "" if Path(path).is_absolute() else f" (looked for in {base_dir.resolve()})"
+        raise ConfigError(f"{where}: file not found: {path!r}{looked}")
 
 
 def partial_path(path: Path) -> Path:
@@ -1156,15 +1165,27 @@ def _check_output_paths(config: PipelineConfig, base_dir: Path, added_key: str |
     for key in ("model.path", "model.class_names"):
         if (value := getattr(config.model, key.split(".")[1])) is not None:
             owners.setdefault(same_file_key(base_dir / value, folds), key)
+    inside = os.path.abspath(folder)
+    for key, name, final in output_files(config, base_dir):
+        if os.path.commonpath([inside, os.path.abspath(final)]) != inside:
+            raise ConfigError(f"output.{key}: {getattr(config.output, key)!r} leaves output.dir "
+                              f"({config.output.dir!r}): source {name!r} would write "
+                              f"{str(final)!r}; name a file inside it (a subfolder is fine)")
+        claim(f"output.{key}", final, f"output.{key} of source {name!r}")
+        claim(f"output.{key}", partial_path(final),
+              f"the temporary file of output.{key} of source {name!r}")
+
+
+def output_files(config: PipelineConfig, base_dir: Path) -> Iterator[tuple[str, str, Path]]:
+    """(output key, source name, final path) of every output file the run writes, in source
+    order: each also has a temporary name while it is written (``partial_path``)."""
+    folder = base_dir / config.output.dir
     for source in config.sources:
         for key in OUTPUT_KEYS:
             template = getattr(config.output, key)
-            if template is None or source not in config.sources_writing(key):
-                continue
-            final = Path(os.path.normpath(folder / template.format(source=source.name)))
-            claim(f"output.{key}", final, f"output.{key} of source {source.name!r}")
-            claim(f"output.{key}", partial_path(final),
-                  f"the temporary file of output.{key} of source {source.name!r}")
+            if template is not None and source in config.sources_writing(key):
+                yield key, source.name, Path(os.path.normpath(
+                    folder / template.format(source=source.name)))
 
 
 def same_file_key(path: Path, folds: dict[Path, bool] | None = None) -> str:
@@ -1326,7 +1347,14 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = (),
             environment variable.
     """
     data = read_config_data(path, overrides)
-    return parse_config(substitute_env(data, os.environ if environ is None else environ))
+    config = parse_config(substitute_env(data, os.environ if environ is None else environ))
+    itself = same_file_key(Path(path))  # an output over the config would destroy it
+    for key, name, final in output_files(config, Path(".")):
+        for written in (final, partial_path(final)):
+            if same_file_key(written) == itself:
+                raise ConfigError(f"output.{key}: source {name!r} would write "
+                                  f"{str(written)!r}, which is the config file being run")
+    return config
 
 
 def read_config_data(path: str | Path, overrides: typing.Sequence[str] = ()) -> Any:
@@ -1338,9 +1366,12 @@ def read_config_data(path: str | Path, overrides: typing.Sequence[str] = ()) -> 
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise ConfigError(f"config: cannot read {str(path)!r}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config: {str(path)!r} is not a text (YAML) file: not UTF-8 at "
+                          f"byte {error.start}") from None
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except _DuplicateKey as error:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -119,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
     try:
         config = load_config(args.config, args.overrides)
+        if args.command == "run":
+            make_output_dir(Path(config.output.dir))
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -129,6 +132,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "build-engine":
         return one_line_errors(lambda: build_engine(config))
     return one_line_errors(lambda: run(config, args.ray, restart=args.restart))
+
+
+def make_output_dir(folder: Path) -> None:
+    """Create ``output.dir`` (and its parents) and write a file in it, before anything
+    starts: a folder the run cannot write is a config error, not a failure after the model
+    has loaded.
+
+    Raises:
+        ConfigError: it cannot be created or written in (one line).
+    """
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ConfigError(f"output.dir: cannot create or write in {str(folder)!r}: "
+                          f"{error.strerror or error}") from None
 
 
 def one_line_errors(command: Callable[[], int]) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pipeline.config import ConfigError, describe_schema, load_config, parse_config
 
@@ -110,7 +111,9 @@ BAD = [
     ("sources.0.max_lag_ms", True, "sources[0].max_lag_ms: expected a number or null, got True"),
     ("sources", [], "sources: expected at least one source"),
     ("sources", "clip.mp4", "sources: expected a list, got 'clip.mp4'"),
-    ("model.path", "nope.onnx", "model.path: file not found: 'nope.onnx'"),
+    ("model.path", "nope.onnx", "model.path: file not found: 'nope.onnx' (looked for in /"),
+    ("model.path", ".", "model.path: '.' is a folder, not a model file"),
+    ("model.class_names", ".", "model.class_names: '.' is a folder, not a names file"),
     ("output.video_crf", 60, "output.video_crf: expected a value between 0 and 51, got 60"),
     ("output.trails", -1, "output.trails: expected a value between 0 and 1000, got -1"),
     ("sources.0.tracker_class_aware", "yes",
@@ -134,6 +137,12 @@ def test_bad_values_name_key_value_and_allowed(files: Path, key: str, value: obj
         parse_config(with_value(key, value))
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_a_missing_absolute_path_is_named_as_given() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(with_value("sources.0.uri", "/no/such.mp4"))
+    assert str(info.value) == "sources[0].uri (source 'cam1'): file not found: '/no/such.mp4'"
 
 
 def test_an_unknown_key_near_no_allowed_one_gets_no_guess(files: Path) -> None:
@@ -191,6 +200,13 @@ def test_unreadable_yaml(files: Path, text: str, message: str) -> None:
     path = files / "c.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_a_binary_file_given_as_the_config_is_one_line(files: Path) -> None:
+    path = files / "clip.mp4"  # a video given by mistake (once a UnicodeDecodeError traceback)
+    path.write_bytes(b"\x00\x00\x00\x18ftypmp42\xb8\xff\x00")
+    with pytest.raises(ConfigError, match=r"is not a text \(YAML\) file: not UTF-8 at byte 12$"):
         load_config(path)
 
 
@@ -444,6 +460,34 @@ def test_events_paths_take_part_in_the_collision_checks(files: Path) -> None:
     data["sources"].append({"name": "cam1.events", "uri": "clip.mp4"})  # its jsonl: cam1's events
     with pytest.raises(ConfigError, match=r"which is also output.events of source 'cam1'"):
         parse_config(data)
+
+
+@pytest.mark.parametrize(("template", "written"), [
+    ("../README.md", "README.md"),  # a new user's trial overwrote the project's README so
+    ("/tmp/x/{source}.jsonl", "/tmp/x/cam1.jsonl"),
+    ("sub/../../{source}.jsonl", "cam1.jsonl"),
+])
+def test_an_output_name_may_not_leave_output_dir(files: Path, template: str, written: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(with_value("output.jsonl", template))
+    assert str(info.value) == (f"output.jsonl: {template!r} leaves output.dir ('output'): source "
+                               f"'cam1' would write {written!r}; name a file inside it (a "
+                               f"subfolder is fine)")
+
+
+def test_an_output_may_go_into_a_subfolder_of_output_dir(files: Path) -> None:
+    config = parse_config(with_value("output.jsonl", "jsonl/./{source}.jsonl"))
+    assert config.output_path(config.output.jsonl, "cam1") == Path("output/jsonl/cam1.jsonl")
+
+
+def test_an_output_over_the_config_file_being_run_is_refused(files: Path) -> None:
+    data = {**base(), "output": {"dir": ".", "jsonl": "{source}.yaml"}}
+    (files / "cam1.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as info:
+        load_config("cam1.yaml")
+    assert str(info.value) == ("output.jsonl: source 'cam1' would write 'cam1.yaml', which is "
+                               "the config file being run")
+    assert parse_config(data).output.dir == "."  # the same outputs from another config: fine
 
 
 def test_schema_lists_the_keys_of_regions_and_mqtt() -> None:
