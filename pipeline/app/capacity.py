@@ -496,6 +496,19 @@ def measure_ceilings(options: Options, user: dict[str, Any], clip: Path, fps: fl
         shutil.rmtree(records, ignore_errors=True)
 
 
+def budget_note(budget_s: float, count: int, left_s: float, took_s: float,
+                needed_s: float) -> str | None:
+    """Why a run of ``count`` cameras is not tried with ``left_s`` of ``--budget-s`` left, or
+    None when it fits: it may take as long as the longest run so far (``took_s``), or its
+    warm-up, window and stop (``needed_s``) and 10 s to start."""
+    required = max(took_s, needed_s + 10.0)
+    if left_s >= required:
+        return None
+    return (f"--budget-s {budget_s:g}: {plural(count, 'camera')} not tried ({left_s:.0f} s "
+            f"left; a run may take {required:.0f} s: the longest so far took {took_s:.0f} s, "
+            f"and start, warm-up, window and stop may take {needed_s + 10.0:.0f} s)")
+
+
 def main(options: Options) -> int:
     """Run the command (module docstring); returns its exit status."""
     began = time.monotonic()
@@ -539,13 +552,13 @@ def main(options: Options) -> int:
         needed = options.warmup_s + options.seconds + STOP_S
 
         def fits(count: int) -> bool:
-            took = max((row.took_s or 0.0 for row in rows), default=0.0)
-            if rows and time_left() < max(took, needed + 10.0):
-                notes.append(f"--budget-s {options.budget_s:g}: {count} cameras not tried "
-                             f"({time_left():.0f} s left, a run takes about "
-                             f"{max(took, needed):.0f} s)")
-                return False
-            return True
+            if not rows:
+                return True
+            took = max(row.took_s or 0.0 for row in rows)
+            note = budget_note(options.budget_s, count, time_left(), took, needed)
+            if note is not None:
+                notes.append(note)
+            return note is None
 
         def run_row(count: int, pace: float | None, clip: Path, folder: Path) -> RunRow:
             progress(f"{plural(count, 'camera')} "

@@ -10,6 +10,7 @@ import pytest
 
 from pipeline.app.api_client import AddRemove
 from pipeline.app.capacity import (
+    budget_note,
     camera_sources,
     estimate,
     next_count,
@@ -339,3 +340,14 @@ def test_the_header_says_what_an_auto_backend_and_device_chose_once_the_engine_r
     config.inference.backend = "onnxruntime"
     assert "inference onnxruntime on cuda (auto), batch" in header_text(
         options, config, samples.bikes, samples.bikes, 250, 30.0, engine)
+
+
+def test_a_count_left_out_for_the_budget_says_the_time_it_was_measured_against():
+    """A new user read "41 s left, a run takes about 36 s": the run was refused against
+    46 s (its warm-up, window and stop, 36 s, and 10 s to start), which it did not say."""
+    assert budget_note(60, 1, 41.0, 19.0, 36.0) == (
+        "--budget-s 60: 1 camera not tried (41 s left; a run may take 46 s: the longest so far "
+        "took 19 s, and start, warm-up, window and stop may take 46 s)")
+    assert budget_note(600, 8, 80.0, 120.0, 36.0).startswith(
+        "--budget-s 600: 8 cameras not tried (80 s left; a run may take 120 s: ")
+    assert budget_note(60, 2, 46.0, 19.0, 36.0) is None  # fits exactly
