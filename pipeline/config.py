@@ -1401,6 +1401,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def _as_yaml(value: Any) -> str:
+    """A default as the YAML file would spell it (``null``, ``true``, ``'auto'``, ``5.0``)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value)
+
+
 def describe_schema(cls: type = PipelineConfig, prefix: str = "") -> list[str]:
     """One line per configuration key: name, default and documentation."""
     lines = []
@@ -1417,6 +1424,7 @@ def describe_schema(cls: type = PipelineConfig, prefix: str = "") -> list[str]:
             lines.append(f"{key}{suffix}: {f.metadata.get('doc', '')}")
             lines.extend(describe_schema(inner, f"  {key}{suffix}."))
             continue
-        default = "required" if f.default is dataclasses.MISSING else f"default {f.default!r}"
+        default = ("required" if f.default is dataclasses.MISSING
+                   else f"default {_as_yaml(f.default)}")
         lines.append(f"{key} ({_describe(tp)}; {default}): {f.metadata.get('doc', '')}")
     return lines

@@ -7,6 +7,7 @@ cams.yaml --clip my.mp4`` measures how many cameras hold (``pipeline.app.capacit
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 import traceback
@@ -118,6 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if (missing := ray_missing(args.ray)) is not None:
             print(f"error: {missing}", file=sys.stderr)
             return EXIT_USAGE
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # A script's background job (`run.py ... &`) starts with SIGINT ignored; a run stops
+        # on it all the same, as capacity does: while it starts as a KeyboardInterrupt (exit
+        # 130), then gracefully (``run.install_signal_handlers``).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         config = load_config(args.config, args.overrides)
         if args.command == "run":

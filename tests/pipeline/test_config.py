@@ -219,6 +219,10 @@ def test_schema_documents_every_section() -> None:
     text = "\n".join(describe_schema())
     for key in ("sources[]", "uri", "inference.batch_size", "nms.iou_threshold", "output.video"):
         assert key in text
+    # defaults as YAML spells them, not Python
+    assert "  sources[].pace_fps (a number or null; default null): " in text
+    assert "  sources[].loop (true or false; default false): " in text
+    assert "None" not in text and "False" not in text and "True" not in text
 
 
 @pytest.mark.parametrize(("source", "live", "message"), [

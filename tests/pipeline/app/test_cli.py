@@ -1,0 +1,36 @@
+"""pipeline.app.cli's steps before a run starts: the output folder made and written in, and
+SIGINT heeded where it came in ignored. (Its messages and exit statuses for bad input, end
+to end: tests/e2e/test_bad_inputs.py.)"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from pipeline.app.cli import main, make_output_dir
+from pipeline.config import ConfigError
+
+
+def test_the_output_folder_is_made_with_its_parents_before_the_run(tmp_path: Path) -> None:
+    make_output_dir(tmp_path / "a" / "b")
+    assert (tmp_path / "a" / "b").is_dir() and not list((tmp_path / "a" / "b").iterdir())
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError) as info:
+        make_output_dir(tmp_path / "file" / "out")
+    assert str(info.value) == (f"output.dir: cannot create or write in "
+                               f"{str(tmp_path / 'file' / 'out')!r}: Not a directory")
+
+
+def test_a_run_started_with_sigint_ignored_heeds_it(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script's background job starts with SIGINT ignored (a new user's `kill -INT` did
+    nothing to a run starting so); the run turns Python's own handler back on."""
+    monkeypatch.chdir(tmp_path)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert main(["--config", "absent.yaml"]) == 2
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
