@@ -1165,9 +1165,9 @@ def _check_output_paths(config: PipelineConfig, base_dir: Path, added_key: str |
     for key in ("model.path", "model.class_names"):
         if (value := getattr(config.model, key.split(".")[1])) is not None:
             owners.setdefault(same_file_key(base_dir / value, folds), key)
-    inside = os.path.abspath(folder)
+    inside = os.path.realpath(folder)  # (a name through a symlink into it is inside it)
     for key, name, final in output_files(config, base_dir):
-        if os.path.commonpath([inside, os.path.abspath(final)]) != inside:
+        if os.path.commonpath([inside, os.path.realpath(final)]) != inside:
             raise ConfigError(f"output.{key}: {getattr(config.output, key)!r} leaves output.dir "
                               f"({config.output.dir!r}): source {name!r} would write "
                               f"{str(final)!r}; name a file inside it (a subfolder is fine)")
