@@ -7,6 +7,10 @@ torn last line. Resuming keeps the complete lines, drops the torn one and starts
 at the frame after the last record (``SourceConfig.start_frame``); the new sink appends to
 the same file (``SinkStage(resume_from=...)``), so the file ends up holding every frame once,
 in order.
+
+A tracked source resumed starts with fresh tracks, numbered on from its records: its first id
+is one past the largest ``tracker_id`` of its kept records (``next_tracker_id``), so an id
+names one object in the whole file, as it does in a run that was never cut.
 """
 
 from __future__ import annotations
@@ -14,11 +18,16 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from pathlib import Path
 
 from pipeline.config import PipelineConfig, SourceConfig, partial_path
 
 TAIL_CHUNK = 64 * 1024  # bytes read at a time from the end of a file
+SCAN_CHUNK = 4 * 1024 * 1024  # bytes read at a time scanning a whole file
+# a detection's track id in a record (``stages.sinks.detection_records``); -1 (no track)
+# does not match. A quote inside a JSON string is escaped: only a key matches.
+_TRACKER_ID = re.compile(rb'"tracker_id"\s*:\s*(\d+)')
 
 
 def cut_torn_line(path: Path) -> bytes | None:
@@ -70,6 +79,28 @@ def resume_point(jsonl_path: Path) -> int:
     except (ValueError, KeyError, TypeError):
         raise ValueError(f"{str(partial)!r}: its last line is not a frame record: "
                          f"{line[:80]!r}") from None
+
+
+def next_tracker_id(jsonl_path: Path) -> int:
+    """The first tracker id of a tracked source resuming after its records: one past the
+    largest ``"tracker_id"`` of the complete lines of its partial JSONL file (``jsonl_path``
+    is the final path; its ``.partial`` twin is read, and a torn last line is not counted),
+    or 0 when there is none. Reads the whole file (once, in chunks, without parsing it).
+    """
+    partial = partial_path(jsonl_path)
+    if not partial.exists():
+        return 0
+    largest = -1
+    rest = b""  # a line begun in the chunk before
+    with open(partial, "rb") as file:
+        while chunk := file.read(SCAN_CHUNK):
+            chunk = rest + chunk
+            end = chunk.rfind(b"\n") + 1
+            ids = _TRACKER_ID.findall(chunk, 0, end)
+            if ids:
+                largest = max(largest, max(map(int, ids)))
+            rest = chunk[end:]
+    return largest + 1
 
 
 def resumed_sources(config: PipelineConfig, names: list[str]) -> list[SourceConfig]:

@@ -14,6 +14,11 @@ tracks with, and an update with no detections would count as a miss for every tr
 them. Instead, each track that was seen on the source's last detected frame is shown at its
 Kalman prediction for this frame (the filter is stepped forward and put back, so the tracker
 itself is untouched), with the class and score of its last detection.
+
+A source resumed after its records (``pipeline.resume``: a stopped run's file, or a source
+moved from a pipeline that died) starts with fresh tracks, numbered from the id it is added
+with (``TrackerStage.add_source(first_id=...)``: one past the largest id of its records), so
+that an id is never given to two objects in one output file.
 """
 
 from __future__ import annotations
@@ -68,21 +73,24 @@ class SourceTracker:
     class for multi-class tracking), each updated on every detected frame (with its class's
     detections, maybe none: its tracks age); the others one tracker for all classes. Each
     tracker numbers its tracks from 0, so the source's ids are given here, in the order the
-    tracks are confirmed: (tracker, its id) -> the source's id. With one tracker the two are
-    the same.
+    tracks are confirmed: (tracker, its id) -> the source's id, counted from ``first_id``.
+    With one tracker and ``first_id`` 0 the two are the same.
 
     Args:
         settings: the source's settings.
         frame_rate: the source's nominal frame rate (frames/s): the tracker's clock is
             ``index / frame_rate`` and its lost-track time is counted at this rate.
+        first_id: the id of the first track (a resumed source's tracks are numbered on
+            after the ids of its records).
     """
 
-    def __init__(self, settings: TrackerSettings, frame_rate: float) -> None:
+    def __init__(self, settings: TrackerSettings, frame_rate: float, first_id: int = 0
+                 ) -> None:
         self.settings = settings
         self.frame_rate = frame_rate
         self._trackers: dict[int, Any] = {}  # class id (or ALL_CLASSES) -> ByteTrackTracker
         self._ids: dict[tuple[int, int], int] = {}  # (tracker key, its track id) -> ours
-        self._next_id = 0
+        self._next_id = first_id
         self._last_index: int | None = None
         # tracker id -> (class id, score) of the track's latest detection
         self._last_detection: dict[int, tuple[int, float]] = {}
@@ -200,11 +208,15 @@ class TrackerStage(Stage[BatchDetections, BatchDetections]):
     Args:
         name: stage name.
         settings: source name -> its settings, for the sources with a tracker.
+        first_ids: source name -> the id its first track gets (a source resumed after its
+            records: one past their largest id); 0 for a source not named.
     """
 
-    def __init__(self, name: str, settings: dict[str, TrackerSettings]) -> None:
+    def __init__(self, name: str, settings: dict[str, TrackerSettings],
+                 first_ids: dict[str, int] | None = None) -> None:
         super().__init__(name)
         self.settings = settings
+        self.first_ids = dict(first_ids or {})
         self._trackers: dict[str, SourceTracker] = {}
 
     def open(self) -> None:
@@ -212,14 +224,18 @@ class TrackerStage(Stage[BatchDetections, BatchDetections]):
         # the first frame, rather than in its latency.
         import trackers  # noqa: F401
 
-    def add_source(self, source: str, settings: TrackerSettings) -> None:
-        """Track one more source (added while the pipeline runs; any thread)."""
+    def add_source(self, source: str, settings: TrackerSettings, first_id: int = 0) -> None:
+        """Track one more source (added while the pipeline runs; any thread), its tracks
+        numbered from ``first_id`` (a source resumed after its records: one past their
+        largest id, ``pipeline.resume.next_tracker_id``)."""
+        self.first_ids = {**self.first_ids, source: first_id}
         self.settings = {**self.settings, source: settings}
 
     def _tracker(self, source: str, rate: Fraction | None) -> SourceTracker:
         tracker = self._trackers.get(source)
         if tracker is None:
-            tracker = SourceTracker(self.settings[source], float(rate) if rate else DEFAULT_RATE)
+            tracker = SourceTracker(self.settings[source], float(rate) if rate else DEFAULT_RATE,
+                                    self.first_ids.get(source, 0))
             self._trackers[source] = tracker
         return tracker
 

@@ -17,7 +17,8 @@ analytics, annotate), the graph opens its sink and starts its thread (before the
 the run's other threads, once the stages are open), and only then does its decode start:
 on NVDEC, or in the decode worker with the fewest running sources (sharing that worker's
 slots), or in a thread of this process without workers. A source ``resume``d starts after
-its last written record and its sink appends to its records (``pipeline.resume``).
+its last written record and its sink appends to its records (``pipeline.resume``); if
+tracked, its track ids go on after the largest of its records.
 Removing a source stops its reading; what it queued drains and its outputs are finalised as
 for a file that ended. The other sources are not touched either way: no frame of theirs
 waits or is lost.
@@ -51,7 +52,7 @@ from pipeline.config import (
     partial_path,
 )
 from pipeline.graph import Graph, SourceConflict
-from pipeline.resume import resume_point
+from pipeline.resume import next_tracker_id, resume_point
 from pipeline.slots import SlotRing, i420_bytes
 from pipeline.stage import SourceStage, Stage
 from stages.analytics import AnalyticsStage, Region
@@ -173,9 +174,11 @@ class SourceControl:
             sink_config = (self._numbered(output_number) if output_number is not None
                            else self.config)
             if resume and sink_config.output.jsonl:  # ValueError: not our records
-                point = resume_point(sink_config.output_path(sink_config.output.jsonl,
-                                                             source.name))
+                records = sink_config.output_path(sink_config.output.jsonl, source.name)
+                point = resume_point(records)
                 source = dataclasses.replace(source, start_frame=max(source.start_frame, point))
+                if parts["tracker"] is not None:  # new ids: after those of its records
+                    parts["first_tracker_id"] = next_tracker_id(records)
             phase("check")
             in_pool = self.pool is not None and self.decoded_by_pool(source, key)
             stage = (self.pool.add_source(index, source, source.start_frame) if in_pool
@@ -206,6 +209,7 @@ class SourceControl:
             phase("start")
         log.info("source added", source=source.name, id=index, live=source.is_live,
                  resumed_at=source.start_frame if resume else None,
+                 first_tracker_id=parts.get("first_tracker_id"),
                  took_s=round(time.monotonic() - started, 3), phases_s=phases_s)
         return source
 
@@ -319,7 +323,8 @@ class SourceControl:
         if parts["filter"] is not None and self._filter is not None:
             self._filter.add_source(index, parts["filter"])
         if parts["tracker"] is not None and self._tracker is not None:
-            self._tracker.add_source(source.name, parts["tracker"])
+            self._tracker.add_source(source.name, parts["tracker"],
+                                     parts.get("first_tracker_id", 0))
         if parts["regions"] and self._analytics is not None:
             self._analytics.add_source(source.name, parts["regions"], self.class_names,
                                        source.tracker_lost_s + self.track_gone_margin_s)

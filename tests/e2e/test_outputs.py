@@ -68,10 +68,11 @@ def test_a_stopped_file_stays_partial_and_the_next_run_resumes_it(samples, clip:
                                                                   tmp_path: Path,
                                                                   run_pipeline) -> None:
     config = bikes(samples, tmp_path, clip, video="{source}.mp4")
+    config["sources"][0]["tracker"] = "bytetrack"  # its ids go on after the resume
     (tmp_path / "bikes.jsonl").write_text(OLDER)
     run = run_pipeline(config, tmp_path)
-    wait_for(lambda: len(records(tmp_path / "bikes.partial.jsonl")) >= 10, "the first records",
-             90, run)
+    wait_for(lambda: len(cut := records(tmp_path / "bikes.partial.jsonl")) >= 10
+             and track_ids(cut), "the first records and a track", 90, run)
     run.signal(signal.SIGINT)
     assert run.wait() == STOPPED, run.stderr()[-3000:]
     cut = records(tmp_path / "bikes.partial.jsonl")
@@ -97,10 +98,19 @@ def test_a_stopped_file_stays_partial_and_the_next_run_resumes_it(samples, clip:
     assert not (tmp_path / "bikes.partial.jsonl").exists()
     (resumed,) = again.events("resuming a file cut short after its last record")
     assert resumed["from_frame"] == len(cut)
+    # fresh tracks, numbered on after the cut's: an id names one object in the file
+    before, after = track_ids(lines[:len(cut)]), track_ids(lines[len(cut):])
+    assert before and after and min(after) == max(before) + 1, (before, after)
     # every video part of the finished file has a final name, and together they hold it all
     videos = sorted(p.name for p in tmp_path.glob("bikes*.mp4"))
     assert videos == ["bikes.from-0.mp4", f"bikes.from-{len(cut)}.mp4"]
     assert sum(len(read_frames(tmp_path / name)) for name in videos) == CLIP_FRAMES
+
+
+def track_ids(lines: list[dict]) -> set[int]:
+    """The ids of the confirmed tracks in records ``lines``."""
+    return {d["tracker_id"] for line in lines for d in line["detections"]
+            if d["tracker_id"] >= 0}
 
 
 def test_a_cut_file_resumes_after_its_last_record_unless_restart(samples,

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.config import SourceConfig, parse_config
 from pipeline.records import EndOfStream, Frame
-from pipeline.resume import cut_torn_line, resume_point, resumed_sources
+from pipeline.resume import cut_torn_line, next_tracker_id, resume_point, resumed_sources
 from stages.decode import DecodeStage
 from stages.sinks import SinkStage
 from tests.support import read_frames
@@ -53,6 +53,30 @@ def test_resume_point_is_the_frame_after_the_last_complete_record(tmp_path):
     (tmp_path / "cam.partial.jsonl").write_text("not a record\n")
     with pytest.raises(ValueError, match="not a frame record"):
         resume_point(final)
+
+
+def tracked_record(frame: int, ids: list[int]) -> str:
+    detections = [{"class_id": 0, "confidence": 0.9, "xyxy": [1, 2, 3, 4], "tracker_id": i}
+                  for i in ids]
+    return json.dumps({"source": "cam", "frame": frame, "detections": detections},
+                      separators=(",", ":")) + "\n"
+
+
+def test_next_tracker_id_is_one_past_the_largest_id_of_the_complete_records(tmp_path,
+                                                                            monkeypatch):
+    """Not the last record's: an ended track's id (12) counts; -1 (no track) is none; a
+    torn last line (its 99) is not a record."""
+    final = tmp_path / "cam.jsonl"
+    assert next_tracker_id(final) == 0  # no partial file
+    partial = tmp_path / "cam.partial.jsonl"
+    partial.write_text(RECORD.format(0) + tracked_record(1, [-1]))
+    assert next_tracker_id(final) == 0  # records without a confirmed track
+    text = "".join(tracked_record(i, ids) for i, ids in enumerate(
+        [[-1], [0, -1], [0, 3], [12, 3], [3], [], [4, 3, -1]]))
+    partial.write_text(text + '{"source":"cam","frame":7,"detections":[{"tracker_id":99')
+    assert next_tracker_id(final) == 13
+    monkeypatch.setattr("pipeline.resume.SCAN_CHUNK", 7)  # ids split across reads
+    assert next_tracker_id(final) == 13
 
 
 def test_resumed_sources_start_after_their_records(samples, tmp_path):

@@ -143,6 +143,31 @@ def test_end_of_stream_forgets_the_source() -> None:
     assert [ids.tolist() for *_, ids in again] == [ids.tolist() for *_, ids in first]
 
 
+@pytest.mark.parametrize("class_aware", [False, True])
+def test_a_resumed_source_numbers_its_tracks_on_from_its_first_id(class_aware: bool) -> None:
+    """A source resumed after its records (``pipeline.resume.next_tracker_id``) gets the ids
+    a fresh one gets, offset by its first id: on detected frames and on the predicted boxes
+    of skipped ones, whatever the class; the other sources, and the same name added again
+    without one, count from 0."""
+    settings = replace(SETTINGS, class_aware=class_aware)
+    rows = [("a", i, [moving_box(i, 20, 6), moving_box(i, 500, -6, y=250, score=0.8, cls=CAR)]
+             if i % 3 != 2 else [], i % 3 != 2) for i in range(12)]
+    fresh = [ids.tolist() for *_, ids in run(TrackerStage("track", {"a": settings}), rows)]
+    assert sorted({i for ids in fresh for i in ids}) == [-1, 0, 1]
+    shifted = [[i + 27 if i >= 0 else -1 for i in ids] for ids in fresh]
+    stage = TrackerStage("track", {})
+    stage.add_source("a", settings, first_id=27)  # as ``SourceControl.add(resume=True)``
+    assert [ids.tolist() for *_, ids in run(stage, rows)] == shifted
+    stage.end_of_stream(EndOfStream("a", 12))
+    stage.add_source("a", settings)  # the name used again, not resumed: from 0
+    assert [ids.tolist() for *_, ids in run(stage, rows)] == fresh
+    both = TrackerStage("track", {"a": settings, "b": settings}, first_ids={"a": 27})
+    mixed = [row for pair in zip(rows, [("b", *rest) for _, *rest in rows]) for row in pair]
+    frames = run(both, mixed)
+    assert [ids.tolist() for s, *_, ids in frames if s == "a"] == shifted
+    assert [ids.tolist() for s, *_, ids in frames if s == "b"] == fresh
+
+
 @pytest.mark.parametrize("tracked", [True, False])
 def test_json_records_carry_track_ids_of_tracked_sources(tracked: bool) -> None:
     rows = [("a", i, [moving_box(i, 20, 6)] if i != 2 else [], i != 2) for i in range(4)]
