@@ -603,8 +603,16 @@ class Graph:
         self._join()
         self.refresh_source_metrics()
         if self._error is not None:
+            raise PipelineError(self.failure()) from self._error[1]
+
+    def failure(self) -> str | None:
+        """The first stage failure, in the words ``run`` raises it with (``"sink:cam:
+        OSError: [Errno 28] No space left on device: ..."``), or None while none failed."""
+        with self._error_lock:
+            if self._error is None:
+                return None
             node, error = self._error
-            raise PipelineError(f"{node}: {type(error).__name__}: {error}") from error
+        return f"{node}: {type(error).__name__}: {error}"
 
     def _start_sink(self, name: str, sink: Stage) -> None:
         thread = threading.Thread(

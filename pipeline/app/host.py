@@ -400,7 +400,13 @@ class PipelineHost:
         stopped = getattr(sink, "stopped_at", None)
         outputs = tuple(graph.control.outputs_left(name))
         summary = metrics.summary(time.monotonic() - max(added_at, self._started_at))
-        return SourceEnded(name, metrics.error, bool(getattr(sink, "complete", False)),
+        complete = bool(getattr(sink, "complete", False))
+        error = metrics.error
+        if error is None and not complete and (failure := graph.failure()) is not None:
+            # cut by its pipeline's failure (a full disk in its sink, say): failed with it,
+            # not cut short to be placed again (the supervisor would try this host again)
+            error = f"pipeline failed: {failure}"
+        return SourceEnded(name, error, complete,
                            None if stopped is None else stopped_text(*stopped),
                            metrics.frames_out, summary, outputs)
 

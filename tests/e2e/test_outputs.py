@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,48 @@ def run_cli(repo_root: Path, config: dict, out: Path) -> subprocess.CompletedPro
     path.write_text(yaml.safe_dump(config))
     return subprocess.run([sys.executable, "run.py", "--config", str(path), "--no-progress"],
                           cwd=repo_root, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture()
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A folder on a 300 KiB tmpfs of its own (a disk that fills up; mounting needs root, as
+    CI has), unmounted afterwards."""
+    from tests.support.ci import skip_unless_ci
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        skip_unless_ci(f"cannot mount a tmpfs: {mounted.stderr.strip()}", "full-disk")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_fails_its_source_with_its_own_error(samples, small_disk: Path,
+                                                          repo_root: Path) -> None:
+    """The sink's writes fail mid-run (no space left): the source fails with that error and
+    its outputs stay partial; it is not placed again on the failed pipeline (a new user's
+    full disk once read "source name 'bikes' is in use in this run")."""
+    import json
+
+    path = small_disk.parent / "config.yaml"
+    path.write_text(yaml.safe_dump(bikes(samples, small_disk, video="{source}.mp4")))
+    result = subprocess.run([sys.executable, "run.py", "--config", str(path), "--no-progress",
+                             "--log-format", "json"], cwd=repo_root, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1].startswith(
+        "error: sink:bikes: OSError: [Errno 28] No space left on device"), result.stderr[-3000:]
+    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    (summary,) = [e for e in events if e["event"] == "source summary"]
+    assert summary["error"].startswith("pipeline failed: sink:bikes: OSError: [Errno 28] "
+                                       "No space left on device"), summary
+    assert 0 < summary["frames"] < 250, summary  # it filled up mid-run
+    assert [e["source"] for e in events if e["event"] == "source placed"] == ["bikes"]
+    assert {p.name for p in small_disk.iterdir()} == {"bikes.partial.mp4", "bikes.partial.jsonl"}
 
 
 def test_an_output_spelled_as_an_absolute_path_collides(samples, tmp_path: Path,
