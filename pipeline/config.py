@@ -91,7 +91,8 @@ class AnalyticsRegionConfig:
     margin_px: float = field(
         default=3.0,
         metadata=_doc("Hysteresis: an object closer than this to the line or to the zone's "
-                      "edge keeps the side it had.", min=0.0))
+                      "edge keeps the side it had (a zone's edges on the frame's border "
+                      "excepted: nothing crosses the border).", min=0.0))
 
     @property
     def points(self) -> list[list[float]]:

@@ -16,6 +16,10 @@ Rules, the same for zones and lines:
 - Hysteresis: an anchor closer than ``margin_px`` to the line or to the zone's edge tells
   nothing (the object keeps its side), and a change counts once the object has been seen on
   its new side ``min_frames`` frames in a row: a box jittering on the line counts once.
+- The frame's border is no edge: nothing crosses it (a box cut off by the frame has its
+  anchor on the border). A zone's edges that lie on the border have no margin, so an anchor
+  on or near them, inside the polygon otherwise, is inside; a line's end on the border
+  reaches to the border (its crossings count there too, also beside a slanted line's end).
 
 A line (supervision's ``LineZone``) counts a crossing "in" when an object goes from the left
 of start -> end to its right, as the picture is shown (y pointing down: for a line drawn from
@@ -116,6 +120,13 @@ class Region:
         return np.isin(class_ids, list(self.class_ids))
 
 
+def on_border(point: np.ndarray, width: int, height: int) -> bool:
+    """Whether ``point`` ((2,) float64 host array, frame pixels) is on the border of a
+    ``width`` x ``height`` frame (x 0 or width, or y 0 or height)."""
+    x, y = point.tolist()
+    return x in (0, width) or y in (0, height)
+
+
 def anchors_of(xyxy: np.ndarray) -> np.ndarray:
     """(k, 2) float64: the bottom centres of ``xyxy`` ((k, 4) float32 host array)."""
     boxes = np.asarray(xyxy, np.float64).reshape(-1, 4)
@@ -131,19 +142,27 @@ class LineCounter:
     either way along the line's normal: both lie on one side only when the anchor is more
     than ``margin_px`` from the line, so an anchor nearer than that changes nothing.
     ``LineZone`` counts "in" from the right of its start -> end to its left (as shown); ours
-    is the other way, so it gets the line reversed.
+    is the other way, so it gets the line reversed. It counts only within the band
+    perpendicular to the segment; an end on the frame's border is moved on along the line
+    by the frame's diagonal (outside the frame: nothing crosses it there), so that the band
+    takes in the frame up to the border beside that end (a slanted line's band would leave
+    out a wedge there).
 
     Args:
         region: a line.
+        width, height: the source's frame size (pixels).
     """
 
-    def __init__(self, region: Region) -> None:
+    def __init__(self, region: Region, width: int, height: int) -> None:
         import supervision as sv  # imported only when a source has lines
 
         self.region = region
         start, end = region.points
         direction = (end - start) / float(np.hypot(*(end - start)))
         self._offset = region.margin_px * np.array([-direction[1], direction[0]])
+        reach = float(np.hypot(width, height)) * direction
+        start = start - reach if on_border(start, width, height) else start
+        end = end + reach if on_border(end, width, height) else end
         self._sv = sv
         self._zone = sv.LineZone(
             start=sv.Point(float(end[0]), float(end[1])),
@@ -202,17 +221,42 @@ class ZoneChange:
 class ZoneCounter:
     """One polygon zone: which tracks are inside, with entries and exits (module docstring).
 
+    The margin is measured to the zone's edges that are not on the frame's border (an edge
+    is on it when its two corners are on one side of the frame: both x 0 or width, or both
+    y 0 or height). An anchor is taken within the frame (boxes are clipped to it), and one on
+    the polygon's edge is inside (off the border, that is within the margin anyway).
+
     Args:
         region: a zone.
         forget_s: stream seconds after which what is known of an unseen track is dropped
             (it exited when it was lost already, ``min_frames`` frames after its last).
+        width, height: the source's frame size (pixels).
     """
 
-    def __init__(self, region: Region, forget_s: float) -> None:
+    def __init__(self, region: Region, forget_s: float, width: int, height: int) -> None:
         self.region = region
         self.forget_s = forget_s
+        self._size = np.array([width, height], np.float64)
         self._contour = region.points.astype(np.float32).reshape(-1, 1, 2)
+        starts, ends = region.points, np.roll(region.points, -1, axis=0)
+        on_one_side = ((starts == ends) & ((starts == 0) | (starts == self._size))).any(axis=1)
+        # (m, 2) float64 each: the edges the margin applies to, from start to end.
+        self._edge_starts, self._edge_ends = starts[~on_one_side], ends[~on_one_side]
         self._tracks: dict[int, _ZoneTrack] = {}
+
+    def places(self, anchors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where ``anchors`` ((k, 2) float64 host array) are: (k,) bool, inside the polygon
+        or on its edge, and (k,) float64, the distance to the nearest edge not on the frame's
+        border (inf for a zone that is the whole frame)."""
+        points = np.clip(anchors, 0, self._size)
+        inside = np.array([cv2.pointPolygonTest(self._contour, (x, y), False) >= 0
+                           for x, y in points.tolist()], bool)
+        along = self._edge_ends - self._edge_starts  # (m, 2)
+        length2 = np.maximum((along * along).sum(axis=1), 1e-12)  # (m,)
+        offsets = points[:, None, :] - self._edge_starts[None]  # (k, m, 2)
+        share = np.clip((offsets * along).sum(axis=2) / length2, 0, 1)  # (k, m)
+        gaps = offsets - share[:, :, None] * along  # (k, m, 2): nearest point to the anchor
+        return inside, np.hypot(gaps[..., 0], gaps[..., 1]).min(axis=1, initial=np.inf)
 
     def update(self, t: float, anchors: np.ndarray, tracker_id: np.ndarray,
                class_id: np.ndarray, confidence: np.ndarray, xyxy: np.ndarray
@@ -233,18 +277,18 @@ class ZoneCounter:
         margin, needed = self.region.margin_px, self.region.min_frames
         for state in self._tracks.values():
             state.missed += 1  # until it is seen below
-        for (x, y), track_id, cls, score, box in zip(
-                anchors.tolist(), tracker_id.tolist(), class_id.tolist(), confidence.tolist(),
-                xyxy.tolist()):
+        inside, distance = self.places(anchors)
+        for is_inside, edge_distance, track_id, cls, score, box in zip(
+                inside.tolist(), distance.tolist(), tracker_id.tolist(), class_id.tolist(),
+                confidence.tolist(), xyxy.tolist()):
             state = self._tracks.get(track_id)
             if state is None:
                 state = self._tracks[track_id] = _ZoneTrack(t, tuple(box), score)
             state.last_seen_t, state.box, state.confidence = t, tuple(box), score
             state.missed = 0
-            distance = cv2.pointPolygonTest(self._contour, (x, y), True)  # > 0: inside
-            if abs(distance) <= margin or (distance > 0) == state.inside:
+            if edge_distance <= margin or is_inside == state.inside:
                 # On the edge (tells nothing) or on its side (ends a streak to the other).
-                if abs(distance) > margin:
+                if edge_distance > margin:
                     state.streak = 0
                 if state.inside:
                     state.last_inside_t = t
@@ -391,8 +435,8 @@ class SourceAnalytics:
             if reason is not None:
                 log.error("analytics region disabled", source=self.source, reason=reason)
                 continue
-            self.counters.append(LineCounter(region) if region.type == "line"
-                                 else ZoneCounter(region, self.forget_s))
+            self.counters.append(LineCounter(region, width, height) if region.type == "line"
+                                 else ZoneCounter(region, self.forget_s, width, height))
 
     def update(self, index: int, pts: float | None, capture_time: float, t: float,
                xyxy: np.ndarray, confidence: np.ndarray, class_id: np.ndarray,

@@ -175,6 +175,65 @@ def test_line_direction(start: tuple, end: tuple, path: tuple, kind: str) -> Non
     assert [e.kind for e in run(stage, rows)] == [kind]
 
 
+# Zones reaching the frame's border (640 x 360): "kerb", the band y 200..360 (its left,
+# bottom and right edges on the border), and "east", the right half (x 320..640, top to bottom).
+KERB = AnalyticsRegionConfig("zone", "kerb", polygon=[[0, 200], [WIDTH, 200], [WIDTH, HEIGHT],
+                                                      [0, HEIGHT]])
+EAST = AnalyticsRegionConfig("zone", "east", polygon=[[320, 0], [WIDTH, 0], [WIDTH, HEIGHT],
+                                                      [320, HEIGHT]])
+AT_THE_BORDER: dict[int, Track] = {
+    30: (PERSON, 300, [HEIGHT] * 12),       # anchor on the bottom border (a box the frame cut)
+    31: (CAR, 500, [HEIGHT - 1.5] * 12),    # 1.5 px from the border; in both zones
+    32: (PERSON, 0, [300] * 12),            # on the left border
+    33: (CAR, 100, [HEIGHT + 3] * 12),      # a box past the frame: its anchor taken on the border
+    # On the bottom border but 1 px from east's inner edge (x 320): east's margin still holds.
+    35: (PERSON, 321, [HEIGHT] * 12),
+    # Across kerb's inner edge (y 200), jittering within its margin (frames 3-5, 8-9): in on
+    # frames 6-7, out on 10-11.
+    34: (BICYCLE, 100, [190, 190, 190, 202, 198, 201, 206, 208, 199, 197, 195, 194]),
+}
+
+
+def test_a_zone_reaching_the_frame_border_counts_objects_on_it() -> None:
+    """Nothing crosses the frame's border: an anchor on or near a zone's edge that lies on the
+    border, inside the polygon otherwise, is inside (with the margin there, a box cut off by
+    the frame never entered); the margin still holds along the zone's other edges, up to the
+    border."""
+    stage = AnalyticsStage("analytics", {"cam": [region(KERB), region(EAST)]}, NAMES,
+                           {"cam": FORGET_S})
+    events = run(stage, frame_rows(AT_THE_BORDER, 12))
+    assert summary(events) == [
+        (3, "enter", "kerb", 30, PERSON, None),  # counted from its 3rd frame, 2 frames inside
+        (3, "enter", "kerb", 31, CAR, None),
+        (3, "enter", "kerb", 32, PERSON, None),
+        (3, "enter", "kerb", 33, CAR, None),
+        (3, "enter", "kerb", 35, PERSON, None),
+        (3, "enter", "east", 31, CAR, None),
+        (7, "enter", "kerb", 34, BICYCLE, None),
+        (11, "exit", "kerb", 34, BICYCLE, pytest.approx((9 - 6) / RATE)),  # 8-9: the margin
+    ]
+    zones = stage.counts()["cam"]["zones"]
+    assert zones["kerb"]["inside"] == {"bicycle": 0, "car": 2, "person": 3}
+    assert zones["east"]["inside"] == {"car": 1}
+
+
+@pytest.mark.parametrize(("end", "kinds"), [
+    ((300, HEIGHT), ["cross_out"]),  # its end on the border: counted there too
+    ((300, 300), []),                # its end inside the frame: beyond it, nothing counts
+])
+def test_a_line_ending_on_the_frame_border_counts_crossings_at_the_border(
+        end: tuple, kinds: list[str]) -> None:
+    """A slanted line from (200, 0): an object moving right along the bottom border crosses
+    it, or the line beyond its end (x 320), at the border. Where the line ends on the border
+    its band (crossings count between its ends, perpendicular to it) takes in the frame up
+    to the border: without that, every place right of x 300 on the border lay outside it."""
+    xs = np.linspace(260, 360, 11).tolist()
+    rows = [("cam", i, [(8, PERSON, x, float(HEIGHT))]) for i, x in enumerate(xs)]
+    line = region(AnalyticsRegionConfig("line", "slant", start=[200, 0], end=list(end)))
+    stage = AnalyticsStage("analytics", {"cam": [line]}, NAMES, {"cam": FORGET_S})
+    assert [e.kind for e in run(stage, rows)] == kinds
+
+
 def test_a_camera_region_outside_its_frame_is_left_out_with_an_error() -> None:
     """A camera's frame size is known at its first frame: a zone reaching beyond it is logged
     and left out; the source's other regions count on."""
