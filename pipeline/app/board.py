@@ -257,10 +257,12 @@ class SourceBoard:
     def added(self, source: SourceConfig, host: str) -> None:
         """``source`` was placed on ``host`` (added, or moved there): shown at once as
         ``starting`` (a moved one keeps its last counters) until that host reports it. A source
-        new to the board goes to the end of the list; a configured one keeps its place."""
+        new to the board goes to the end of the list; a configured one keeps its place. One
+        that takes the name of an ended or failed source (never moved) starts afresh."""
         name = source.name
         with self._lock:
-            moving = name in self._orphaned
+            moving = (name in self._orphaned
+                      and self._shown[name].data["state"] not in FINAL_STATES)
             self._forgotten.pop(name, None)
             self._removing.discard(name)
             self._placed[name] = host
@@ -271,6 +273,7 @@ class SourceBoard:
                 data = starting_json(source)
                 self._pictures.pop(name, None)
                 self._shown.pop(name, None)
+                self._orphaned.discard(name)
                 if name not in self._order:  # a configured one keeps its place
                     self._order.append(name)
             self._pending[name] = data

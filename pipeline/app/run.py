@@ -252,16 +252,19 @@ def frame_counts(config: PipelineConfig) -> list[int | None]:
 
 def finish(supervisor: Any, results: dict[str, str | None], interrupts: int,
            elapsed: float) -> int:
-    """Log every source's summary and the run's end; print the errors; the exit status."""
-    cut: dict[str, str] = {}
-    for name, run in supervisor.sources.items():
+    """Log every source's summary (each source the run had, in the order added: a name
+    added again has one per source) and the run's end; print the errors; the exit status."""
+    cut: list[tuple[str, str, bool]] = []  # (source, where, added through the API)
+    for run, error in supervisor.every_source():
+        name = run.config.name
         ended = run.ended
         summary = dict(ended.summary) if ended is not None else {"source": name}
-        summary.update(frames=run.frames, error=results.get(name),
+        summary.update(frames=run.frames, error=error, removed=run.removing,
                        pipelines=list(dict.fromkeys(run.hosts)), moves=run.moves)
         where = ended.cut_short if ended is not None and ended.cut_short else run.unended
-        if where and results.get(name) is None:
-            cut[name] = summary["cut_short"] = where
+        if where and error is None:
+            summary["cut_short"] = where
+            cut.append((name, where, run.added))
         log.info("source summary", **summary)
     log.info("run finished", seconds=round(elapsed, 2))
     if interrupts >= 2:
@@ -275,8 +278,8 @@ def finish(supervisor: Any, results: dict[str, str | None], interrupts: int,
         print(f"error: source {name}: {reason}", file=sys.stderr)
     if failed:
         return EXIT_FAILED
-    for name, where in cut.items():
-        if not supervisor.sources[name].added:
+    for name, where, added in cut:
+        if not added:
             log.warning("stopped early: outputs kept as .partial; run the same command again "
                         "to resume (--restart: start over)", source=name, at=where)
         else:  # added through the API: a rerun of the config does not know it

@@ -158,6 +158,8 @@ class SourceRun:
         moves: times it was placed again because its host died.
         unended: why the run ended with its outputs maybe not final: its host was lost while
             the run was stopping, before it reported the source's end (None: it ended).
+        result: its result (``results``' value: an error, or None), kept here once its name
+            was added again (``sources`` and ``results`` then hold the new source's).
     """
 
     config: SourceConfig
@@ -178,6 +180,7 @@ class SourceRun:
     first_frame: int | None = None  # the frame its first host in this run started at
     request: int | None = None  # the id of its latest ``add``
     unended: str | None = None
+    result: str | None = None
 
 
 class Supervisor:
@@ -213,6 +216,8 @@ class Supervisor:
             s.name: SourceRun(s, f"sources[{i}]", resume=s.name in resume)
             for i, s in enumerate(config.sources)}
         self._count = len(config.sources)  # sources the run has had (keys sources[N])
+        # every one of them, in the order added: a name added again has one per source
+        self._every: list[SourceRun] = list(self.sources.values())
         self.placement: dict[str, int] = {}
         self.history: list[tuple[str, int, int]] = []  # (source, host, request) per start
         self.results: dict[str, str | None] = {}  # ended sources: error or None
@@ -233,6 +238,15 @@ class Supervisor:
         """Frames done per source so far, over every host it ran on."""
         with self._lock:
             return {name: run.frames + run.running_frames for name, run in self.sources.items()}
+
+    def every_source(self) -> list[tuple[SourceRun, str | None]]:
+        """Every source the run had, in the order they were added, each with its result
+        (``results``': an error, or None): a name added again once its source had ended is
+        there once per source, where ``sources`` and ``results`` keep only the latest."""
+        with self._lock:
+            return [(run, self.results.get(run.config.name)
+                     if self.sources.get(run.config.name) is run else run.result)
+                    for run in self._every]
 
     @property
     def moves(self) -> dict[str, int]:
@@ -514,10 +528,14 @@ class Supervisor:
         if pending is not None:  # added by ``add_source``
             if reply.source is not None:
                 source = reply.source
+                earlier = self.sources.get(source.name)
+                if earlier is not None:  # its name's ended source: kept for the run's summary
+                    earlier.result = self.results.get(source.name)
                 self.sources[source.name] = SourceRun(
                     source, request.key, added=True, host=host,
                     output_number=reply.output_number, hosts=[self.executor.names[host]],
                     first_frame=source.start_frame)
+                self._every.append(self.sources[source.name])
                 self.results.pop(source.name, None)
                 self.placement[source.name] = host
                 self._count += 1

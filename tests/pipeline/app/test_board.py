@@ -305,6 +305,25 @@ def test_a_moved_source_is_shown_from_its_new_host_only_and_its_pictures_keep_ri
     assert board.names() == ["a"]
 
 
+def test_a_source_added_under_the_name_of_one_that_ended_on_a_host_now_gone_starts_afresh(
+        ) -> None:
+    """An ended source of a dead host is never moved: a source placed under its name is a
+    new one (added again), shown without the earlier one's counters, age or picture."""
+    board = SourceBoard(None, None, preview_fps=5, order=["a"])
+    board.update(report("h0", {**shown("a", "ended", 250), "last_frame_age_s": 9.5},
+                        pictures={"a": (3, b"old")}))
+    board.host_gone("h0")
+    board.added(source_config("a"), "h1")
+    a = board.source("a")
+    assert (a["state"], a["host"], a["frames"], a["last_frame_age_s"]) == (
+        "starting", "h1", 0, None)
+    assert board.picture("a") is None
+    board.added(source_config("a"), "h1")  # told again (placed, then its host's answer)
+    board.update(report("h1", {**shown("a", frames=2), "last_frame_age_s": 0.1}))
+    a = board.source("a")
+    assert (a["state"], a["host"], a["frames"]) == ("running", "h1", 2)
+    assert a["last_frame_age_s"] < 1.0
+
 def test_pictures_are_wanted_while_watched_or_for_a_while_after_a_snapshot(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(board_module, "WANT_WINDOW_S", 0.2)

@@ -711,3 +711,37 @@ def test_a_host_lost_while_the_run_stops_leaves_its_sources_cut_short_not_finish
                         "was lost while the run was stopping)" for name in lost)
     assert all(supervisor.sources[name].unended is None for name in "abcd" if name not in lost)
     assert finish(supervisor, results, 1, 1.0) == EXIT_STOPPED
+
+
+def test_every_source_the_run_had_gets_a_summary_also_those_whose_name_was_added_again(
+        config, samples):
+    """A source removed (or ended) whose name is added again keeps its summary line: one per
+    source the run had, in the order they were added, the removed ones saying so."""
+    from structlog.testing import capture_logs
+
+    from pipeline.app.run import EXIT_STOPPED, finish
+
+    executor = ScriptedExecutor(2)
+    supervisor, thread, results = start(config, executor)
+    wait_for(lambda: len(executor.running) == 4, "four sources started")
+    supervisor.remove_source("c")  # a file cut short: 5 frames, its outputs .partial
+    wait_for(lambda: supervisor.source_done("c"), "c removed")
+    executor.finish("a")  # ended by itself
+    wait_for(lambda: supervisor.source_done("a"), "a ended")
+    for name in ("c", "a", "e"):
+        supervisor.add_source({"name": name, "uri": str(samples.bikes)},
+                              SourceLoad(name, 100, 100, 1))
+    supervisor.request_stop()
+    thread.join(5)
+    assert not thread.is_alive()
+    with capture_logs() as logs:
+        assert finish(supervisor, results, 1, 1.0) == EXIT_STOPPED  # the first c is cut short
+    summaries = [(e["source"], e["removed"], e.get("cut_short"))
+                 for e in logs if e["event"] == "source summary"]
+    assert summaries == [("a", False, None), ("b", False, None),
+                         ("c", True, "stopped at frame 5 of 60"), ("d", False, None),
+                         ("c", False, None), ("a", False, None), ("e", False, None)]
+    assert [e["frames"] for e in logs if e["event"] == "source summary"] == [5] * 7
+    (early,) = [e for e in logs if e["event"].startswith("stopped early")]
+    assert (early["source"], early["at"]) == ("c", "stopped at frame 5 of 60")
+    assert "run the same command again" in early["event"]  # c of the config file

@@ -279,3 +279,42 @@ def test_a_host_view_reports_ready_only_once_the_graph_is_and_reasons_then(
     report = view.report(["cam"])
     assert report.ready and report.reasons == ["source cam: no frame for 0 s (none yet)"]
     assert report.sources["cam"]["state"] == "stalled"
+
+
+def test_a_source_added_again_under_a_removed_one_s_name_shows_nothing_of_the_earlier(
+        samples, tmp_path: Path) -> None:
+    """The hub keeps a source's last frame, picture and end by name: a source that takes
+    the name of one removed shows no ``last_frame_age_s``, picture or error of the earlier
+    one, and sends none of its pictures, until it has its own."""
+    config = parse_config(pipeline_config(samples, tmp_path, [
+        {"name": "gate", "uri": "rtsp://127.0.0.1:8554/gate"}]))
+    graph, hub = FakeGraph(["gate"]), PreviewHub()
+    view = HostView("pipeline0", graph, hub, config)
+    picture = np.zeros((144 * 3 // 2, 176), np.uint8)
+    hub.request("gate")
+    graph.source_metrics["gate"].frames_done(np.zeros(1))
+    hub.offer("gate", picture, 176, 144, time.time() - 9.0)  # captured 9 s ago
+    hub.end("gate", "reading rtsp://127.0.0.1:8554/gate failed: refused")
+    report = view.report(["gate"])
+    gate = report.sources["gate"]
+    assert gate["last_frame_age_s"] >= 9.0 and gate["picture"] is not None
+    assert gate["error"] is not None and "gate" in report.pictures
+    view.mark_removing("gate")
+    graph.done.add("gate")
+    view.forget("gate")  # removed: its outputs are final
+
+    graph.source_metrics["gate"] = SourceMetrics("gate")  # added again (the graph's own)
+    graph.done.discard("gate")
+    view.add(config.sources[0])
+    report = view.report(["gate"])
+    gate = report.sources["gate"]
+    assert (gate["state"], gate["frames"], gate["last_frame_age_s"], gate["picture"],
+            gate["error"], gate["last_error"]) == ("starting", 0, None, None, None, None)
+    assert report.pictures == {}  # not the earlier one's picture
+    time.sleep(hub.period_s + 0.05)  # a picture of it is kept (at most preview_fps a second)
+    graph.source_metrics["gate"].frames_done(np.zeros(1))
+    hub.offer("gate", picture, 176, 144, time.time())  # its own first frame
+    report = view.report(["gate"])
+    gate = report.sources["gate"]
+    assert gate["state"] == "running" and 0.0 <= gate["last_frame_age_s"] < 1.0
+    assert gate["picture"] == {"width": 176, "height": 144} and "gate" in report.pictures
