@@ -14,6 +14,12 @@ before its end (Ctrl-C, SIGTERM, removed), which a rerun resumes (``pipeline.res
 source's outputs are complete whenever it stops (a camera has no end). A ``.partial`` file
 that holds nothing is removed, and a source that delivered no frame leaves no file.
 
+A resumed source's video comes in parts (``NAME.from-FRAME.mp4``): when it completes, its
+parts get final names, it warns of the frames of its records that no part holds (a killed
+run's part lacks its last fragment) and moves an earlier run's ``NAME.mp4``, which belongs to
+the records just replaced, to ``NAME.older.mp4``; a later run that writes the whole video
+replaces (deletes) the parts and that file. Every file so deleted is logged.
+
 Crash safety: every MP4 is fragmented (a fragment per keyframe, every ``FRAGMENT_S`` of
 video) and every JSONL part is flushed, so a killed process leaves ``.partial`` files that
 hold its work up to then: the MP4 plays up to its last complete fragment, and the JSONL has a
@@ -37,6 +43,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Protocol
@@ -172,6 +179,12 @@ class VideoWriter:
         time is (frame - first_index) / ``rate``); meaningful once ``frames`` > 0."""
         return self._first_index
 
+    @property
+    def last_index(self) -> int:
+        """The frame number of the file's last frame (its video time is (last_index -
+        first_index) / ``rate``); meaningful once ``frames`` > 0."""
+        return self._first_index + self._last_pts
+
     def write(self, item: BatchDetections) -> None:
         """Encode every frame of ``item`` that has an image (``item.frames.images[row]``), in
         batch order; frames whose image is None are counted in ``skipped``."""
@@ -265,25 +278,117 @@ def segment_files(path: Path) -> list[Path]:
     return sorted(p for p in path.parent.iterdir() if pattern.fullmatch(p.name) and p.is_file())
 
 
+def video_span(path: Path) -> tuple[int, int] | None:
+    """What the MP4 at ``path`` (one ``VideoWriter`` wrote) holds: ``(frames, last)``, its
+    number of video frames and the last one's frame number counted from its first (its
+    time in frames: ``frames - 1`` unless a live source dropped frames in between); ``(0,
+    -1)`` when it holds no frame (a part whose process was killed before its first fragment
+    holds only its header, or nothing at all); None when PyAV cannot read it. Reads the
+    packets' times without decoding them."""
+    if path.stat().st_size == 0:
+        return 0, -1
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                return 0, -1
+            times = [(packet.pts, packet.duration) for packet in container.demux(video=0)
+                     if packet.size and packet.pts is not None]
+    except av.FFmpegError:
+        return None
+    if not times:
+        return 0, -1
+    # A frame's time is its frame number since the first, in frames (``VideoWriter``); a
+    # packet lasts one frame.
+    step = min((duration for _, duration in times if duration), default=0)
+    pts = [t for t, _ in times]
+    last = round((max(pts) - min(pts)) / step) if step else len(times) - 1
+    return len(times), last
+
+
 def holds_a_video_packet(path: Path) -> bool:
     """Whether the MP4 at ``path`` holds a video packet: a part whose process was killed
     before its first fragment holds none (only its header, or nothing at all). A file PyAV
     cannot read counts as holding one: it is kept, not judged."""
-    if path.stat().st_size == 0:
-        return False
-    try:
-        with av.open(str(path)) as container:
-            if not container.streams.video:
-                return False
-            return any(packet.size for packet in container.demux(video=0))
-    except av.FFmpegError:
-        return True
+    span = video_span(path)
+    return span is None or span[0] > 0
 
 
 def resumed_video_path(path: Path, first_frame: int) -> Path:
     """Where the video of a source resumed at ``first_frame`` goes: ``cam.mp4`` ->
     ``cam.from-1200.mp4`` (a new file: an MP4 cut by a killed process cannot be appended to)."""
     return path.with_name(f"{path.stem}.from-{first_frame}{path.suffix}")
+
+
+def older_video_path(path: Path) -> Path:
+    """Where an earlier run's whole video goes when a resumed run of its source completes
+    in parts (its records no longer match it): ``cam.mp4`` -> ``cam.older.mp4``."""
+    return path.with_name(f"{path.stem}.older{path.suffix}")
+
+
+def video_parts(path: Path) -> dict[Path, int]:
+    """{file: its first frame} of the parts of output ``path``'s video in its folder, final
+    (``cam.from-1200.mp4``) or cut short (``cam.from-1200.partial.mp4``): only names
+    ``resumed_video_path`` (and ``partial_path`` of one) makes."""
+    pattern = re.compile(rf"{re.escape(path.stem)}\.from-(\d+)(\.partial)?"
+                         rf"{re.escape(path.suffix)}")
+    if not path.parent.is_dir():
+        return {}
+    return {p: int(match.group(1)) for p in sorted(path.parent.iterdir())
+            if (match := pattern.fullmatch(p.name)) and p.is_file()}
+
+
+@dataclass(frozen=True)
+class VideoPart:
+    """One file of a resumed source's video: it holds frames ``first`` to ``last`` of the
+    source (each at most once; a live source's dropped frames are not in it).
+
+    Attributes:
+        path: the file (its final name).
+        first: the frame number of its first frame.
+        last: the frame number of its last frame, or None when its file could not be read
+            (not judged: taken to hold every frame up to the next part's first).
+        frames: how many frames it holds, or None when not known.
+    """
+
+    path: Path
+    first: int
+    last: int | None
+    frames: int | None
+
+    def __post_init__(self) -> None:
+        if self.first < 0:
+            raise ValueError(f"first must be >= 0, got {self.first}")
+        if self.last is not None and self.last < self.first:
+            raise ValueError(f"last must be >= first ({self.first}), got {self.last}")
+        if self.frames is not None and self.frames < 1:
+            raise ValueError(f"frames must be >= 1 (a part holds a frame), got {self.frames}")
+
+
+def frames_without_video(first: int, last: int,
+                         parts: Iterable[VideoPart]) -> list[tuple[int, int]]:
+    """The runs of frames ``first`` to ``last`` (the source's records) that no part of its
+    video spans, as ``(first, last)`` pairs in order. A part spans its first frame to its
+    last (a live source's drops inside it are not counted); one whose last frame is not known
+    spans up to the next part's first, or to ``last``."""
+    ordered = sorted(parts, key=lambda part: part.first)
+    missing = []
+    next_frame = first  # the first frame not known to be in the video
+    for k, part in enumerate(ordered):
+        if part.first > next_frame:
+            missing.append((next_frame, min(part.first - 1, last)))
+        end = part.last if part.last is not None else (
+            ordered[k + 1].first - 1 if k + 1 < len(ordered) else last)
+        next_frame = max(next_frame, end + 1)
+        if next_frame > last:
+            break
+    if next_frame <= last:
+        missing.append((next_frame, last))
+    return [(a, b) for a, b in missing if a <= b]
+
+
+def frame_ranges_text(ranges: Iterable[tuple[int, int]]) -> str:
+    """``[(0, 37), (90, 90)]`` -> ``"0-37, 90"``."""
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
 
 
 class JsonlWriter:
@@ -312,6 +417,7 @@ class JsonlWriter:
         self._file = open(partial, "a" if append else "w")
         self.kept = self._file.tell() > 0  # lines of an earlier run, appended to
         self.frames = 0
+        self.last_frame: int | None = None  # the frame number of this run's last record
 
     def write(self, item: BatchDetections) -> None:
         """Append one line per frame of ``item``, in batch order, and flush."""
@@ -322,6 +428,7 @@ class JsonlWriter:
                                  for record in records))
         self._file.flush()
         self.frames += len(records)
+        self.last_frame = records[-1]["frame"]
 
     def close(self, complete: bool) -> None:
         """Close the file; rename it to its final name when ``complete`` and it saw a frame
@@ -373,7 +480,9 @@ class SinkStage(Stage[BatchDetections, None]):
             moved from a pipeline that died): its JSONL and events files are appended to
             (complete lines kept), and its video goes to a new file, ``NAME.from-FRAME.mp4``;
             when it completes, the earlier parts cut short get final names too
-            (``NAME.from-FIRST.mp4``). None: a fresh start.
+            (``NAME.from-FIRST.mp4``), a warning names the frames no part holds, and an
+            earlier run's ``NAME.mp4`` is moved to ``NAME.older.mp4`` (``close``). None: a
+            fresh start (when complete, its ``NAME.mp4`` replaces those files).
         release_slots: called once per batch part, after all its frames were written, with
             ``item.frames.slot`` ((k,) int32 host array: the slot-ring slots of the part's k
             frames; -1 for a frame that holds none, which the callable must ignore), so the
@@ -544,39 +653,115 @@ class SinkStage(Stage[BatchDetections, None]):
         self._close_writers(self.complete)
         if not self.complete or self.segment_s is not None or self.video_path is None:
             return
-        if self.resume_from is None:  # an older run's resumed parts: replaced too
-            for old in self.video_path.parent.glob(
-                    f"{self.video_path.stem}.from-*{self.video_path.suffix}"):
-                old.unlink(missing_ok=True)
+        if self.resume_from is None:
+            self._delete_replaced_video()
         else:
             self._name_earlier_parts()
 
+    def _video_writer(self) -> VideoWriter | None:
+        """This run's video writer (the one file of an unsegmented sink), or None."""
+        return next((w for w in self.writers if isinstance(w, VideoWriter)), None)
+
+    def _delete_replaced_video(self) -> None:
+        """A source that was not resumed just completed with its whole video in ``NAME.mp4``:
+        what earlier runs left of that video is replaced by it and deleted, each logged: the
+        parts of a resumed run (``NAME.from-FRAME.mp4``, final or cut short) and an earlier
+        run's video set aside (``NAME.older.mp4``). When this run wrote no video (no frame
+        came), nothing replaces them: they stay."""
+        writer = self._video_writer()
+        if writer is None or not writer.frames:
+            return
+        assert self.video_path is not None
+        older = older_video_path(self.video_path)
+        for old in [*video_parts(self.video_path), *([older] if older.is_file() else [])]:
+            old.unlink(missing_ok=True)
+            log.info("older video deleted: replaced by this run's", sink=self.name,
+                     path=str(old), replaced_by=[str(self.video_path)])
+
     def _name_earlier_parts(self) -> None:
-        """A resumed file source just completed: the video parts earlier runs cut short get
+        """A resumed source just completed: the video parts earlier runs cut short get
         their final names too, ``NAME.from-FIRST.mp4`` (FIRST: the first frame of the records,
         for the first part), so every part of the finished file has a final name and no
-        ``.partial`` file is left; parts an older finished run left are deleted (the records
-        they belonged to were just replaced), so the parts hold every frame once."""
+        ``.partial`` file is left (a part that holds no frame is deleted); parts an older
+        finished run left are deleted (the records they belonged to were just replaced), so
+        the parts hold every frame once. Each file named or deleted is logged.
+
+        Then one warning says what the parts do not hold, when there is something to say:
+        the frames of the records that no part spans (a killed run's part lacks its last
+        fragment and the frames its encoder held; one killed before its first fragment is
+        deleted), and an earlier run's whole video under the final name (``NAME.mp4``, whose
+        records these replaced): it is moved to ``NAME.older.mp4`` (replacing one there), so
+        that no file beside ``NAME.jsonl`` under the same name belongs to other records, and
+        nothing is lost; a later run that plays the file through deletes it."""
         base = self._video_base
-        parts = {self.video_path}  # this run's own part, final already
-        cut_parts = {part: part.with_name(part.name[:-len(f".partial{base.suffix}")]
-                                          + base.suffix)
-                     for part in base.parent.glob(f"{base.stem}.from-*.partial{base.suffix}")}
+        assert base is not None and self.video_path is not None
+        first_recorded = self._first_recorded_frame()
+        parts: list[VideoPart] = []
+        own = self._video_writer()
+        if own is not None and own.frames:  # this run's own part, final already
+            parts.append(VideoPart(self.video_path, own.first_index, own.last_index,
+                                   own.frames))
+        suffix = f".partial{base.suffix}"
+        cut_parts = {part: (part.with_name(part.name[:-len(suffix)] + base.suffix), first)
+                     for part, first in video_parts(base).items() if part.name.endswith(suffix)}
         first_part = partial_path(base)
         if first_part.exists():
-            cut_parts[first_part] = resumed_video_path(base, self._first_recorded_frame())
-        for part, final in cut_parts.items():
-            if holds_a_video_packet(part):
-                os.replace(part, final)
-                parts.add(final)
-            else:  # killed before its first fragment: no frame to keep (records have them)
+            cut_parts[first_part] = (resumed_video_path(base, first_recorded), first_recorded)
+        for part, (final, first) in cut_parts.items():
+            span = video_span(part)
+            if span is not None and span[0] == 0:
+                # killed before its first fragment: no frame to keep (records have them)
                 part.unlink(missing_ok=True)
                 log.info("empty video part deleted", sink=self.name, path=str(part))
+                continue
+            replaced = final.exists()
+            os.replace(part, final)
+            frames, last = span if span is not None else (None, None)
+            parts.append(VideoPart(final, first, None if last is None else first + last, frames))
+            log.info("output written", sink=self.name, path=str(final), frames=frames,
+                     renamed_from=str(part), **({"replaced": True} if replaced else {}))
         # Parts of an older finished run of this file (its records were just replaced by
         # these): left, they would hold some frames a second time.
-        for old in base.parent.glob(f"{base.stem}.from-*{base.suffix}"):
-            if old not in parts and not old.name.endswith(f".partial{base.suffix}"):
+        kept = {part.path for part in parts}
+        for old in video_parts(base):
+            if old not in kept and not old.name.endswith(suffix):
                 old.unlink(missing_ok=True)
+                log.info("older video deleted: replaced by this run's", sink=self.name,
+                         path=str(old), replaced_by=sorted(str(p) for p in kept))
+        self._warn_of_video_parts(base, sorted(parts, key=lambda part: part.first),
+                                  first_recorded)
+
+    def _warn_of_video_parts(self, base: Path, parts: list[VideoPart],
+                             first_recorded: int) -> None:
+        """The warning of ``_name_earlier_parts`` (and the move of an earlier run's
+        ``NAME.mp4`` to ``NAME.older.mp4``); nothing is logged when every frame of the records
+        is in a part and there is no such video."""
+        missing: list[tuple[int, int]] = []
+        if self.jsonl_path is not None:
+            records = next((w for w in self.writers if type(w) is JsonlWriter), None)
+            last_recorded = (records.last_frame if records is not None
+                             and records.last_frame is not None else self.resume_from - 1)
+            missing = frames_without_video(first_recorded, last_recorded, parts)
+        older = older_video_path(base) if base.is_file() else None
+        replaced = older is not None and older.exists()
+        if older is not None:
+            os.replace(base, older)
+        if not missing and older is None:
+            return
+        names = ", ".join(part.path.name for part in parts) or "none holds a frame"
+        text = f"the video of this resumed source is in parts ({names})"
+        if missing:
+            text += (f"; frames {frame_ranges_text(missing)} have records but no video (a "
+                     f"killed run's video loses its last fragment, up to {FRAGMENT_S:g} s, and "
+                     "the frames its encoder held)")
+        if older is not None:
+            text += (f"; {base.name} is an earlier run's video, which does not match these "
+                     f"records: moved to {older.name}"
+                     + (f" (replacing the {older.name} there)" if replaced else ""))
+        log.warning(text, sink=self.name, records=str(self.jsonl_path),
+                    parts=[str(part.path) for part in parts],
+                    frames_without_video=frame_ranges_text(missing) or None,
+                    earlier_video=None if older is None else str(older))
 
     def _first_recorded_frame(self) -> int:
         """The ``frame`` of the first record of the (final) JSONL file, or 0 without one."""
@@ -588,10 +773,14 @@ class SinkStage(Stage[BatchDetections, None]):
 
     def _close_writers(self, complete: bool) -> None:
         for writer in self.writers:
+            # what the writer renames when complete: it saw a frame (or kept an earlier run's)
+            wrote = bool(writer.frames or getattr(writer, "kept", False))
+            replaced = complete and wrote and writer.path.exists()  # an older run's file
             writer.close(complete)
-            if complete and writer.path.exists():
+            if complete and wrote:
                 log.info("output written", sink=self.name, path=str(writer.path),
-                         frames=writer.frames, resumed_at=self.resume_from)  # frames: this part's
+                         frames=writer.frames, resumed_at=self.resume_from,  # frames: this part's
+                         **({"replaced": True} if replaced else {}))
             elif complete:
                 log.warning("no output written: no frame came", sink=self.name,
                             path=str(writer.path))

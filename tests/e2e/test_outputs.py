@@ -312,3 +312,31 @@ def test_a_source_added_while_running_and_cut_short_is_not_promised_a_resume(
         "it to the config file to resume it)"
     assert [e["source"] for e in run.events(rerun)] == ["bikes"]
     assert [e["source"] for e in run.events(added_hint)] == ["car"]
+
+
+def test_a_resumed_file_says_which_frames_have_no_video_and_sets_an_older_video_aside(
+        samples, clip: Path, tmp_path: Path, run_pipeline) -> None:
+    """What a killed run leaves (records of frames 0-69, an MP4 killed before its first
+    fragment) beside a complete older run's ``bikes.mp4``, then resumed to the end: the
+    warning names frames 0-69 and the older video, moved to ``bikes.older.mp4``; a new user
+    once found that video beside the new records, and no word of the frames without video."""
+    import json
+
+    cut = 70
+    (tmp_path / "bikes.mp4").write_text(OLDER)
+    (tmp_path / "bikes.partial.jsonl").write_text("".join(
+        json.dumps({"source": "bikes", "frame": i, "pts": i / 25, "capture_time": 1.0 + i,
+                    "detections": []}) + "\n" for i in range(cut)))
+    (tmp_path / "bikes.partial.mp4").write_bytes(b"")  # killed before its first fragment
+    run = run_pipeline(bikes(samples, tmp_path, clip, video="{source}.mp4"), tmp_path / "run")
+    assert run.wait(120) == 0, run.stderr()[-3000:]
+    assert {p.name for p in tmp_path.glob("bikes*")} == {
+        "bikes.jsonl", f"bikes.from-{cut}.mp4", "bikes.older.mp4"}
+    assert (tmp_path / "bikes.older.mp4").read_text() == OLDER
+    assert [r["frame"] for r in records(tmp_path / "bikes.jsonl")] == list(range(CLIP_FRAMES))
+    (warning,) = [e for e in map(json.loads, (line for line in run.stderr().splitlines()
+                                              if line.startswith("{")))
+                  if e.get("frames_without_video") is not None]
+    assert warning["level"] == "warning" and warning["frames_without_video"] == f"0-{cut - 1}"
+    assert warning["earlier_video"] == str(tmp_path / "bikes.older.mp4")
+    assert f"frames 0-{cut - 1} have records but no video" in warning["event"]

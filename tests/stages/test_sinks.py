@@ -20,11 +20,15 @@ from pipeline.records import AnalyticsEvent, BatchDetections, EndOfStream, Frame
 from stages.sinks import (
     JsonlWriter,
     SinkStage,
+    VideoPart,
     VideoWriter,
     detection_records,
+    frame_ranges_text,
     frame_records,
+    frames_without_video,
     partial_path,
     segment_path,
+    video_span,
 )
 from tests.support import read_frames
 from tests.support.batches import Box, batch_detections, grey_image, make_frame
@@ -423,3 +427,178 @@ def test_retention_deletes_only_this_source_s_old_segments(
     assert sorted(deleted) == sorted(gone + recent + ours)
     assert names(tmp_path) == set(keep) | {
         f"cam.{STAMPS[2]}.mp4", f"cam.{STAMPS[2]}.jsonl", f"cam.events.{STAMPS[2]}.jsonl"}
+
+
+# A resumed file's video, in parts: what the parts do not hold is said, an earlier run's video
+# under the final name is moved aside, and every file a completing run deletes is logged.
+
+
+def grey_frames(indexes: range | list[int]) -> list[Frame]:
+    return [make_frame("cam", i, grey_image(64, 48), capture_time=CAPTURE + i,
+                       rate=Fraction(25)) for i in indexes]
+
+
+def cam_sink(folder: Path, video: bool = True, resume_from: int | None = None) -> SinkStage:
+    return SinkStage("sink:cam", folder / "cam.mp4" if video else None, folder / "cam.jsonl",
+                     None, resume_from=resume_from)
+
+
+def events(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in logs if e["event"] == name]
+
+
+def warnings(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in logs if e["log_level"] == "warning"]
+
+
+@pytest.mark.parametrize(("killed_video", "older", "missing"), [
+    (12, True, "12-29"),   # the killed run's part lost its tail (its open fragment)
+    (0, False, "0-29"),    # it held no frame: deleted, its frames have records only
+    (30, True, None),      # every frame has video; the earlier run's cam.mp4 is still wrong
+    (30, False, None),     # nothing to warn of
+])
+def test_a_resumed_file_that_completes_says_which_frames_have_no_video_and_moves_the_older_aside(
+        tmp_path: Path, killed_video: int, older: bool, missing: str | None) -> None:
+    """A new user's run: complete, then killed at frame 30 (its MP4 holding the frames before
+    its last fragment), then resumed to the end. ``cam.mp4`` of the first run stayed beside
+    the new ``cam.jsonl``, and frames 0-29 had no video: nothing said so."""
+    if older:
+        (tmp_path / "cam.mp4").write_bytes(OLDER)  # the first, complete run's
+    (tmp_path / "cam.jsonl").write_text("older run\n")
+    (tmp_path / "cam.from-3.mp4").write_bytes(b"an older finished run's part")
+    run_stage(cam_sink(tmp_path, video=False), parts(grey_frames(range(30)), 4),
+              finish=False)  # killed: 30 records
+    writer = VideoWriter(tmp_path / "cam.mp4", crf=23)  # ... and what its MP4 kept
+    if killed_video:
+        writer.write(parts(grey_frames(range(killed_video)), 100)[0])
+        writer.close(complete=False)
+    else:
+        partial_path(tmp_path / "cam.mp4").write_bytes(b"")
+    with capture_logs() as logs:
+        run_stage(cam_sink(tmp_path, resume_from=30),
+                  [*parts(grey_frames(range(30, 40)), 4), EndOfStream("cam", 40)])
+    first = {"cam.from-0.mp4"} if killed_video else set()
+    assert names(tmp_path) == {"cam.jsonl", "cam.from-30.mp4"} | first | (
+        {"cam.older.mp4"} if older else set())
+    assert [json.loads(line)["frame"] for line in
+            (tmp_path / "cam.jsonl").read_text().splitlines()] == list(range(40))
+    if older:  # moved, not lost
+        assert (tmp_path / "cam.older.mp4").read_bytes() == OLDER
+    if killed_video:
+        assert len(read_frames(tmp_path / "cam.from-0.mp4")) == killed_video
+        (named,) = [e for e in events(logs, "output written")
+                    if e["path"] == str(tmp_path / "cam.from-0.mp4")]
+        assert named["frames"] == killed_video and named["log_level"] == "info"
+    # every file deleted is named
+    (deleted,) = events(logs, "older video deleted: replaced by this run's")
+    assert deleted["path"] == str(tmp_path / "cam.from-3.mp4")
+    (records_written,) = [e for e in events(logs, "output written")
+                          if e["path"] == str(tmp_path / "cam.jsonl")]
+    assert records_written["replaced"] is True
+    said = warnings(logs)
+    if missing is None and not older:
+        assert said == []
+        return
+    (warning,) = said
+    assert warning["frames_without_video"] == missing
+    assert warning["parts"] == [str(tmp_path / n) for n in sorted(first) + ["cam.from-30.mp4"]]
+    assert warning["records"] == str(tmp_path / "cam.jsonl")
+    text = warning["event"]
+    assert text.startswith("the video of this resumed source is in parts (")
+    assert (f"frames {missing} have records but no video" in text) == (missing is not None)
+    if older:
+        assert warning["earlier_video"] == str(tmp_path / "cam.older.mp4")
+        assert text.endswith("cam.mp4 is an earlier run's video, which does not match these "
+                             "records: moved to cam.older.mp4")
+    else:
+        assert warning["earlier_video"] is None and "earlier run" not in text
+
+
+def test_a_resumed_file_that_completes_again_replaces_the_video_set_aside_before(
+        tmp_path: Path) -> None:
+    """Killed and resumed twice after a complete run: the second resume's ``cam.mp4`` (there
+    from a complete run in between) replaces the first's ``cam.older.mp4``, and says so."""
+    (tmp_path / "cam.mp4").write_bytes(OLDER)
+    (tmp_path / "cam.older.mp4").write_bytes(b"an even older run's video")
+    run_stage(cam_sink(tmp_path), parts(grey_frames(range(8)), 4), finish=False)  # killed
+    with capture_logs() as logs:
+        run_stage(cam_sink(tmp_path, resume_from=8),
+                  [*parts(grey_frames(range(8, 12)), 4), EndOfStream("cam", 12)])
+    assert names(tmp_path) == {"cam.jsonl", "cam.from-0.mp4", "cam.from-8.mp4", "cam.older.mp4"}
+    assert (tmp_path / "cam.older.mp4").read_bytes() == OLDER
+    (warning,) = warnings(logs)
+    assert warning["frames_without_video"] is None
+    assert warning["event"].endswith("moved to cam.older.mp4 (replacing the cam.older.mp4 there)")
+
+
+@pytest.mark.parametrize("count", [6, 0])
+def test_a_whole_run_deletes_the_parts_and_the_older_video_it_replaces_naming_each(
+        tmp_path: Path, count: int) -> None:
+    """A run that was not resumed and wrote the whole video replaces the parts of resumed
+    runs (final or cut short) and the video set aside: each deletion is logged. One that
+    completed without a frame wrote no video to replace them with: it deletes nothing."""
+    earlier = ["cam.from-0.mp4", "cam.from-30.mp4", "cam.from-40.partial.mp4", "cam.older.mp4"]
+    others = ["cam.from-x.mp4", "cam.from-3.txt", "door.from-0.mp4", "cam.older.jsonl"]
+    for name in earlier + others:
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "cam.mp4").write_bytes(OLDER)
+    with capture_logs() as logs:
+        run_stage(cam_sink(tmp_path), [*parts(grey_frames(range(count)), 4),
+                                       EndOfStream("cam", count)])
+    deleted = events(logs, "older video deleted: replaced by this run's")
+    if count:
+        assert names(tmp_path) == {"cam.mp4", "cam.jsonl", *others}
+        assert sorted(Path(e["path"]).name for e in deleted) == sorted(earlier)
+        assert {(e["log_level"], tuple(e["replaced_by"])) for e in deleted} == {
+            ("info", (str(tmp_path / "cam.mp4"),))}
+        (video,) = [e for e in events(logs, "output written")
+                    if e["path"] == str(tmp_path / "cam.mp4")]
+        assert video["replaced"] is True and video["frames"] == count
+    else:  # the older run's files stay, and no "output written" names them
+        assert names(tmp_path) == {"cam.mp4", *earlier, *others}
+        assert (tmp_path / "cam.mp4").read_bytes() == OLDER
+        assert deleted == [] and events(logs, "output written") == []
+        assert [e["path"] for e in events(logs, "no output written: no frame came")] == [
+            str(tmp_path / "cam.jsonl"), str(tmp_path / "cam.mp4")]
+
+
+def span(first: int, last: int | None) -> VideoPart:
+    return VideoPart(Path(f"cam.from-{first}.mp4"), first, last, None)
+
+
+@pytest.mark.parametrize(("first", "last", "spans", "missing"), [
+    (0, 39, [(0, 11), (30, 39)], [(12, 29)]),
+    (0, 39, [(30, 39)], [(0, 29)]),                        # the first part deleted
+    (0, 39, [], [(0, 39)]),
+    (0, 39, [(0, 29), (30, 39)], []),
+    (0, 39, [(30, 39), (0, 11)], [(12, 29)]),              # in any order
+    (0, 39, [(0, None), (30, 39)], []),                    # unreadable: not judged
+    (0, 39, [(0, 11), (20, None), (30, 35)], [(12, 19), (36, 39)]),
+    (5, 20, [(5, 9), (12, 20)], [(10, 11)]),               # records from start_frame 5
+    (0, 9, [(0, 3), (20, 25)], [(4, 9)]),                  # a part past the records
+])
+def test_frames_without_video_are_the_records_no_part_spans(
+        first: int, last: int, spans: list[tuple[int, int | None]],
+        missing: list[tuple[int, int]]) -> None:
+    assert frames_without_video(first, last, [span(*s) for s in spans]) == missing
+
+
+def test_frame_ranges_text_and_video_part_checks() -> None:
+    assert frame_ranges_text([(0, 37), (90, 90)]) == "0-37, 90"
+    assert frame_ranges_text([]) == ""
+    for bad in ((5, 4, 1), (-1, 3, 1), (0, 3, 0)):
+        with pytest.raises(ValueError):
+            VideoPart(Path("cam.from-0.mp4"), *bad)
+
+
+def test_video_span_counts_frames_and_reads_the_last_one_s_number_past_drops(
+        tmp_path: Path) -> None:
+    writer = VideoWriter(tmp_path / "cam.mp4", crf=23)
+    writer.write(parts(grey_frames([40, 41, 45, 46, 52]), 10)[0])  # a live source's drops
+    writer.close(complete=True)
+    assert (writer.first_index, writer.last_index) == (40, 52)
+    assert video_span(tmp_path / "cam.mp4") == (5, 12)
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    assert video_span(tmp_path / "empty.mp4") == (0, -1)
+    (tmp_path / "junk.mp4").write_bytes(b"not an mp4 at all" * 100)
+    assert video_span(tmp_path / "junk.mp4") is None  # kept, not judged
