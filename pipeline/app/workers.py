@@ -6,6 +6,8 @@ worker process k (owns some sources, one thread each: DecodeStage as in-process)
    -> pipe: ("frame", source, slot, index, pts, capture time, size, rate)   (a few numbers)
    -> pipe: ("link", source, reconnects, state, attempt, retry in s, error)  (as it changes:
             each failed attempt, each connection, before any first frame too)
+   -> pipe: ("stats", source, reconnects, dropped)  (as they change: with a frame, or
+            within POLL_S while none is sent: a starved live source's drops)
 pipeline process: one receiver thread -> per-source inbox -> WorkerSource (the graph's source)
    ... batch, infer, ... the last reader of the images: ring.release(slots)
    -> pipe: ("free", slots) back to the worker that owns them
@@ -145,16 +147,28 @@ def worker_main(worker: int, sources: list[tuple[int, SourceConfig, int]], shm_n
         with send_lock:
             conn.send(message)
 
+    decoders: dict[int, DecodeStage] = {}  # the running ones
+    reported: dict[int, tuple[int, int]] = {}  # source id -> (reconnects, dropped) last sent
+
+    def send_stats(source_id: int, decoder: DecodeStage) -> None:
+        """Send ``decoder``'s counts if they changed (read and sent under the lock: the
+        pipeline gets them in the order they grew)."""
+        with send_lock:
+            counts = (decoder.reconnects, decoder.dropped)
+            if counts != reported.get(source_id, (0, 0)):
+                reported[source_id] = counts
+                conn.send((STATS, source_id, *counts))
+
     def decode(source_id: int, config: SourceConfig, first_index: int) -> None:
         decoder = DecodeStage(config, ring, stop, first_index, threads_per_source)
         # Each failed attempt is told at once, not with the next frame (there may be none).
         decoder.on_link = lambda link: send((LINK, source_id, decoder.reconnects, link.state,
                                              link.attempt, link.retry_in_s(), link.error))
-        reported = (0, 0)
+        decoders[source_id] = decoder
         try:
             for item in decoder.frames(stops[source_id]):
                 if isinstance(item, EndOfStream):
-                    send((STATS, source_id, decoder.reconnects, decoder.dropped))
+                    send_stats(source_id, decoder)
                     send((END, source_id, item.frames, item.error))
                     break
                 rate = item.rate
@@ -162,12 +176,11 @@ def worker_main(worker: int, sources: list[tuple[int, SourceConfig, int]], shm_n
                       np.nan if item.pts is None else item.pts, item.capture_time,
                       item.width, item.height,
                       rate.numerator if rate else 0, rate.denominator if rate else 1))
-                if (decoder.reconnects, decoder.dropped) != reported:
-                    reported = (decoder.reconnects, decoder.dropped)
-                    send((STATS, source_id, *reported))
+                send_stats(source_id, decoder)
         except (BrokenPipeError, EOFError, OSError):
             stop.set()  # the pipeline is gone
         finally:
+            decoders.pop(source_id, None)
             decoder.close()
 
     threads: list[threading.Thread] = []
@@ -190,6 +203,10 @@ def worker_main(worker: int, sources: list[tuple[int, SourceConfig, int]], shm_n
         start(source)
     try:
         while any(t.is_alive() for t in threads) or conn.poll():
+            # A starved live source drops frames and sends none: its counts go from here
+            # (every POLL_S at most), not with its next frame, seconds later.
+            for source_id, decoder in list(decoders.items()):
+                send_stats(source_id, decoder)
             if not conn.poll(POLL_S):
                 continue
             message = conn.recv()

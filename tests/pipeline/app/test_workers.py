@@ -141,6 +141,48 @@ def test_attach_in_a_child_process_sees_the_parents_writes_and_vice_versa() -> N
     assert not Path("/dev/shm", name).exists()
 
 
+def test_a_starved_live_source_s_drops_are_told_without_waiting_for_its_next_frame(samples
+                                                                                   ) -> None:
+    """A worker whose two slots the pipeline never frees: its live camera (bikes looped at 50
+    fps: it never ends) sends two frames, then drops every frame it decodes. Its counts reach the pipeline
+    within a poll (``POLL_S``), not with its next frame: the live view showed "dropped 0" for
+    5 s once, then 67 at once."""
+    from pipeline.app.workers import END, FRAME, STATS, worker_main
+    from pipeline.config import SourceConfig
+    from pipeline.slots import i420_bytes
+
+    slot_bytes = i420_bytes(640, 272)
+    ring = SlotRing(2, slot_bytes, shared=True)
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    camera = SourceConfig(name="cam", uri=str(samples.bikes), loop=True, pace_fps=50.0)
+    child = context.Process(target=worker_main, args=(
+        0, [(7, camera, 0)], ring.shm_name, 2, slot_bytes, [0, 1], theirs, "json", "warning", 1))
+    try:
+        child.start()
+        messages: list[tuple] = []
+        deadline = time.monotonic() + 10  # 10 frames dropped take 0.2 s at 50 fps
+        while time.monotonic() < deadline and not any(
+                m[0] == STATS and m[3] >= 10 for m in messages):
+            if ours.poll(0.1):
+                messages.append(ours.recv())
+        kinds = [m[0] for m in messages]
+        assert END not in kinds and kinds.count(FRAME) == 2, kinds  # its slots, never freed
+        last_frame = max(i for i, kind in enumerate(kinds) if kind == FRAME)
+        dropped = [m[3] for m in messages[last_frame + 1:] if m[0] == STATS]
+        assert dropped and dropped == sorted(dropped) and dropped[-1] >= 10, messages
+        ours.send(("stop",))
+        while ours.poll(10):
+            if ours.recv()[0] == END:
+                break
+        child.join(10)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+        ring.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # The pipeline with worker processes
 
