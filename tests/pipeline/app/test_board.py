@@ -305,8 +305,7 @@ def test_a_moved_source_is_shown_from_its_new_host_only_and_its_pictures_keep_ri
     assert board.names() == ["a"]
 
 
-def test_a_source_added_under_the_name_of_one_that_ended_on_a_host_now_gone_starts_afresh(
-        ) -> None:
+def test_a_source_added_under_the_name_of_one_that_ended_on_a_host_now_gone_starts_afresh():
     """An ended source of a dead host is never moved: a source placed under its name is a
     new one (added again), shown without the earlier one's counters, age or picture."""
     board = SourceBoard(None, None, preview_fps=5, order=["a"])
@@ -323,6 +322,7 @@ def test_a_source_added_under_the_name_of_one_that_ended_on_a_host_now_gone_star
     a = board.source("a")
     assert (a["state"], a["host"], a["frames"]) == ("running", "h1", 2)
     assert a["last_frame_age_s"] < 1.0
+
 
 def test_pictures_are_wanted_while_watched_or_for_a_while_after_a_snapshot(
         monkeypatch: pytest.MonkeyPatch) -> None:
