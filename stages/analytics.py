@@ -285,6 +285,8 @@ class ZoneCounter:
             if state is None:
                 state = self._tracks[track_id] = _ZoneTrack(t, tuple(box), score)
             state.last_seen_t, state.box, state.confidence = t, tuple(box), score
+            if state.missed > 1:  # unseen on the frame before: a streak is of frames in a row
+                state.streak = 0
             state.missed = 0
             if edge_distance <= margin or is_inside == state.inside:
                 # On the edge (tells nothing) or on its side (ends a streak to the other).

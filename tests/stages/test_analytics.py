@@ -234,6 +234,18 @@ def test_a_line_ending_on_the_frame_border_counts_crossings_at_the_border(
     assert [e.kind for e in run(stage, rows)] == kinds
 
 
+def test_a_zone_counts_frames_in_a_row_not_sightings_apart() -> None:
+    """Seen inside the dock on frame 5, unseen on 6-9 (its track kept), inside again on 10
+    and 11: it enters on 11, from 10 (a new user's car entered on two sightings 23 frames
+    apart, its dwell counted from the first)."""
+    person = {9: (PERSON, 350, [150, 150, 150, None, None, 50, None, None, None, None, 50, 50,
+                                150, 150])}
+    stage = AnalyticsStage("analytics", {"cam": [region(DOCK)]}, NAMES, {"cam": FORGET_S})
+    assert summary(run(stage, frame_rows(person, 14))) == [
+        (11, "enter", "dock", 9, PERSON, None),
+        (13, "exit", "dock", 9, PERSON, pytest.approx((11 - 10) / RATE))]
+
+
 def test_a_camera_region_outside_its_frame_is_left_out_with_an_error() -> None:
     """A camera's frame size is known at its first frame: a zone reaching beyond it is logged
     and left out; the source's other regions count on."""
