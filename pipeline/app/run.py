@@ -254,17 +254,19 @@ def finish(supervisor: Any, results: dict[str, str | None], interrupts: int,
            elapsed: float) -> int:
     """Log every source's summary (each source the run had, in the order added: a name
     added again has one per source) and the run's end; print the errors; the exit status."""
-    cut: list[tuple[str, str, bool]] = []  # (source, where, added through the API)
+    cut: list[tuple[Any, str]] = []  # (its SourceRun, where)
     for run, error in supervisor.every_source():
         name = run.config.name
         ended = run.ended
         summary = dict(ended.summary) if ended is not None else {"source": name}
         summary.update(frames=run.frames, error=error, removed=run.removing,
                        pipelines=list(dict.fromkeys(run.hosts)), moves=run.moves)
+        if run.output_number is not None:  # a name added again: its outputs NAME.N.*
+            summary["output_number"] = run.output_number
         where = ended.cut_short if ended is not None and ended.cut_short else run.unended
         if where and error is None:
             summary["cut_short"] = where
-            cut.append((name, where, run.added))
+            cut.append((run, where))
         log.info("source summary", **summary)
     log.info("run finished", seconds=round(elapsed, 2))
     if interrupts >= 2:
@@ -278,10 +280,18 @@ def finish(supervisor: Any, results: dict[str, str | None], interrupts: int,
         print(f"error: source {name}: {reason}", file=sys.stderr)
     if failed:
         return EXIT_FAILED
-    for name, where, added in cut:
-        if not added:
+    for run, where in cut:
+        name = run.config.name
+        if not run.frames:
+            log.warning("stopped before its first frame: nothing was written", source=name,
+                        at=where)
+        elif not run.added:
             log.warning("stopped early: outputs kept as .partial; run the same command again "
                         "to resume (--restart: start over)", source=name, at=where)
+        elif run.output_number is not None:  # NAME.N.partial.*: no config source resumes it
+            log.warning(f"stopped early: outputs kept as .partial ({name}.{run.output_number}"
+                        ".partial.*; a source added while running under a name used before: "
+                        "no rerun resumes these)", source=name, at=where)
         else:  # added through the API: a rerun of the config does not know it
             log.warning("stopped early: outputs kept as .partial (a source added while "
                         "running: add it to the config file to resume it)", source=name,

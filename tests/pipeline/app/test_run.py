@@ -1,9 +1,15 @@
-"""pipeline.app.run: what is settled before the run starts (both decoders for decode: auto)."""
+"""pipeline.app.run: what is settled before the run starts (both decoders for decode: auto),
+and what its end says of each source (``finish``)."""
 
 from __future__ import annotations
 
-from pipeline.app.run import place_decoders
-from pipeline.config import parse_config
+from types import SimpleNamespace
+
+from structlog.testing import capture_logs
+
+from pipeline.app.run import EXIT_STOPPED, finish, place_decoders
+from pipeline.app.supervisor import SourceRun
+from pipeline.config import SourceConfig, parse_config
 
 
 def cameras_config(samples, tmp_path, **sections):
@@ -42,3 +48,29 @@ def test_decoders_are_left_alone_off_the_gpu_path(samples, tmp_path):
     default = cameras_config(samples, tmp_path, runtime={"cpu_decode_fps": 0.0})
     place_decoders(default, 1, lambda: True)  # the default: NVDEC only
     assert [s.decode for s in default.sources] == ["auto"] * 3
+
+
+def test_each_source_stopped_early_is_told_what_was_kept_and_what_resumes_it():
+    """A config file's source cut short resumes on a rerun; one stopped before its first
+    frame wrote nothing (a new user read "outputs kept as .partial" of no file); one added
+    under a name used before writes NAME.N.* files, which no rerun resumes."""
+    def cut(name: str, frames: int, added: bool = False, number: int | None = None) -> SourceRun:
+        return SourceRun(SourceConfig(name=name, uri=f"{name}.mp4"), "sources[0]", added=added,
+                         output_number=number, frames=frames, unended="stopped at frame 9")
+
+    runs = [cut("a", 9), cut("b", 0), cut("c", 9, added=True), cut("c", 9, True, 2)]
+    supervisor = SimpleNamespace(every_source=lambda: [(run, None) for run in runs],
+                                 failure=None)
+    with capture_logs() as logs:
+        assert finish(supervisor, {}, 1, 1.0) == EXIT_STOPPED
+    said = [(e["source"], e["event"]) for e in logs if e["log_level"] == "warning"]
+    assert said == [
+        ("a", "stopped early: outputs kept as .partial; run the same command again to resume "
+              "(--restart: start over)"),
+        ("b", "stopped before its first frame: nothing was written"),
+        ("c", "stopped early: outputs kept as .partial (a source added while running: add it "
+              "to the config file to resume it)"),
+        ("c", "stopped early: outputs kept as .partial (c.2.partial.*; a source added while "
+              "running under a name used before: no rerun resumes these)")]
+    numbers = [e.get("output_number") for e in logs if e["event"] == "source summary"]
+    assert numbers == [None, None, None, 2]
