@@ -7,6 +7,7 @@ cams.yaml --clip my.mp4`` measures how many cameras hold (``pipeline.app.capacit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import tempfile
@@ -126,8 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         config = load_config(args.config, args.overrides)
-        if args.command == "run":
-            make_output_dir(Path(config.output.dir))
+        made = make_output_dir(Path(config.output.dir)) if args.command == "run" else []
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -137,17 +137,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         runtime.progress = False
     if args.command == "build-engine":
         return one_line_errors(lambda: build_engine(config))
-    return one_line_errors(lambda: run(config, args.ray, restart=args.restart))
+    status = one_line_errors(lambda: run(config, args.ray, restart=args.restart))
+    if status == EXIT_USAGE:  # refused before it began (a model that is not one): as made
+        for folder in made:  # the deepest first; one holding something stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+    return status
 
 
-def make_output_dir(folder: Path) -> None:
+def make_output_dir(folder: Path) -> list[Path]:
     """Create ``output.dir`` (and its parents) and write a file in it, before anything
     starts: a folder the run cannot write is a config error, not a failure after the model
-    has loaded.
+    has loaded. Returns the folders it created, the deepest first.
 
     Raises:
         ConfigError: it cannot be created or written in (one line).
     """
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
@@ -155,6 +161,7 @@ def make_output_dir(folder: Path) -> None:
     except OSError as error:
         raise ConfigError(f"output.dir: cannot create or write in {str(folder)!r}: "
                           f"{error.strerror or error}") from None
+    return made
 
 
 def one_line_errors(command: Callable[[], int]) -> int:

@@ -14,8 +14,9 @@ from pipeline.config import ConfigError
 
 
 def test_the_output_folder_is_made_with_its_parents_before_the_run(tmp_path: Path) -> None:
-    make_output_dir(tmp_path / "a" / "b")
+    assert make_output_dir(tmp_path / "a" / "b") == [tmp_path / "a" / "b", tmp_path / "a"]
     assert (tmp_path / "a" / "b").is_dir() and not list((tmp_path / "a" / "b").iterdir())
+    assert make_output_dir(tmp_path / "a" / "b") == []  # there already
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError) as info:
         make_output_dir(tmp_path / "file" / "out")
@@ -34,3 +35,19 @@ def test_a_run_started_with_sigint_ignored_heeds_it(tmp_path: Path,
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_run_refused_before_it_begins_leaves_no_output_folder(samples, tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """A model that is not one is found as the run builds, after the output folder was made:
+    the folders made for it go again (a new user found an empty one left)."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "not.onnx").write_text("not a model")
+    config = {"sources": [{"name": "bikes", "uri": str(samples.bikes)}],
+              "model": {"path": "not.onnx", "class_names": str(samples.names)},
+              "output": {"dir": "out/run1"}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    assert main(["--config", "c.yaml"]) == 2
+    assert not (tmp_path / "out").exists()
