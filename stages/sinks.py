@@ -787,7 +787,9 @@ class SinkStage(Stage[BatchDetections, None]):
             elif writer.frames and self.stopped_at is not None:
                 log.warning("output cut short: " + stopped_text(*self.stopped_at)
                             + ": kept as .partial (run again to resume)", sink=self.name,
-                            path=str(partial_path(writer.path)), frames=writer.frames)
+                            path=str(partial_path(writer.path)), frames=writer.frames,
+                            resumed_at=self.resume_from)  # frames: this part's, as above
             elif writer.frames:
                 log.warning("output incomplete", sink=self.name,
-                            path=str(partial_path(writer.path)), frames=writer.frames)
+                            path=str(partial_path(writer.path)), frames=writer.frames,
+                            resumed_at=self.resume_from)
