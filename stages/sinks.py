@@ -305,14 +305,6 @@ def video_span(path: Path) -> tuple[int, int] | None:
     return len(times), last
 
 
-def holds_a_video_packet(path: Path) -> bool:
-    """Whether the MP4 at ``path`` holds a video packet: a part whose process was killed
-    before its first fragment holds none (only its header, or nothing at all). A file PyAV
-    cannot read counts as holding one: it is kept, not judged."""
-    span = video_span(path)
-    return span is None or span[0] > 0
-
-
 def resumed_video_path(path: Path, first_frame: int) -> Path:
     """Where the video of a source resumed at ``first_frame`` goes: ``cam.mp4`` ->
     ``cam.from-1200.mp4`` (a new file: an MP4 cut by a killed process cannot be appended to)."""

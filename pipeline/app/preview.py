@@ -254,6 +254,16 @@ class PreviewHub:
             state.activity.ended, state.activity.error = True, error
             state.pending = None  # a source added again under this name counts from 0
 
+    def restart(self, source: str) -> None:
+        """A new source takes the name ``source`` (the one before it ended or was removed):
+        what the hub kept of the earlier one (its last frame, picture, end) is forgotten; the
+        open streams and a snapshot's wish of that name stay."""
+        with self._lock:
+            old = self._sources.get(source)
+            if old is not None:
+                self._sources[source] = _Source(viewers=old.viewers,
+                                                wanted_until=old.wanted_until)
+
     # -- the viewer side ----------------------------------------------------------------
     def activity(self, source: str) -> SourceActivity:
         """A copy of what the sink side reported for ``source`` (zeros before anything)."""

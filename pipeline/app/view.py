@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from pipeline.app.board import ViewReport
-from pipeline.app.preview import PreviewHub, SourceActivity
+from pipeline.app.preview import PreviewHub
 from pipeline.app.webhooks import WebhookPublisher
 from pipeline.config import PipelineConfig, SourceConfig, redact_url
 from pipeline.metrics import STALE_AFTER_S, source_state
@@ -155,9 +155,6 @@ class SourceMonitor:
         self._media_losses = MediaLosses(media) if media is not None else None
         started = time.monotonic()
         self._shown_since = {name: started for name in self.names}  # stalled counts from here
-        # What the hub had of a name when a source took it (``add``): an earlier source's, not
-        # this one's (``activity``).
-        self._earlier: dict[str, SourceActivity] = {}
         self._lock = threading.Lock()
 
     def add(self, source: SourceConfig) -> None:
@@ -170,7 +167,6 @@ class SourceMonitor:
             self._live = {**self._live, source.name: source.is_live}
             self._sampled = {**self._sampled, source.name: _Sampled()}
             self._shown_since = {**self._shown_since, source.name: time.monotonic()}
-            self._earlier = {**self._earlier, source.name: self.hub.activity(source.name)}
             size = self.config.runtime.queue_size
             first = self.graph.chain[0].name
             self._capacity = {**self._capacity, first: self._capacity[first] + size,
@@ -187,7 +183,6 @@ class SourceMonitor:
             self.names = [n for n in self.names if n != name]
             self._sampled = {n: s for n, s in self._sampled.items() if n != name}
             self._shown_since = {n: t for n, t in self._shown_since.items() if n != name}
-            self._earlier = {n: a for n, a in self._earlier.items() if n != name}
             self.removing = self.removing - {name}
             sink = self.graph.sinks.get(name)
             if sink is not None:
@@ -214,25 +209,6 @@ class SourceMonitor:
         if self._media_losses is not None:
             self._media_losses.sample()
 
-    def activity(self, name: str) -> SourceActivity:
-        """What the hub has of source ``name`` that is its own: the hub keeps it by name, so
-        what an earlier source of that name left there (its last frame, picture, error) is
-        not shown as this one's until it has its own."""
-        activity = self.hub.activity(name)
-        with self._lock:
-            earlier = self._earlier.get(name)
-        if earlier is None:
-            return activity
-        if activity.frames == earlier.frames:  # no frame of its own yet
-            activity.last_capture_time = activity.last_frame_at = None
-        if activity.picture_seq == earlier.picture_seq:  # no picture of its own yet
-            activity.picture_seq = activity.width = activity.height = 0
-        if (activity.ended, activity.error) == (earlier.ended, earlier.error):
-            # the earlier's end (the same error of its own would be in its metrics too)
-            activity.ended, activity.error = False, None
-        activity.frames -= earlier.frames
-        return activity
-
     def fps(self, name: str) -> float:
         """Frames/s reaching ``name``'s sink over the last ~``FPS_WINDOW_S`` seconds."""
         with self._lock:
@@ -257,7 +233,7 @@ class SourceMonitor:
         metrics = self.graph.source_metrics[name]
         link = metrics.link
         if state == "failed":
-            return metrics.error or self.activity(name).error
+            return metrics.error or self.hub.activity(name).error
         if state == "reconnecting" and link is not None:
             wait = link.retry_in_s()
             return (f"attempt {link.attempt}, next try in {wait:.1f} s"
@@ -278,7 +254,7 @@ class SourceMonitor:
         connection counters up to date first (``sources`` does it once for all)."""
         if refresh:
             self.graph.refresh_source_metrics()  # the latest connection news, not 0.5 s old
-        metrics, activity = self.graph.source_metrics[name], self.activity(name)
+        metrics, activity = self.graph.source_metrics[name], self.hub.activity(name)
         age = (None if activity.last_capture_time is None
                else round(max(0.0, time.time() - activity.last_capture_time), 3))
         state, link = self.state(name), metrics.link
@@ -432,6 +408,7 @@ class HostView:
         """Show ``source``, which the graph took (added while it runs); one that takes the
         name of an ended source replaces it."""
         with self._lock:
+            self.hub.restart(source.name)  # nothing of an earlier source of that name shows
             self.monitor.add(source)
             self._sent.pop(source.name, None)
 
@@ -473,7 +450,7 @@ class HostView:
                     continue
                 self.hub.request(name)
                 sent = self._sent.get(name, 0)
-                if self.monitor.activity(name).picture_seq <= sent:
+                if self.hub.activity(name).picture_seq <= sent:
                     continue
                 try:
                     picture = self.hub.jpeg(name)
