@@ -123,7 +123,8 @@ class HostReport:
         ready: the graph has opened its stages (the model is warm).
         failure: the graph failed (its build, or a stage): every source on it is lost.
         usage: that failure is what was asked for (a configuration that cannot run here).
-        finished: the graph's run returned (after ``stop``, or a failure).
+        finished: the graph's run returned (after ``stop``, or a failure) and this report
+            carries the last of its sources' ends.
         metrics: the graph's metrics snapshot (``FamilySnapshot`` records), when asked for.
         view: the live view's ``ViewReport``, when asked for.
     """
@@ -269,6 +270,10 @@ class PipelineHost:
 
     def poll(self, metrics: bool = False, view: bool = False) -> HostReport:
         """News since the last call (``HostReport``)."""
+        # Read first: a source may end between its check below and this read, and a report
+        # saying "finished" before it carries that source's end would let the supervisor
+        # close the run without it (it was then reported cut short, its records complete).
+        returned = self._finished.is_set()
         graph = self.graph
         ended: list[SourceEnded] = []
         frames: dict[str, int] = {}
@@ -288,6 +293,7 @@ class PipelineHost:
             replies, self._replies = tuple(self._replies), []
             ended, self._ended = [*self._ended, *ended], []
             failure = self._failure
+            finished = returned and (not self._running or graph is None or failure is not None)
         families = None
         if metrics and self._collector is not None:
             families = self._snapshot()
@@ -301,7 +307,7 @@ class PipelineHost:
                           ready=graph is not None and graph.ready.is_set(),
                           failure=None if failure is None else failure[0],
                           usage=failure is not None and failure[1],
-                          finished=self._finished.is_set(), metrics=families, view=view_report)
+                          finished=finished, metrics=families, view=view_report)
 
     # -- internals -------------------------------------------------------------------------
     def _run(self) -> None:
