@@ -128,17 +128,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         # 130), then gracefully (``run.install_signal_handlers``).
         signal.signal(signal.SIGINT, signal.default_int_handler)
     made: list[Path] = []
+    lock = None
     try:
         config = load_config(args.config, args.overrides)
         if args.command == "run":
             made = make_output_dir(Path(config.output.dir))
-            lock = lock_output_dir(Path(config.output.dir))  # noqa: F841 - held until exit
+            lock = lock_output_dir(Path(config.output.dir))
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         for folder in made:
             with contextlib.suppress(OSError):
                 folder.rmdir()
         return EXIT_USAGE
+    try:
+        return run_command(args, config, made)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def run_command(args: argparse.Namespace, config: PipelineConfig, made: list[Path]) -> int:
+    """``run`` or ``build-engine`` with a valid config (``made``: the output folders this run
+    created, removed again when it is refused before it begins)."""
     runtime = config.runtime
     configure_logging(args.log_format or runtime.log_format, args.log_level or runtime.log_level)
     if args.no_progress:
