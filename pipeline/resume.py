@@ -8,6 +8,13 @@ at the frame after the last record (``SourceConfig.start_frame``); the new sink 
 the same file (``SinkStage(resume_from=...)``), so the file ends up holding every frame once,
 in order.
 
+A file source's partial records carry where they came from: the file's path, size and
+modification time, stamped on the ``.partial`` JSONL file as an extended attribute
+(``ORIGIN_ATTRIBUTE``; no file is added, and a rename keeps it). Resuming checks it
+(``check_origin``): records of another file are not continued (a new user's resume with
+another ``uri`` put two clips' frames in one file). Where the file system keeps no extended
+attributes, nothing is stamped and nothing is checked.
+
 A tracked source resumed starts with fresh tracks, numbered on from its records: its first id
 is one past the largest ``tracker_id`` of its kept records (``next_tracker_id``), so an id
 names one object in the whole file, as it does in a run that was never cut.
@@ -28,6 +35,63 @@ SCAN_CHUNK = 4 * 1024 * 1024  # bytes read at a time scanning a whole file
 # a detection's track id in a record (``stages.sinks.detection_records``); -1 (no track)
 # does not match. A quote inside a JSON string is escaped: only a key matches.
 _TRACKER_ID = re.compile(rb'"tracker_id"\s*:\s*(\d+)')
+ORIGIN_ATTRIBUTE = "user.streamdet.origin"
+
+
+def file_origin(uri: str) -> dict[str, object] | None:
+    """A file source's identity: {"path": absolute path, "size": bytes, "mtime_ns": its
+    modification time}, or None when it cannot be read (a stream URL: not a file)."""
+    try:
+        stat = os.stat(uri)
+    except (OSError, ValueError):
+        return None
+    return {"path": os.path.abspath(uri), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def stamp_origin(path: Path, origin: dict[str, object]) -> bool:
+    """Stamp ``origin`` (``file_origin``) on the records file ``path``; False where its file
+    system keeps no extended attributes (nothing is then checked when it resumes)."""
+    try:
+        os.setxattr(path, ORIGIN_ATTRIBUTE, json.dumps(origin, sort_keys=True).encode())
+    except (OSError, AttributeError):  # not supported here (AttributeError: not Linux)
+        return False
+    return True
+
+
+def read_origin(path: Path) -> dict[str, object] | None:
+    """The origin stamped on ``path``, or None (none stamped, or not readable here)."""
+    try:
+        return json.loads(os.getxattr(path, ORIGIN_ATTRIBUTE))
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def check_origin(source: SourceConfig, jsonl_path: Path, resume_at: int) -> None:
+    """Refuse to resume ``source`` from records of another file.
+
+    Args:
+        jsonl_path: its records' final path (the ``.partial`` twin is read).
+        resume_at: the frame it would resume at (one past its last record).
+
+    Raises:
+        ValueError: the partial records carry an origin that is not ``source``'s file now
+            (another path, size or modification time).
+    """
+    partial = partial_path(jsonl_path)
+    stamped, now = read_origin(partial), file_origin(source.uri)
+    if stamped is None or now is None or stamped == now:
+        return
+    raise ValueError(f"{str(partial)!r} holds records up to frame {resume_at - 1} of "
+                     f"{_describe(stamped)}, not of {source.name}'s uri now, "
+                     f"{_describe(now)}: give that file again")
+
+
+def _describe(origin: dict[str, object]) -> str:
+    import datetime
+
+    when = datetime.datetime.fromtimestamp(int(origin.get("mtime_ns", 0)) / 1e9)
+    return (f"{str(origin.get('path'))!r} ({int(origin.get('size', 0)):,} bytes, modified "
+            f"{when:%Y-%m-%d %H:%M:%S})")
 
 
 def cut_torn_line(path: Path) -> bytes | None:
@@ -123,7 +187,8 @@ def cut_files(config: PipelineConfig) -> dict[str, int]:
     (a ``.partial`` JSONL file with records): the frame after its last record. Logs each.
 
     Raises:
-        ValueError: a ``.partial`` JSONL file whose last line is not a record (not ours).
+        ValueError: a ``.partial`` JSONL file whose last line is not a record (not ours), or
+            whose records came from another file (``check_origin``).
     """
     import structlog
 
@@ -133,6 +198,8 @@ def cut_files(config: PipelineConfig) -> dict[str, int]:
     cut = {}
     for old, moved in zip(files, resumed_sources(config, [s.name for s in files])):
         if moved.start_frame > old.start_frame:
+            check_origin(old, config.output_path(config.output.jsonl, old.name),
+                         moved.start_frame)
             cut[old.name] = moved.start_frame
             structlog.get_logger("resume").info(
                 "resuming a file cut short after its last record", source=old.name,

@@ -395,10 +395,13 @@ class JsonlWriter:
         tracked: the source is tracked: each detection carries its ``tracker_id``.
         append: keep the complete lines of an existing ``.partial`` file (a torn last line
             is cut) and append to it: a moved source resuming (``pipeline.resume``).
+        origin: the file source's identity (``pipeline.resume.file_origin``), stamped on a
+            new ``.partial`` file so that a later run resumes it only from the same file;
+            None: nothing stamped.
     """
 
     def __init__(self, path: Path, class_names: list[str] | None, tracked: bool = False,
-                 append: bool = False) -> None:
+                 append: bool = False, origin: dict[str, object] | None = None) -> None:
         self.path = path
         self.class_names = class_names
         self.tracked = tracked
@@ -408,6 +411,10 @@ class JsonlWriter:
             cut_torn_line(partial)
         self._file = open(partial, "a" if append else "w")
         self.kept = self._file.tell() > 0  # lines of an earlier run, appended to
+        if origin is not None and not self.kept:
+            from pipeline.resume import stamp_origin
+
+            stamp_origin(partial, origin)
         self.frames = 0
         self.last_frame: int | None = None  # the frame number of this run's last record
 
@@ -489,6 +496,7 @@ class SinkStage(Stage[BatchDetections, None]):
             ``.partial`` ones a killed run left) last modified more than this many hours ago,
             when the sink opens and at every new segment; None: keep every one.
         clock: the time retention measures ages against (Unix seconds).
+        origin: a file source's identity, stamped on its new records file (``JsonlWriter``).
     """
 
     def __init__(self, name: str, video_path: Path | None, jsonl_path: Path | None,
@@ -498,8 +506,10 @@ class SinkStage(Stage[BatchDetections, None]):
                  events_path: Path | None = None, preview: PreviewSink | None = None,
                  resume_from: int | None = None, segment_s: float | None = None,
                  keep_hours: float | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 origin: dict[str, object] | None = None) -> None:
         super().__init__(name)
+        self.origin = origin
         self.segment_s = segment_s if live else None
         self.keep_s = keep_hours * 3600 if keep_hours is not None and self.segment_s else None
         self.clock = clock
@@ -534,7 +544,7 @@ class SinkStage(Stage[BatchDetections, None]):
         # holds has its records.
         if self.jsonl_path is not None:
             self.writers.append(JsonlWriter(self.jsonl_path, self.class_names, self.tracked,
-                                            append=resumed))
+                                            append=resumed, origin=self.origin))
         if self.events_path is not None:
             self.writers.append(EventsWriter(self.events_path, append=resumed))
         if self.video_path is not None:

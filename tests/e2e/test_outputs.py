@@ -6,6 +6,7 @@ its first frame leaves no file. Each through ``run.py`` or a real graph."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -130,6 +131,55 @@ def test_a_cut_file_resumes_after_its_last_record_unless_restart(samples,
     assert [s.start_frame for s in resumed_sources(config, ["bikes"])] == [3]
     assert parse_args(["--config", "x.yaml", "--restart"]).restart
     assert not parse_args(["--config", "x.yaml"]).restart
+
+
+def test_records_of_another_file_are_not_resumed(samples, repo_root: Path,
+                                                 tmp_path: Path) -> None:
+    """A new user resumed a stopped run with another ``uri``: one file then held frames 0-93
+    of bikes.mp4 and 94-119 of carphone.mp4, exit 0. The records file carries its source's
+    path, size and modification time (an extended attribute) and a resume checks them."""
+    from pipeline.resume import ORIGIN_ATTRIBUTE, file_origin, stamp_origin
+
+    shutil.copy(samples.bikes, tmp_path / "clip.mp4")
+    partial = tmp_path / "bikes.partial.jsonl"
+    partial.write_text("".join(f'{{"source":"bikes","frame":{i}}}\n' for i in range(94)))
+    if not stamp_origin(partial, file_origin(str(tmp_path / "clip.mp4"))):
+        pytest.skip(f"{tmp_path}'s file system keeps no extended attributes")
+    assert prepare_cut(bikes(samples, tmp_path, tmp_path / "clip.mp4")) == ("bikes",)
+
+    done = run_cli(repo_root, bikes(samples, tmp_path, samples.carphone), tmp_path / "cfg")
+    assert done.returncode == 2, done.stderr
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"error: output.jsonl: {str(partial)!r} holds records up to frame "
+                            f"93 of {str(tmp_path / 'clip.mp4')!r} (")
+    assert f"not of bikes's uri now, {str(samples.carphone)!r}" in error
+    assert error.endswith("give that file again; run with --restart to start over")
+    assert len(partial.read_text().splitlines()) == 94  # untouched
+    assert os.getxattr(partial, ORIGIN_ATTRIBUTE)
+
+
+def prepare_cut(config: dict) -> tuple[str, ...]:
+    from pipeline.app.run import prepare
+
+    return prepare(parse_config(config))
+
+
+def test_a_new_records_file_is_stamped_with_its_source_file(samples, tmp_path: Path) -> None:
+    """What the check above reads is written by a run's sink, as the run builds it."""
+    from pipeline.app.build import build_sink
+    from pipeline.resume import file_origin, read_origin
+
+    config = parse_config(bikes(samples, tmp_path, video=None))
+    sink = build_sink(config, config.sources[0], None, None, keep_images=False, tracked=False,
+                      has_analytics=False, preview=None)
+    sink.open()
+    try:
+        stamped = read_origin(tmp_path / "bikes.partial.jsonl")
+    finally:
+        sink.close()
+    if stamped is None:
+        pytest.skip(f"{tmp_path}'s file system keeps no extended attributes")
+    assert stamped == file_origin(str(samples.bikes))
 
 
 def run_cli(repo_root: Path, config: dict, out: Path) -> subprocess.CompletedProcess:
