@@ -415,6 +415,38 @@ def check_options(options: Options) -> None:
         raise ConfigError(f"--unpaced: at least 1 camera, got {options.unpaced}")
 
 
+def check_out(out: Path | None) -> None:
+    """Raise ``ConfigError`` (one line) unless ``--out`` is a folder this user can write in,
+    or can be created (nothing is created here)."""
+    if out is None:
+        return
+    try:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out: {str(out)!r} is a file, not a folder")
+        there = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    except OSError as error:
+        raise ConfigError(f"--out: cannot use {str(out)!r}: {error.strerror or error}") from None
+    if not there.is_dir():
+        raise ConfigError(f"--out: cannot create {str(out)!r}: {str(there)!r} is a file, not a "
+                          "folder")
+    if not os.access(there, os.W_OK | os.X_OK):
+        if there == out.absolute():
+            raise ConfigError(f"--out: cannot write in {str(out)!r}: permission denied")
+        raise ConfigError(f"--out: cannot create {str(out)!r}: no permission to write in "
+                          f"{str(there)!r}")
+
+
+def replaced_note(out: Path | None) -> str | None:
+    """The line saying that ``--out`` holds an earlier run's results, which this run replaces
+    (None when it holds none)."""
+    earlier = [name for name in ("results.md", "results.json")
+               if out is not None and (out / name).is_file()]
+    if not earlier:
+        return None
+    return (f"--out {str(out)!r}: replacing the earlier results there ({', '.join(earlier)}, "
+            "and the folder of each camera count measured again)")
+
+
 def progress(text: str) -> None:
     print(f"capacity: {text}", file=sys.stderr, flush=True)
 
@@ -447,6 +479,7 @@ def prepare_inputs(options: Options) -> tuple[Any, dict[str, Any], Path, int, fl
     from pipeline.app.run import prepare
 
     check_options(options)
+    check_out(options.out)
     frames, rate = check_clip(options.clip)
     fps = options.fps or rate
     if not fps:
@@ -521,9 +554,18 @@ def main(options: Options) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    work = Path(tempfile.mkdtemp(prefix="capacity-"))
     # the runs' configs, logs and scrapes: kept (the progress lines name the logs)
     out = (options.out or Path(tempfile.mkdtemp(prefix="capacity-logs-"))).resolve()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # what check_out could not tell (a race, root in /proc)
+        print(f"error: --out: cannot create {str(out)!r}: {error.strerror or error}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    replacing = replaced_note(options.out)
+    if replacing is not None:
+        progress(replacing)
+    work = Path(tempfile.mkdtemp(prefix="capacity-"))
     rows: list[RunRow] = []
     ceilings: dict[str, Any] = {}
     notes: list[str] = []
@@ -533,7 +575,6 @@ def main(options: Options) -> int:
     previous = {signum: signal.signal(signum, _interrupt)
                 for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        out.mkdir(parents=True, exist_ok=True)
         from pipeline.app.clips import clip_for
 
         # each camera plays from its start: the start, the warm-up, the window, the stop

@@ -49,11 +49,7 @@ def prepare(config: PipelineConfig, restart: bool = False) -> tuple[str, ...]:
     check_extras(config)
     model = model_setup(config)
     check_sources(config, model, probe_file_sources(config))
-    for i, source in enumerate(config.sources):
-        if source.loop and not source.pace_fps:
-            log.warning("a looped file without pace_fps is read as fast as it decodes, and "
-                        "a live source drops what the pipeline cannot take: set pace_fps to "
-                        "play it as a camera", source=source.name, key=f"sources[{i}].pace_fps")
+    warn_unpaced_files(config)
     if config.runtime.http is not None:
         from pipeline.app.http import check_settings
 
@@ -67,6 +63,28 @@ def prepare(config: PipelineConfig, restart: bool = False) -> tuple[str, ...]:
         return tuple(cut_files(config))
     except ValueError as error:
         raise ConfigError(f"output.jsonl: {error}; run with --restart to start over") from None
+
+
+UNPACED_FILES = ("a live file without pace_fps is read as fast as it decodes and drops the "
+                 "frames the pipeline is too slow to take: set pace_fps to the file's frame "
+                 "rate to play it as a camera, or drop live: true (and loop: true) to keep "
+                 "every frame")
+
+
+def warn_unpaced_files(config: PipelineConfig) -> None:
+    """One warning for the file sources read live (``live: true`` or ``loop: true``) without
+    ``pace_fps``: the source and its key when there is one, else how many and the first names
+    (``capacity``'s unpaced row runs 100 such cameras on purpose)."""
+    unpaced = [(i, source.name) for i, source in enumerate(config.sources)
+               if source.is_live and not source.pace_fps and not is_stream_url(source.uri)]
+    if len(unpaced) == 1:
+        i, name = unpaced[0]
+        log.warning(UNPACED_FILES, source=name, key=f"sources[{i}].pace_fps")
+    elif unpaced:
+        names = ", ".join(name for _, name in unpaced[:3])
+        if len(unpaced) > 3:
+            names += f" and {len(unpaced) - 3} more"
+        log.warning(UNPACED_FILES, sources=len(unpaced), names=names, key="sources[].pace_fps")
 
 
 def make_executor(config: PipelineConfig, ray_address: str | None = None, metrics: bool = False,

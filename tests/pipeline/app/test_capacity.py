@@ -351,3 +351,70 @@ def test_a_count_left_out_for_the_budget_says_the_time_it_was_measured_against()
     assert budget_note(600, 8, 80.0, 120.0, 36.0).startswith(
         "--budget-s 600: 8 cameras not tried (80 s left; a run may take 120 s: ")
     assert budget_note(60, 2, 46.0, 19.0, 36.0) is None  # fits exactly
+
+
+@pytest.mark.parametrize(("out", "message"), [
+    ("{tmp}/file.txt", "error: --out: '{tmp}/file.txt' is a file, not a folder"),
+    ("{tmp}/file.txt/sub", "error: --out: cannot create '{tmp}/file.txt/sub': "
+                           "'{tmp}/file.txt' is a file, not a folder"),
+])
+def test_an_out_that_is_no_folder_gets_one_line_and_exit_status_2(tmp_path, capsys, out,
+                                                                  message):
+    """A new user's --out, an existing file, got 'error: FileExistsError: ...' and exit 1."""
+    from pipeline.app.capacity import main
+
+    (tmp_path / "file.txt").write_text("mine")
+    out = out.format(tmp=tmp_path)
+    # nothing else is looked at: the config and the clip need not exist
+    assert main(Options(config=tmp_path / "none.yaml", clip=tmp_path / "none.mp4",
+                        out=Path(out))) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", message.format(tmp=tmp_path) + "\n")
+    assert (tmp_path / "file.txt").read_text() == "mine"
+
+
+def test_an_out_folder_this_user_cannot_write_in_is_refused(tmp_path, monkeypatch):
+    from pipeline.app.capacity import check_out
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    monkeypatch.setattr("os.access", lambda path, mode: Path(path) != locked)
+    with pytest.raises(ConfigError) as refused:
+        check_out(locked)
+    assert str(refused.value) == f"--out: cannot write in {str(locked)!r}: permission denied"
+    with pytest.raises(ConfigError) as refused:
+        check_out(locked / "a" / "b")
+    assert str(refused.value) == (f"--out: cannot create {str(locked / 'a' / 'b')!r}: no "
+                                  f"permission to write in {str(locked)!r}")
+    check_out(tmp_path / "new" / "folder")  # made by the run
+    check_out(None)
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_out_folder_used_before_is_said_to_have_its_results_replaced(tmp_path):
+    from pipeline.app.capacity import replaced_note
+
+    assert replaced_note(tmp_path) is None and replaced_note(None) is None
+    (tmp_path / "results.md").write_text("an earlier table")
+    assert replaced_note(tmp_path) == (
+        f"--out {str(tmp_path)!r}: replacing the earlier results there (results.md, and the "
+        "folder of each camera count measured again)")
+    (tmp_path / "results.json").write_text("{}")
+    assert "(results.md, results.json, and the folder" in replaced_note(tmp_path)
+
+
+def test_the_unpaced_runs_config_warns_of_its_unpaced_cameras_once(samples, tmp_path):
+    """Capacity's unpaced row is 100 live files without pace_fps on purpose: run.py's
+    warning of them is one line in its run.log, not 100."""
+    from structlog.testing import capture_logs
+
+    from pipeline.app.run import warn_unpaced_files
+
+    user = {"model": {"path": str(samples.model)}}
+    unpaced = parse_config(run_config(user, 100, samples.bikes, None, tmp_path, 1))
+    paced = parse_config(run_config(user, 100, samples.bikes, 25.0, tmp_path, 1))
+    with capture_logs() as logs:
+        warn_unpaced_files(paced)
+        warn_unpaced_files(unpaced)
+    assert [(e["sources"], e["names"]) for e in logs] == [
+        (100, "cam000, cam001, cam002 and 97 more")]

@@ -1,5 +1,6 @@
-"""pipeline.app.run: what is settled before the run starts (both decoders for decode: auto),
-and what its end says of each source (``finish``)."""
+"""pipeline.app.run: what is settled before the run starts (both decoders for decode: auto,
+the warning of files read live without a pace), and what its end says of each source
+(``finish``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,16 @@ from types import SimpleNamespace
 
 from structlog.testing import capture_logs
 
-from pipeline.app.run import EXIT_STOPPED, finish, place_decoders
+from pipeline.app.run import (
+    EXIT_STOPPED,
+    UNPACED_FILES,
+    finish,
+    place_decoders,
+    prepare,
+    warn_unpaced_files,
+)
 from pipeline.app.supervisor import SourceRun
-from pipeline.config import SourceConfig, parse_config
+from pipeline.config import PipelineConfig, SourceConfig, parse_config
 
 
 def cameras_config(samples, tmp_path, **sections):
@@ -74,3 +82,41 @@ def test_each_source_stopped_early_is_told_what_was_kept_and_what_resumes_it():
               "running under a name used before: no rerun resumes these)")]
     numbers = [e.get("output_number") for e in logs if e["event"] == "source summary"]
     assert numbers == [None, None, None, 2]
+
+
+def test_a_file_read_live_without_pace_fps_is_warned_once_at_start(samples, tmp_path):
+    """A new user's file with live: true and no pace_fps read as fast as it decoded and
+    dropped 218 of 250 frames without a word (only a looped one was warned)."""
+    def config(*sources: dict) -> PipelineConfig:
+        return parse_config({"model": {"path": str(samples.model)},
+                             "sources": [{"uri": str(samples.bikes), **s} for s in sources],
+                             "output": {"dir": str(tmp_path), "video": None}})
+
+    def warnings(config: PipelineConfig) -> list[dict]:
+        with capture_logs() as logs:
+            warn_unpaced_files(config)
+        return [{k: v for k, v in e.items() if k != "log_level"} for e in logs
+                if e["log_level"] == "warning"]
+
+    fine = [{"name": "paced", "live": True, "pace_fps": 25}, {"name": "file"},
+            {"name": "camera", "uri": "rtsp://camera.invalid/1"},
+            {"name": "demo", "loop": True, "pace_fps": 25}]
+    with capture_logs() as logs:  # what run.py checks before it starts
+        prepare(config(*fine, {"name": "fast", "live": True}), restart=True)
+    assert [e for e in logs if e["log_level"] == "warning"] == [
+        {"event": UNPACED_FILES, "log_level": "warning", "source": "fast",
+         "key": "sources[4].pace_fps"}]
+    assert UNPACED_FILES == (
+        "a live file without pace_fps is read as fast as it decodes and drops the frames the "
+        "pipeline is too slow to take: set pace_fps to the file's frame rate to play it as a "
+        "camera, or drop live: true (and loop: true) to keep every frame")
+    assert warnings(config({"name": "looped", "loop": True})) == [
+        {"event": UNPACED_FILES, "source": "looped", "key": "sources[0].pace_fps"}]
+    assert warnings(config(*fine)) == []
+    # many at once (capacity's unpaced cameras): one line, how many and the first names
+    many = config(*[{"name": f"cam{i:03d}", "live": True} for i in range(100)])
+    assert warnings(many) == [{"event": UNPACED_FILES, "sources": 100,
+                               "names": "cam000, cam001, cam002 and 97 more",
+                               "key": "sources[].pace_fps"}]
+    assert warnings(config({"name": "a", "live": True}, {"name": "b", "loop": True}))[0][
+        "names"] == "a, b"
