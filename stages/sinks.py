@@ -278,6 +278,34 @@ def segment_files(path: Path) -> list[Path]:
     return sorted(p for p in path.parent.iterdir() if pattern.fullmatch(p.name) and p.is_file())
 
 
+def cut_torn_fragment(path: Path) -> bool:
+    """Truncate a fragmented MP4 (``VideoWriter``'s) after its last whole top-level box, a
+    fragment counting as whole with its ``mdat``: a write that failed halfway (a full disk)
+    leaves a torn last fragment, which a player or decoder stops at with an error, and a
+    frame count read from it would count frames it cannot show. Reads only the boxes'
+    headers. Returns whether it cut anything."""
+    size = path.stat().st_size
+    whole = position = 0
+    with open(path, "r+b") as file:
+        while position + 8 <= size:
+            file.seek(position)
+            header = file.read(16)
+            length, kind = int.from_bytes(header[:4], "big"), header[4:8]
+            if length == 1 and len(header) == 16:  # a 64-bit size follows the type
+                length = int.from_bytes(header[8:16], "big")
+            elif length == 0:  # the box runs to the end of the file
+                length = size - position
+            if length < 8 or position + length > size:
+                break
+            position += length
+            if kind != b"moof":  # a fragment's header is whole only with its data after it
+                whole = position
+        if whole < size:
+            file.truncate(whole)
+            return True
+    return False
+
+
 def video_span(path: Path) -> tuple[int, int] | None:
     """What the MP4 at ``path`` (one ``VideoWriter`` wrote) holds: ``(frames, last)``, its
     number of video frames and the last one's frame number counted from its first (its
@@ -710,6 +738,9 @@ class SinkStage(Stage[BatchDetections, None]):
         if first_part.exists():
             cut_parts[first_part] = (resumed_video_path(base, first_recorded), first_recorded)
         for part, (final, first) in cut_parts.items():
+            if cut_torn_fragment(part):
+                log.warning("a torn last fragment cut from a video part (its write failed "
+                            "halfway)", sink=self.name, path=str(part))
             span = video_span(part)
             if span is not None and span[0] == 0:
                 # killed before its first fragment: no frame to keep (records have them)

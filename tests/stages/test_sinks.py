@@ -591,6 +591,28 @@ def test_frame_ranges_text_and_video_part_checks() -> None:
             VideoPart(Path("cam.from-0.mp4"), *bad)
 
 
+def test_a_torn_last_fragment_is_cut_and_not_counted(tmp_path: Path) -> None:
+    """A full disk tore a part's last fragment: PyAV's decode loop then failed on it
+    (InvalidDataError) and the part's frames were counted with it (93 for 92 playable)."""
+    from stages.sinks import cut_torn_fragment
+
+    writer = VideoWriter(tmp_path / "cam.mp4", crf=23)
+    for part in parts(grey_frames(range(150)), 10):  # 25 fps: a fragment every 50 frames
+        writer.write(part)
+    writer.close(complete=True)
+    whole = (tmp_path / "cam.mp4").read_bytes()
+    assert not cut_torn_fragment(tmp_path / "cam.mp4")  # whole: untouched
+    assert (tmp_path / "cam.mp4").read_bytes() == whole
+    assert len(read_frames(tmp_path / "cam.mp4")) == 150
+    mdats = [i - 4 for i in range(len(whole)) if whole[i:i + 4] == b"mdat"]
+    torn = tmp_path / "torn.mp4"
+    torn.write_bytes(whole[:mdats[-1] + 100])  # the last fragment's data cut short
+    assert cut_torn_fragment(torn)
+    assert torn.read_bytes() == whole[:whole.rindex(b"moof") - 4]  # up to its header's start
+    span = video_span(torn)
+    assert span is not None and span[0] == len(read_frames(torn)) == 100  # each plays
+
+
 def test_video_span_counts_frames_and_reads_the_last_one_s_number_past_drops(
         tmp_path: Path) -> None:
     writer = VideoWriter(tmp_path / "cam.mp4", crf=23)
