@@ -70,7 +70,7 @@ class AnalyticsRegionConfig:
     polygon: list[list[float]] | None = field(
         default=None,
         metadata=_doc("zone: its corners [[x, y], ...] (at least 3, frame pixels, inside the "
-                      "frame)."))
+                      "frame), in order around it: its edges may not cross."))
     start: list[float] | None = field(
         default=None, metadata=_doc("line: its start point [x, y] (frame pixels)."))
     end: list[float] | None = field(
@@ -120,11 +120,23 @@ class AnalyticsRegionConfig:
                     or any(len(p) != 2 for p in self.polygon)):
                 raise ConfigError(f"{key}.polygon: zone {self.name!r} needs a polygon of at "
                                   f"least 3 [x, y] points, got {self.polygon!r}")
-            xs, ys = [p[0] for p in self.polygon], [p[1] for p in self.polygon]
-            doubled_area = sum(xs[i - 1] * ys[i] - xs[i] * ys[i - 1] for i in range(len(xs)))
-            if doubled_area == 0:
+            if not all(math.isfinite(v) for p in self.polygon for v in p):
+                return  # not a place in the frame: outside_frame names it
+            if _collinear(self.polygon):
                 raise ConfigError(f"{key}.polygon: zone {self.name!r} encloses no area (its "
                                   f"points lie on one line): {self.polygon!r}")
+            crossing = _crossing_edges(self.polygon)
+            if crossing is not None:
+                how, first, second = crossing
+                raise ConfigError(f"{key}.polygon: zone {self.name!r} has edges that {how} "
+                                  f"({_edge_text(self.polygon, first)} and "
+                                  f"{_edge_text(self.polygon, second)}); list its corners in "
+                                  "order around it")
+            xs, ys = [p[0] for p in self.polygon], [p[1] for p in self.polygon]
+            doubled_area = sum(xs[i - 1] * ys[i] - xs[i] * ys[i - 1] for i in range(len(xs)))
+            if doubled_area == 0:  # only by rounding: uncrossed edges off one line enclose area
+                raise ConfigError(f"{key}.polygon: zone {self.name!r} encloses no area: "
+                                  f"{self.polygon!r}")
             return
         if self.polygon is not None:
             raise ConfigError(f"{key}.polygon: a line has a start and an end, not a polygon "
@@ -145,11 +157,95 @@ class AnalyticsRegionConfig:
                      if not (0 <= p[0] <= width and 0 <= p[1] <= height)), None)
 
 
+def _orientation(a: list[float], b: list[float], c: list[float]) -> float:
+    """Twice the signed area of the triangle a, b, c: > 0 when c is left of a -> b (counter-
+    clockwise in y-up axes), < 0 right of it, 0 on its line."""
+    return (b[0] - a[0]) * (c[1] - a[1]) - (b[1] - a[1]) * (c[0] - a[0])
+
+
+def _collinear(points: list[list[float]]) -> bool:
+    """Whether all ``points`` lie on one line (or are one point)."""
+    other = next((p for p in points if p != points[0]), None)
+    return other is None or all(_orientation(points[0], other, p) == 0 for p in points)
+
+
+def _within(a: list[float], b: list[float], c: list[float]) -> bool:
+    """Whether ``c``, on the line of a -> b, lies on the segment a -> b (ends included)."""
+    return (min(a[0], b[0]) <= c[0] <= max(a[0], b[0])
+            and min(a[1], b[1]) <= c[1] <= max(a[1], b[1]))
+
+
+def _segments_meet(p: list[float], q: list[float], r: list[float], s: list[float]) -> str | None:
+    """How the segments p -> q and r -> s meet: "cross" (each passes through the other),
+    "overlap" (on one line, sharing more than a point), "touch" (sharing a point, an end of
+    one on the other), or None when they do not meet."""
+    d1, d2 = _orientation(r, s, p), _orientation(r, s, q)
+    d3, d4 = _orientation(p, q, r), _orientation(p, q, s)
+    if d1 * d2 < 0 and d3 * d4 < 0:
+        return "cross"
+    if d1 == d2 == d3 == d4 == 0:  # on one line: compare their spans along it
+        axis = 0 if p[0] != q[0] or r[0] != s[0] else 1
+        low = max(min(p[axis], q[axis]), min(r[axis], s[axis]))
+        high = min(max(p[axis], q[axis]), max(r[axis], s[axis]))
+        return "overlap" if low < high else "touch" if low == high else None
+    if ((d1 == 0 and _within(r, s, p)) or (d2 == 0 and _within(r, s, q))
+            or (d3 == 0 and _within(p, q, r)) or (d4 == 0 and _within(p, q, s))):
+        return "touch"
+    return None
+
+
+def _crossing_edges(points: list[list[float]]) -> tuple[str, int, int] | None:
+    """The first two edges of the closed polygon ``points`` (not all on one line) that meet
+    other than at the corner between them: (how, as ``_segments_meet``, edge, edge), an edge
+    ``i`` running from ``points[i]`` to the next corner; None for a simple polygon. A corner
+    repeated right after itself (an edge of zero length) is one corner. O(n^2): zones have
+    few corners."""
+    n = len(points)
+    edges = [i for i in range(n) if points[i] != points[(i + 1) % n]]
+    ends = [(points[i], points[(i + 1) % n]) for i in edges]
+    boxes = [(min(p[0], q[0]), min(p[1], q[1]), max(p[0], q[0]), max(p[1], q[1]))
+             for p, q in ends]
+    m = len(edges)
+    for a in range(m):
+        (p, q), box = ends[a], boxes[a]
+        for b in range(a + 1, m):
+            (r, s), other = ends[b], boxes[b]
+            if (box[0] > other[2] or other[0] > box[2] or box[1] > other[3]
+                    or other[1] > box[3]):
+                continue  # far apart
+            if b == a + 1 or (a == 0 and b == m - 1):
+                # Neighbours share a corner: they meet elsewhere only by doubling back on
+                # one line (the far end of one towards the other).
+                corner, far, other_far = (q, p, s) if b == a + 1 else (p, q, r)
+                if (_orientation(corner, far, other_far) == 0
+                        and ((far[0] - corner[0]) * (other_far[0] - corner[0])
+                             + (far[1] - corner[1]) * (other_far[1] - corner[1])) > 0):
+                    return "overlap", edges[a], edges[b]
+                continue
+            how = _segments_meet(p, q, r, s)
+            if how is not None:
+                return how, edges[a], edges[b]
+    return None
+
+
+def _number_text(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+def _edge_text(points: list[list[float]], index: int) -> str:
+    """Edge ``index`` of the polygon ``points`` as messages show it: ``edge 1 [0,150]->[640,272]``
+    (numbered from 1)."""
+    start, end = points[index], points[(index + 1) % len(points)]
+    return (f"edge {index + 1} [{_number_text(start[0])},{_number_text(start[1])}]->"
+            f"[{_number_text(end[0])},{_number_text(end[1])}]")
+
+
 @dataclass
 class SourceConfig:
     """One video source: a camera or a file."""
 
-    name: str = field(metadata=_doc("Unique name used in logs, metrics and output paths."))
+    name: str = field(metadata=_doc("Unique name used in logs, metrics and output paths "
+                                    "(letters, digits, '_', '-', '.'; not starting with '.')."))
     uri: str = field(metadata=_doc(
         "A video file path, or a stream URL with one of the schemes "
         + ", ".join(f"{scheme}://" for scheme in sorted(STREAM_SCHEMES))
@@ -1082,6 +1178,10 @@ def _check_semantics(config: PipelineConfig, base_dir: Path, added_key: str | No
             raise ConfigError(
                 f"{key}.name: expected letters, digits, '_', '-' or '.', got {source.name!r}"
             )
+        if source.name.startswith("."):
+            raise ConfigError(f"{key}.name: expected a name not starting with '.' (it goes "
+                              f"into file names: '.' and '..' are folders, '.x' a hidden "
+                              f"file), got {source.name!r}")
         if len(source.name) > MAX_NAME_LENGTH:
             raise ConfigError(f"{key}.name: expected at most {MAX_NAME_LENGTH} characters, got "
                               f"{len(source.name)} ({source.name[:20]}...)")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, describe_schema, load_config, parse_config
+from pipeline.config import ConfigError, check_config, describe_schema, load_config, parse_config
 
 
 @pytest.fixture()
@@ -102,6 +103,14 @@ BAD = [
     ("sources.0.reconnect_initial_s", 0, "reconnect_initial_s: expected a value >= 0.01, got 0"),
     ("sources.0.open_timeout_s", "10s", "sources[0].open_timeout_s: expected a number, got '10s'"),
     ("sources.0.name", "my cam", "sources[0].name: expected letters, digits"),
+    ("sources.0.name", "cam/1", "sources[0].name: expected letters, digits"),
+    # A name goes into file names: '..' wrote '...jsonl', '.' with "{source}/rec.jsonl" wrote
+    # into output.dir itself.
+    ("sources.0.name", "..", "sources[0].name: expected a name not starting with '.' (it goes "
+                             "into file names: '.' and '..' are folders, '.x' a hidden file), "
+                             "got '..'"),
+    ("sources.0.name", ".", "sources[0].name: expected a name not starting with '.'"),
+    ("sources.0.name", ".cam1", "sources[0].name: expected a name not starting with '.'"),
     ("sources.0.live", "yes", "sources[0].live: expected true or false or null, got 'yes'"),
     ("sources.0.loop", "yes", "sources[0].loop: expected true or false, got 'yes'"),
     ("sources.0.rtsp_transport", "http", "sources[0].rtsp_transport: expected one of 'tcp', 'udp'"),
@@ -177,6 +186,21 @@ def test_duplicate_source_names(files: Path) -> None:
     data["sources"].append({"name": "cam1", "uri": "clip.mp4"})
     with pytest.raises(ConfigError, match=r"sources\[1\].name: duplicate source name 'cam1'"):
         parse_config(data)
+
+
+@pytest.mark.parametrize("name", ["..", "."])
+def test_a_source_added_to_a_running_run_may_not_be_named_dot(files: Path, name: str) -> None:
+    """An added source (the HTTP API's POST /api/sources) is checked as the file's are: '..'
+    wrote '...jsonl', and '.' with output.jsonl "{source}/rec.jsonl" wrote into output.dir
+    itself."""
+    config = parse_config(with_value("output.jsonl", "{source}/rec.jsonl"))
+    added = dataclasses.replace(config.sources[0], name=name)
+    with pytest.raises(ConfigError) as info:
+        check_config(dataclasses.replace(config, sources=[*config.sources, added]),
+                     added_key="sources[7]")
+    assert str(info.value).startswith("sources[7].name: expected a name not starting with "
+                                      "'.' (it goes into file names")
+    assert str(info.value).endswith(f"got {name!r}")
 
 
 def test_several_sources_need_source_in_output_paths(files: Path) -> None:
@@ -338,7 +362,37 @@ BAD_REGIONS = [
      "sources[0].analytics[0].polygon: zone 'dock' needs a polygon of at least 3 [x, y] points, "
      "got [[0.0, 0.0], [10.0, 10.0]]"),
     ({**ZONE, "polygon": [[0, 0], [10, 10], [20, 20]]},
-     "sources[0].analytics[0].polygon: zone 'dock' encloses no area"),
+     "sources[0].analytics[0].polygon: zone 'dock' encloses no area (its points lie on one "
+     "line): [[0.0, 0.0], [10.0, 10.0], [20.0, 20.0]]"),
+    ({**ZONE, "polygon": [[5, 5], [5, 5], [5, 5]]},
+     "sources[0].analytics[0].polygon: zone 'dock' encloses no area (its points lie on one "
+     "line)"),
+    # A bow-tie (corners in the wrong order) encloses no net area, but its points are not on
+    # one line: its edges cross.
+    ({**ZONE, "polygon": [[0, 150], [640, 272], [640, 150], [0, 272]]},
+     "sources[0].analytics[0].polygon: zone 'dock' has edges that cross (edge 1 [0,150]->"
+     "[640,272] and edge 3 [640,150]->[0,272]); list its corners in order around it"),
+    # A lopsided one has area, and was accepted (counting far fewer events).
+    ({**ZONE, "polygon": [[0, 150], [640, 272], [640, 150], [0, 200]]},
+     "sources[0].analytics[0].polygon: zone 'dock' has edges that cross (edge 1 [0,150]->"
+     "[640,272] and edge 3 [640,150]->[0,200])"),
+    ({**ZONE, "polygon": [[0, 0], [100, 0], [100, 100], [50.5, 100], [50.5, -50], [0, -50]]},
+     "sources[0].analytics[0].polygon: zone 'dock' has edges that cross "
+     "(edge 1 [0,0]->[100,0] and edge 4 [50.5,100]->[50.5,-50])"),
+    # An edge doubling back over the one before it, edges over each other on one line, a
+    # corner on another edge, a corner listed twice (a figure of eight).
+    ({**ZONE, "polygon": [[0, 0], [100, 0], [50, 0], [50, 50]]},
+     "sources[0].analytics[0].polygon: zone 'dock' has edges that overlap "
+     "(edge 1 [0,0]->[100,0] and edge 2 [100,0]->[50,0])"),
+    ({**ZONE, "polygon": [[20, 0], [80, 0], [50, -50], [100, 0], [0, 0]]},
+     "sources[0].analytics[0].polygon: zone 'dock' has edges that overlap "
+     "(edge 1 [20,0]->[80,0] and edge 4 [100,0]->[0,0])"),
+    ({**ZONE, "polygon": [[0, 0], [100, 0], [100, 100], [50, 0], [0, 100]]},
+     "sources[0].analytics[0].polygon: zone 'dock' has edges that touch "
+     "(edge 1 [0,0]->[100,0] and edge 3 [100,100]->[50,0])"),
+    ({**ZONE, "polygon": [[0, 0], [50, 50], [100, 0], [100, 100], [50, 50], [0, 100]]},
+     "sources[0].analytics[0].polygon: zone 'dock' has edges that touch "
+     "(edge 1 [0,0]->[50,50] and edge 4 [100,100]->[50,50])"),
     ({**ZONE, "polygon": None}, "sources[0].analytics[0].polygon: zone 'dock' needs a polygon"),
     ({**ZONE, "start": [0, 0]}, "sources[0].analytics[0].start: a zone has a polygon, not a start"),
     ({**LINE, "end": [0, 50]},
@@ -432,6 +486,20 @@ def test_bad_webhooks_are_one_line_errors_naming_the_key(files: Path, webhooks: 
         parse_config(with_analytics(LINE, webhooks=webhooks))
     assert str(info.value).startswith(message)
     assert "\n" not in str(info.value) and "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize("polygon", [
+    [[0, 150], [640, 150], [640, 272], [0, 272]],  # the README's kerb
+    [[0, 272], [640, 272], [640, 150], [0, 150]],  # the other way round
+    [[0, 0], [100, 0], [100, 80], [0, 0]],  # the first corner repeated at the end
+    [[0, 0], [100, 0], [100, 0], [100, 80]],  # a corner repeated
+    [[0, 0], [50, 0], [100, 0], [100, 80]],  # a corner on the straight between two
+    [[0, 0], [100, 0], [100, 100], [50, 10], [0, 100]],  # concave
+    [[0.5, 0.25], [99.5, 0.25], [50, 79.75]],
+])
+def test_zones_whose_edges_do_not_cross_are_accepted(files: Path, polygon: list) -> None:
+    zone = parse_config(with_analytics({**ZONE, "polygon": polygon})).sources[0].analytics[0]
+    assert zone.polygon == polygon
 
 
 def test_analytics_need_a_tracker_and_unique_names(files: Path) -> None:
