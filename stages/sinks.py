@@ -739,8 +739,8 @@ class SinkStage(Stage[BatchDetections, None]):
             cut_parts[first_part] = (resumed_video_path(base, first_recorded), first_recorded)
         for part, (final, first) in cut_parts.items():
             if cut_torn_fragment(part):
-                log.warning("a torn last fragment cut from a video part (its write failed "
-                            "halfway)", sink=self.name, path=str(part))
+                log.warning("a torn last fragment cut from a video part (written halfway: "
+                            "a killed run, or a full disk)", sink=self.name, path=str(part))
             span = video_span(part)
             if span is not None and span[0] == 0:
                 # killed before its first fragment: no frame to keep (records have them)
