@@ -207,16 +207,14 @@ class TrackerStage(Stage[BatchDetections, BatchDetections]):
 
     Args:
         name: stage name.
-        settings: source name -> its settings, for the sources with a tracker.
-        first_ids: source name -> the id its first track gets (a source resumed after its
-            records: one past their largest id); 0 for a source not named.
+        settings: source name -> its settings, for the sources with a tracker (their tracks
+            numbered from 0; ``add_source`` gives another first id).
     """
 
-    def __init__(self, name: str, settings: dict[str, TrackerSettings],
-                 first_ids: dict[str, int] | None = None) -> None:
+    def __init__(self, name: str, settings: dict[str, TrackerSettings]) -> None:
         super().__init__(name)
         self.settings = settings
-        self.first_ids = dict(first_ids or {})
+        self.first_ids: dict[str, int] = {}  # source -> the id its first track gets
         self._trackers: dict[str, SourceTracker] = {}
 
     def open(self) -> None:

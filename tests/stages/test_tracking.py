@@ -161,7 +161,8 @@ def test_a_resumed_source_numbers_its_tracks_on_from_its_first_id(class_aware: b
     stage.end_of_stream(EndOfStream("a", 12))
     stage.add_source("a", settings)  # the name used again, not resumed: from 0
     assert [ids.tolist() for *_, ids in run(stage, rows)] == fresh
-    both = TrackerStage("track", {"a": settings, "b": settings}, first_ids={"a": 27})
+    both = TrackerStage("track", {"b": settings})
+    both.add_source("a", settings, first_id=27)
     mixed = [row for pair in zip(rows, [("b", *rest) for _, *rest in rows]) for row in pair]
     frames = run(both, mixed)
     assert [ids.tolist() for s, *_, ids in frames if s == "a"] == shifted
