@@ -285,9 +285,9 @@ def build_engine(config: PipelineConfig) -> int:
             calibration_video=inference.calibration_video or first_file_source(config),
             calibration_method=inference.calibration_method,
             calibration_frames=inference.calibration_frames)
-    except ImportError as error:
+    except ImportError as error:  # what this machine lacks, as a run's missing backend
         print(f"error: TensorRT is not installed ({error})", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_USAGE
     except (EngineBuildError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_FAILED

@@ -99,3 +99,23 @@ def test_the_lock_s_holder_is_read_from_proc_locks(tmp_path: Path) -> None:
     locks.write_text("2: FLOCK  ADVISORY  WRITE 4321 00:00:1 0 EOF\n")
     assert lock_holder(tmp_path, str(locks)) is None
     assert lock_holder(tmp_path, str(tmp_path / "absent")) is None
+
+
+def test_build_engine_without_tensorrt_is_a_usage_error(samples, tmp_path: Path, capsys,
+                                                        monkeypatch) -> None:
+    """Exit 2 and one line, as a run whose backend this machine lacks (it was exit 1). No
+    TensorRT flavour is looked for under these names (one may be installed here)."""
+    import functools
+
+    import yaml
+
+    from stages.backends import tensorrt
+
+    monkeypatch.setattr(tensorrt, "import_tensorrt", functools.partial(
+        tensorrt.import_tensorrt, ("tensorrt_absent_a", "tensorrt_absent_b")))
+    config = {"sources": [{"name": "bikes", "uri": str(samples.bikes)}],
+              "model": {"path": str(samples.model), "class_names": str(samples.names)},
+              "output": {"dir": str(tmp_path / "out")}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    assert main(["build-engine", "--config", str(tmp_path / "c.yaml")]) == 2
+    assert capsys.readouterr().err.startswith("error: TensorRT is not installed (")
