@@ -292,6 +292,7 @@ class Pipeline:
         import structlog
 
         from pipeline.app.build import model_setup
+        from pipeline.app.output_lock import lock_outputs
         from pipeline.app.run import make_executor, prepare
         from pipeline.app.supervisor import Supervisor
         from pipeline.logging import configure_logging
@@ -302,15 +303,21 @@ class Pipeline:
         with self._lock:
             if self._supervisor is not None:
                 raise RuntimeError("a Pipeline runs once; make a new one to run again")
-            resume = prepare(self.config)
-            per_batch = per_batch or self._on_batch is not None
-            if per_batch and any(source.analytics for source in self.config.sources):
-                model = model_setup(self.config)
-                self._tally = CountsTally(self.config, model.class_names,
-                                          model.info.num_classes)
-            executor = make_executor(self.config,
-                                     on_batch_done=self._batch_done if per_batch else None,
-                                     frames=self.frames if per_batch else None)
+            # its output folders held for the run, as run.py holds them (output_lock)
+            self._output_lock = lock_outputs(self.config)
+            try:
+                resume = prepare(self.config)
+                per_batch = per_batch or self._on_batch is not None
+                if per_batch and any(source.analytics for source in self.config.sources):
+                    model = model_setup(self.config)
+                    self._tally = CountsTally(self.config, model.class_names,
+                                              model.info.num_classes)
+                executor = make_executor(self.config,
+                                         on_batch_done=self._batch_done if per_batch else None,
+                                         frames=self.frames if per_batch else None)
+            except BaseException:
+                self._output_lock.release()
+                raise
             self._supervisor = Supervisor(self.config, executor,
                                           self.config.runtime.max_restarts, resume=resume)
             return self._supervisor
@@ -318,7 +325,10 @@ class Pipeline:
     def _run(self, supervisor: Any) -> None:
         from pipeline.graph import PipelineError
 
-        self._results = supervisor.run()
+        try:
+            self._results = supervisor.run()
+        finally:
+            self._output_lock.release()
         if supervisor.failure is not None:
             raise PipelineError(supervisor.failure[0])
 

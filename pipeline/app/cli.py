@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
-import os
 import signal
 import sys
 import tempfile
@@ -19,6 +17,7 @@ from pathlib import Path
 
 import structlog
 
+from pipeline.app.output_lock import lock_outputs
 from pipeline.app.run import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, run
 from pipeline.config import ConfigError, PipelineConfig, describe_schema, load_config
 from pipeline.logging import configure_logging
@@ -133,18 +132,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         if args.command == "run":
             made = make_output_dir(Path(config.output.dir))
-            lock = lock_output_dir(Path(config.output.dir))
+            lock = lock_outputs(config)  # before any .partial file is looked at
+            made = lock.made + made
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
-        for folder in made:
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+        remove_made(made)
         return EXIT_USAGE
     try:
         return run_command(args, config, made)
     finally:
         if lock is not None:
-            os.close(lock)
+            lock.release()
+
+
+def remove_made(folders: list[Path]) -> None:
+    """Remove the folders a refused run made (the deepest first); one holding something
+    stays."""
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def run_command(args: argparse.Namespace, config: PipelineConfig, made: list[Path]) -> int:
@@ -158,9 +164,7 @@ def run_command(args: argparse.Namespace, config: PipelineConfig, made: list[Pat
         return one_line_errors(lambda: build_engine(config))
     status = one_line_errors(lambda: run(config, args.ray, restart=args.restart))
     if status == EXIT_USAGE:  # refused before it began (a model that is not one): as made
-        for folder in made:  # the deepest first; one holding something stays
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+        remove_made(made)
     return status
 
 
@@ -181,46 +185,6 @@ def make_output_dir(folder: Path) -> list[Path]:
         raise ConfigError(f"output.dir: cannot create or write in {str(folder)!r}: "
                           f"{error.strerror or error}") from None
     return made
-
-
-def lock_output_dir(folder: Path) -> int:
-    """Take ``output.dir`` for this run: an exclusive ``flock`` on the folder itself (no file
-    is added to it), held until the run's process ends (its workers inherit it). A second run
-    into the same folder would take the first's ``.partial`` files, still being written, for
-    files cut short and resume them: records twice, lines torn (a new user's two terminals).
-
-    Returns:
-        the open descriptor holding the lock (closing it frees the folder).
-
-    Raises:
-        ConfigError: another run holds it (named by its pid when ``/proc/locks`` gives it).
-    """
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(descriptor)
-        holder = lock_holder(folder)
-        by = "another run" if holder is None else f"another run (pid {holder})"
-        raise ConfigError(f"output.dir: {str(folder)!r} is in use by {by}: wait for it to "
-                          "end, or give this run another output.dir") from None
-    return descriptor
-
-
-def lock_holder(folder: Path, locks: str = "/proc/locks") -> int | None:
-    """The pid ``locks`` (Linux's ``/proc/locks``) names as holding a ``flock`` on ``folder``,
-    or None (not Linux, or not found)."""
-    try:
-        stat = folder.stat()
-        text = Path(locks).read_text()
-    except OSError:
-        return None
-    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
-    for line in text.splitlines():
-        fields = line.split()  # "1: FLOCK ADVISORY WRITE 1234 00:2f:5678 0 EOF"
-        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device:
-            return int(fields[4]) if fields[4].isdigit() else None
-    return None
 
 
 def one_line_errors(command: Callable[[], int]) -> int:

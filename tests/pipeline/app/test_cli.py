@@ -53,54 +53,6 @@ def test_a_run_refused_before_it_begins_leaves_no_output_folder(samples, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
-def test_a_second_run_into_an_output_folder_in_use_is_refused(samples, tmp_path: Path,
-                                                              monkeypatch, capsys) -> None:
-    """Two runs into one folder (a new user's two terminals): the second took the first's
-    .partial files, still being written, for files cut short and resumed them (frames twice,
-    a torn line). Now the folder is locked (flock on it: no file is added) for a run's life."""
-    import os
-
-    import yaml
-
-    from pipeline.app.cli import lock_output_dir
-
-    monkeypatch.chdir(tmp_path)
-    config = {"sources": [{"name": "bikes", "uri": str(samples.bikes)}],
-              "model": {"path": str(samples.model), "class_names": str(samples.names)},
-              "output": {"dir": "out"}}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
-    (tmp_path / "out").mkdir()
-    held = lock_output_dir(tmp_path / "out")  # the first run (a lock is per open descriptor)
-    try:
-        assert main(["--config", "c.yaml"]) == 2
-        error = capsys.readouterr().err.strip()
-        by = f"another run (pid {os.getpid()})" if Path("/proc/locks").exists() else "another run"
-        assert error == (f"error: output.dir: 'out' is in use by {by}: "
-                         "wait for it to end, or give this run another output.dir")
-        assert list((tmp_path / "out").iterdir()) == []  # nothing of the refused run
-    finally:
-        os.close(held)
-    monkeypatch.setattr("pipeline.app.cli.run", lambda *args, **kwargs: 0)
-    assert main(["--config", "c.yaml"]) == 0  # free again once the first has ended
-    os.close(lock_output_dir(tmp_path / "out"))  # and this one's run let it go
-
-
-def test_the_lock_s_holder_is_read_from_proc_locks(tmp_path: Path) -> None:
-    import os
-
-    from pipeline.app.cli import lock_holder
-
-    stat = tmp_path.stat()
-    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
-    locks = tmp_path / "locks"
-    locks.write_text(f"1: POSIX  ADVISORY  WRITE 11 {device} 0 EOF\n"
-                     f"2: FLOCK  ADVISORY  WRITE 4321 {device} 0 EOF\n")
-    assert lock_holder(tmp_path, str(locks)) == 4321
-    locks.write_text("2: FLOCK  ADVISORY  WRITE 4321 00:00:1 0 EOF\n")
-    assert lock_holder(tmp_path, str(locks)) is None
-    assert lock_holder(tmp_path, str(tmp_path / "absent")) is None
-
-
 def test_build_engine_without_tensorrt_is_a_usage_error(samples, tmp_path: Path, capsys,
                                                         monkeypatch) -> None:
     """Exit 2 and one line, as a run whose backend this machine lacks (it was exit 1). No
