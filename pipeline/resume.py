@@ -39,13 +39,14 @@ ORIGIN_ATTRIBUTE = "user.streamdet.origin"
 
 
 def file_origin(uri: str) -> dict[str, object] | None:
-    """A file source's identity: {"path": absolute path, "size": bytes, "mtime_ns": its
-    modification time}, or None when it cannot be read (a stream URL: not a file)."""
+    """A file source's identity: {"path": its absolute path with symlinks resolved, "size":
+    bytes, "mtime_ns": its modification time}, or None when it cannot be read (a stream URL:
+    not a file)."""
     try:
         stat = os.stat(uri)
     except (OSError, ValueError):
         return None
-    return {"path": os.path.abspath(uri), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return {"path": os.path.realpath(uri), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
 def stamp_origin(path: Path, origin: dict[str, object]) -> bool:
@@ -81,17 +82,20 @@ def check_origin(source: SourceConfig, jsonl_path: Path, resume_at: int) -> None
     stamped, now = read_origin(partial), file_origin(source.uri)
     if stamped is None or now is None or stamped == now:
         return
-    raise ValueError(f"{str(partial)!r} holds records up to frame {resume_at - 1} of "
-                     f"{_describe(stamped)}, not of {source.name}'s uri now, "
-                     f"{_describe(now)}: give that file again")
+    held = f"{str(partial)!r} holds records up to frame {resume_at - 1} of"
+    if stamped.get("path") == now["path"]:
+        raise ValueError(f"{held} {str(now['path'])!r} as it was then ({_describe(stamped)}), "
+                         f"and it has changed since ({_describe(now)})")
+    raise ValueError(f"{held} {str(stamped.get('path'))!r} ({_describe(stamped)}), not of "
+                     f"{source.name}'s uri now, {str(now['path'])!r} ({_describe(now)}): "
+                     "give that file again")
 
 
 def _describe(origin: dict[str, object]) -> str:
     import datetime
 
     when = datetime.datetime.fromtimestamp(int(origin.get("mtime_ns", 0)) / 1e9)
-    return (f"{str(origin.get('path'))!r} ({int(origin.get('size', 0)):,} bytes, modified "
-            f"{when:%Y-%m-%d %H:%M:%S})")
+    return f"{int(origin.get('size', 0)):,} bytes, modified {when:%Y-%m-%d %H:%M:%S}"
 
 
 def cut_torn_line(path: Path) -> bytes | None:

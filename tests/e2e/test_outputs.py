@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from pipeline.app.build import build_graph
-from pipeline.config import parse_config
+from pipeline.config import ConfigError, parse_config
 from tests.e2e.conftest import pipeline_config, records
 from tests.support import free_port, read_frames
 from tests.support.harness import wait_for
@@ -151,11 +151,23 @@ def test_records_of_another_file_are_not_resumed(samples, repo_root: Path,
     assert done.returncode == 2, done.stderr
     error = done.stderr.strip().splitlines()[-1]
     assert error.startswith(f"error: output.jsonl: {str(partial)!r} holds records up to frame "
-                            f"93 of {str(tmp_path / 'clip.mp4')!r} (")
-    assert f"not of bikes's uri now, {str(samples.carphone)!r}" in error
+                            f"93 of {os.path.realpath(tmp_path / 'clip.mp4')!r} (")
+    assert f"not of bikes's uri now, {os.path.realpath(samples.carphone)!r}" in error
     assert error.endswith("give that file again; run with --restart to start over")
     assert len(partial.read_text().splitlines()) == 94  # untouched
     assert os.getxattr(partial, ORIGIN_ATTRIBUTE)
+
+    # The same file through a symlink resumes; the same file changed since does not.
+    (tmp_path / "link.mp4").symlink_to(tmp_path / "clip.mp4")
+    assert prepare_cut(bikes(samples, tmp_path, tmp_path / "link.mp4")) == ("bikes",)
+    stat = (tmp_path / "clip.mp4").stat()
+    os.utime(tmp_path / "clip.mp4", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(ConfigError) as info:
+        prepare_cut(bikes(samples, tmp_path, tmp_path / "clip.mp4"))
+    assert str(info.value).startswith(
+        f"output.jsonl: {str(partial)!r} holds records up to frame 93 of "
+        f"{os.path.realpath(tmp_path / 'clip.mp4')!r} as it was then (")
+    assert "and it has changed since (" in str(info.value)
 
 
 def prepare_cut(config: dict) -> tuple[str, ...]:
