@@ -191,7 +191,8 @@ class PipelineHost:
     # -- commands --------------------------------------------------------------------------
     def start(self) -> None:
         """Build the graph and run it on a thread of its own (returns at once)."""
-        self._thread = threading.Thread(target=self._run, name=f"host:{self.name}", daemon=True)
+        self._thread = threading.Thread(target=self._run_or_fail, name=f"host:{self.name}",
+                                        daemon=True)
         self._thread.start()
 
     def add(self, request: SourceRequest) -> None:
@@ -310,6 +311,18 @@ class PipelineHost:
                           finished=finished, metrics=families, view=view_report)
 
     # -- internals -------------------------------------------------------------------------
+    def _run_or_fail(self) -> None:
+        """``_run``, and a failure of the host when it raises before the graph's run returned
+        (an import that fails, say): the supervisor is told, instead of waiting for ever."""
+        try:
+            self._run()
+        except BaseException as error:  # noqa: BLE001 - the thread's end, reported
+            if not self._finished.is_set():
+                self._fail(f"failed to start: {type(error).__name__}: {error}", usage=False)
+            else:
+                log.error("host thread failed after its run", host=self.name,
+                          error=f"{type(error).__name__}: {error}")
+
     def _run(self) -> None:
         from pipeline.app.build import build_graph
         from pipeline.app.prometheus import GraphCollector, LatencyHistogram

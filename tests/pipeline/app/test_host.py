@@ -40,3 +40,21 @@ def test_finished_is_reported_only_with_the_last_source_s_end(samples, monkeypat
     second = host.poll()
     assert [ended.name for ended in second.ended] == ["cam"] and second.finished
     assert host.finished
+
+
+def test_a_host_whose_thread_fails_before_its_graph_is_built_reports_a_failure(
+        samples, monkeypatch) -> None:
+    """A module that failed to import in the host's thread (a new user's stray /tmp/http.py
+    shadowed the standard library) ended the thread silently, and Pipeline.run() waited for
+    ever: the host now reports the failure, and finished."""
+    import sys
+
+    config = parse_config({"sources": [{"name": "cam", "uri": str(samples.bikes)}]})
+    monkeypatch.setitem(sys.modules, "pipeline.app.prometheus", None)  # its import fails
+    host = PipelineHost(config, "worker0", 1)
+    host.start()
+    host.join(10)
+    report = host.poll()
+    assert report.finished and report.failure is not None
+    assert report.failure.startswith("failed to start: ModuleNotFoundError: import of "
+                                     "pipeline.app.prometheus halted")
