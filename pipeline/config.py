@@ -122,21 +122,7 @@ class AnalyticsRegionConfig:
                                   f"least 3 [x, y] points, got {self.polygon!r}")
             if not all(math.isfinite(v) for p in self.polygon for v in p):
                 return  # not a place in the frame: outside_frame names it
-            if _collinear(self.polygon):
-                raise ConfigError(f"{key}.polygon: zone {self.name!r} encloses no area (its "
-                                  f"points lie on one line): {self.polygon!r}")
-            crossing = _crossing_edges(self.polygon)
-            if crossing is not None:
-                how, first, second = crossing
-                raise ConfigError(f"{key}.polygon: zone {self.name!r} has edges that {how} "
-                                  f"({_edge_text(self.polygon, first)} and "
-                                  f"{_edge_text(self.polygon, second)}); list its corners in "
-                                  "order around it")
-            xs, ys = [p[0] for p in self.polygon], [p[1] for p in self.polygon]
-            doubled_area = sum(xs[i - 1] * ys[i] - xs[i] * ys[i - 1] for i in range(len(xs)))
-            if doubled_area == 0:  # only by rounding: uncrossed edges off one line enclose area
-                raise ConfigError(f"{key}.polygon: zone {self.name!r} encloses no area: "
-                                  f"{self.polygon!r}")
+            check_polygon(f"{key}.polygon", f"zone {self.name!r}", self.polygon)
             return
         if self.polygon is not None:
             raise ConfigError(f"{key}.polygon: a line has a start and an end, not a polygon "
@@ -155,6 +141,24 @@ class AnalyticsRegionConfig:
         0..width, y in 0..height), or None when all are inside."""
         return next((p for p in self.points
                      if not (0 <= p[0] <= width and 0 <= p[1] <= height)), None)
+
+
+def check_polygon(key: str, what: str, polygon: list[list[float]]) -> None:
+    """Raise ``ConfigError`` (one line, ``key``: ``what`` ...) unless ``polygon`` (at least 3
+    finite [x, y] points) encloses an area with edges that do not cross, overlap or touch."""
+    if _collinear(polygon):
+        raise ConfigError(f"{key}: {what} encloses no area (its points lie on one line): "
+                          f"{polygon!r}")
+    crossing = _crossing_edges(polygon)
+    if crossing is not None:
+        how, first, second = crossing
+        raise ConfigError(f"{key}: {what} has edges that {how} ({_edge_text(polygon, first)} "
+                          f"and {_edge_text(polygon, second)}); list its corners in order "
+                          "around it")
+    xs, ys = [p[0] for p in polygon], [p[1] for p in polygon]
+    doubled_area = sum(xs[i - 1] * ys[i] - xs[i] * ys[i - 1] for i in range(len(xs)))
+    if doubled_area == 0:  # only by rounding: uncrossed edges off one line enclose area
+        raise ConfigError(f"{key}: {what} encloses no area: {polygon!r}")
 
 
 def _orientation(a: list[float], b: list[float], c: list[float]) -> float:
@@ -321,7 +325,8 @@ class SourceConfig:
     roi: list[list[float]] | None = field(
         default=None,
         metadata=_doc("Region of interest: a polygon [[x, y], ...] (at least 3 points, frame "
-                      "pixels); a detection whose bottom-centre point lies outside is dropped. "
+                      "pixels, in order around it: its edges may not cross); a detection whose "
+                      "bottom-centre point lies outside is dropped. "
                       "null: the whole frame."),
     )
     detect_every: int = field(
@@ -392,9 +397,12 @@ class SourceConfig:
             key: where the source sits in the config (``sources[0]``), for the message.
             base_dir: folder a relative file path is resolved against.
         """
-        if self.roi is not None and (len(self.roi) < 3 or any(len(p) != 2 for p in self.roi)):
-            raise ConfigError(f"{key}.roi: expected a polygon of at least 3 [x, y] points, got "
-                              f"{self.roi!r}")
+        if self.roi is not None:
+            if (len(self.roi) < 3 or any(len(p) != 2 for p in self.roi)
+                    or not all(math.isfinite(v) for p in self.roi for v in p)):
+                raise ConfigError(f"{key}.roi: expected a polygon of at least 3 [x, y] points, "
+                                  f"got {self.roi!r}")
+            check_polygon(f"{key}.roi", "the region of interest", self.roi)
         if self.detect_fps is not None and self.detect_every != 1:
             raise ConfigError(f"{key}.detect_fps: set detect_every or detect_fps, not both (got "
                               f"detect_every {self.detect_every}, detect_fps {self.detect_fps})")

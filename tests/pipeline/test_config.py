@@ -600,3 +600,24 @@ def test_event_media_needs_the_events_file_that_names_it(files: Path) -> None:
         parse_config(data)
     data["output"]["events"] = "{source}.events.jsonl"
     assert parse_config(data).output.event_media.queue_size == 128
+
+
+@pytest.mark.parametrize(("roi", "message"), [
+    ([[0, 150], [640, 272], [640, 150], [0, 272]],
+     "sources[0].roi: the region of interest has edges that cross (edge 1 [0,150]->[640,272] "
+     "and edge 3 [640,150]->[0,272]); list its corners in order around it"),
+    ([[0, 0], [10, 10], [20, 20]],
+     "sources[0].roi: the region of interest encloses no area (its points lie on one line): "
+     "[[0.0, 0.0], [10.0, 10.0], [20.0, 20.0]]"),
+    ([[0, 0], [10, 0]], "sources[0].roi: expected a polygon of at least 3 [x, y] points, got "
+                        "[[0.0, 0.0], [10.0, 0.0]]"),
+])
+def test_a_region_of_interest_is_checked_as_a_zone_is(files: Path, roi, message) -> None:
+    """A new user's bow-tie roi ran without a word (zones were refused the same shape)."""
+    config = base()
+    config["sources"][0]["roi"] = roi
+    with pytest.raises(ConfigError) as info:
+        parse_config(config)
+    assert str(info.value) == message
+    config["sources"][0]["roi"] = [[0, 150], [640, 150], [640, 272], [0, 272]]
+    assert parse_config(config).sources[0].roi == [[0, 150], [640, 150], [640, 272], [0, 272]]
