@@ -73,7 +73,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                           help="seconds after every camera delivered before the window "
                                "(default 10)")
     capacity.add_argument("--seconds", type=float, help="the measured window (default 30)")
-    capacity.add_argument("--out", type=Path,
+    capacity.add_argument("--out", type=str,
                           help="folder for each run's config and log, results.md and "
                                "results.json (default: a new temporary folder, named under "
                                "the table)")
@@ -214,8 +214,13 @@ def capacity(args: argparse.Namespace) -> int:
         print("error: capacity: --ray and --restart are options of run, not of capacity",
               file=sys.stderr)
         return EXIT_USAGE
+    if args.out == "":  # ``--out "$OUT"`` with OUT unset: not the current folder
+        print("error: --out: an empty path (give a folder, or leave --out out for a new "
+              "temporary folder)", file=sys.stderr)
+        return EXIT_USAGE
     options = Options(Path(args.config), args.clip, list(args.overrides), args.fps,
-                      decoders=args.decoders, ceilings=not args.no_ceilings, out=args.out,
+                      decoders=args.decoders, ceilings=not args.no_ceilings,
+                      out=None if args.out is None else Path(args.out),
                       unpaced=args.unpaced, http=args.http)
     for name in ("budget_s", "warmup_s", "seconds"):
         if getattr(args, name) is not None:

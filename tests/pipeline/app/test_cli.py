@@ -71,3 +71,15 @@ def test_build_engine_without_tensorrt_is_a_usage_error(samples, tmp_path: Path,
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     assert main(["build-engine", "--config", str(tmp_path / "c.yaml")]) == 2
     assert capsys.readouterr().err.startswith("error: TensorRT is not installed (")
+
+
+def test_capacity_s_empty_out_is_refused_not_taken_for_the_current_folder(
+        samples, tmp_path: Path, monkeypatch, capsys) -> None:
+    """``--out "$OUT"`` with OUT unset wrote results.md and a folder per count into the
+    current folder (a new user's repository root)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["capacity", "--config", "c.yaml", "--clip", str(samples.bikes),
+                 "--out", ""]) == 2
+    assert capsys.readouterr().err == ("error: --out: an empty path (give a folder, or leave "
+                                       "--out out for a new temporary folder)\n")
+    assert list(tmp_path.iterdir()) == []
