@@ -451,9 +451,12 @@ class JsonlWriter:
         records = frame_records(item, self.class_names, self.tracked)
         if not records:
             return
-        self._file.write("".join(json.dumps(record, separators=(",", ":")) + "\n"
-                                 for record in records))
-        self._file.flush()
+        try:
+            self._file.write("".join(json.dumps(record, separators=(",", ":")) + "\n"
+                                     for record in records))
+            self._file.flush()
+        except OSError as error:  # a full disk, say: the message names the file
+            raise OSError(error.errno, error.strerror, self._file.name) from None
         self.frames += len(records)
         self.last_frame = records[-1]["frame"]
 
@@ -785,8 +788,8 @@ class SinkStage(Stage[BatchDetections, None]):
         text = f"the video of this resumed source is in parts ({names})"
         if missing:
             text += (f"; frames {frame_ranges_text(missing)} have records but no video (a "
-                     f"killed run's video loses its last fragment, up to {FRAGMENT_S:g} s, and "
-                     "the frames its encoder held)")
+                     f"killed or failed run's video loses its last fragment, up to "
+                     f"{FRAGMENT_S:g} s, and the frames its encoder held)")
         if older is not None:
             text += (f"; {base.name} is an earlier run's video, which does not match these "
                      f"records: moved to {older.name}"

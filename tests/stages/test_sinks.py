@@ -624,3 +624,13 @@ def test_video_span_counts_frames_and_reads_the_last_one_s_number_past_drops(
     assert video_span(tmp_path / "empty.mp4") == (0, -1)
     (tmp_path / "junk.mp4").write_bytes(b"not an mp4 at all" * 100)
     assert video_span(tmp_path / "junk.mp4") is None  # kept, not judged
+
+
+def test_a_records_write_that_fails_names_its_file(tmp_path: Path) -> None:
+    """A full disk said only 'OSError: [Errno 28] No space left on device' (which file?)."""
+    writer = JsonlWriter(tmp_path / "cam.jsonl", None)
+    writer._file.close()
+    writer._file = open("/dev/full", "w")  # every write fails: no space left
+    with pytest.raises(OSError) as info:
+        writer.write(parts(grey_frames(range(2)), 2)[0])
+    assert str(info.value) == "[Errno 28] No space left on device: '/dev/full'"
