@@ -1043,6 +1043,12 @@ OUTPUT_KEYS = ("video", "jsonl", "events")
 
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
+# warned for a file read live without pace_fps (``pipeline.app.run.warn_unpaced_files``, and
+# as such a source is added while the run goes on)
+UNPACED_FILES = ("a live file without pace_fps is read as fast as it decodes and drops the "
+                 "frames the pipeline is too slow to take: set pace_fps to the file's frame "
+                 "rate to play it as a camera, or drop live: true (and loop: true) to keep "
+                 "every frame")
 MAX_NAME_LENGTH = 100  # a source's name goes into file names (with a suffix: under 255 bytes)
 
 

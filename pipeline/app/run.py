@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from pipeline.config import ConfigError, PipelineConfig, is_stream_url
+from pipeline.config import UNPACED_FILES, ConfigError, PipelineConfig, is_stream_url
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -63,12 +63,6 @@ def prepare(config: PipelineConfig, restart: bool = False) -> tuple[str, ...]:
         return tuple(cut_files(config))
     except ValueError as error:
         raise ConfigError(f"output.jsonl: {error}; run with --restart to start over") from None
-
-
-UNPACED_FILES = ("a live file without pace_fps is read as fast as it decodes and drops the "
-                 "frames the pipeline is too slow to take: set pace_fps to the file's frame "
-                 "rate to play it as a camera, or drop live: true (and loop: true) to keep "
-                 "every frame")
 
 
 def warn_unpaced_files(config: PipelineConfig) -> None:

@@ -60,7 +60,15 @@ import structlog
 from pipeline.app.host import HostReport, PipelineHost, Reply, SourceEnded, SourceRequest, host_main
 from pipeline.app.placement import SourceLoad, rebalance, source_loads
 from pipeline.app.workers import exit_text
-from pipeline.config import ConfigError, PipelineConfig, SourceConfig, build_section, check_config
+from pipeline.config import (
+    UNPACED_FILES,
+    ConfigError,
+    PipelineConfig,
+    SourceConfig,
+    build_section,
+    check_config,
+    is_stream_url,
+)
 from pipeline.graph import SourceConflict
 
 log = structlog.get_logger("supervisor")
@@ -296,6 +304,9 @@ class Supervisor:
                       if name != source.name and name not in self.results]
             check_config(dataclasses.replace(self.config, sources=[*others, source]),
                          added_key=key)
+        if source.is_live and not source.pace_fps and not is_stream_url(source.uri):
+            # as the run's own sources are at its start (``run.warn_unpaced_files``)
+            log.warning(UNPACED_FILES, source=source.name, key=f"{key}.pace_fps")
         load = load or probe_load(source)  # outside the lock: it may open the file
         with self._lock:
             live = self._placeable_hosts()

@@ -356,7 +356,8 @@ def test_every_host_dead_for_good_fails_the_remaining_sources(config):
     assert set(results) == set("abcd") and all("every pipeline died" in e for e in results.values())
 
 
-def test_removing_a_source_cuts_only_it_and_an_added_one_goes_to_the_least_loaded(config):
+def test_removing_a_source_cuts_only_it_and_an_added_one_goes_to_the_least_loaded(config,
+                                                                                   samples):
     executor = ScriptedExecutor(2)
     supervisor, thread, results = start(config, executor)
     wait_for(lambda: len(executor.running) == 4, "four sources started")
@@ -377,12 +378,24 @@ def test_removing_a_source_cuts_only_it_and_an_added_one_goes_to_the_least_loade
     # the whole-config checks number it as the run's sixth too (c, finished, is left out)
     with pytest.raises(ConfigError, match=r"^sources\[5\]\.uri \(source 'f'\): file not found"):
         supervisor.add_source({"name": "f", "uri": "no-such.mp4"}, SourceLoad("f", 100, 100, 1))
-    executor.refuse["g"] = ("sources[5].tracker: this run has no tracking stage", False)
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:  # a file read live without pace_fps: warned as at the start
+        supervisor.add_source({"name": "looped", "uri": str(samples.bikes), "loop": True},
+                              SourceLoad("looped", 100, 100, 1))
+        supervisor.add_source({"name": "paced", "uri": str(samples.bikes), "loop": True,
+                               "pace_fps": 25}, SourceLoad("paced", 100, 100, 1))
+    from pipeline.config import UNPACED_FILES
+
+    assert [(e["source"], e["key"]) for e in logs if e["event"] == UNPACED_FILES] == [
+        ("looped", "sources[5].pace_fps")]
+    executor.refuse["g"] = ("sources[7].tracker: this run has no tracking stage", False)
     with pytest.raises(ConfigError, match="no tracking stage"):
         supervisor.add_source({"name": "g", "uri": "rtsp://h/z"}, SourceLoad("g", 100, 100, 1))
     supervisor.request_stop()
     thread.join(5)
-    assert results == {"a": None, "b": None, "c": None, "d": None, "e": None}
+    assert results == {"a": None, "b": None, "c": None, "d": None, "e": None, "looped": None,
+                       "paced": None}
 
 
 def test_a_pipeline_that_cannot_start_fails_its_sources_once(config):
