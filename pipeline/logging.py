@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import structlog
@@ -10,13 +11,36 @@ import structlog
 
 class _Stderr:
     """``sys.stderr`` as it is at each write: a logger configured while something had
-    swapped it (pytest's capture, a tool) keeps writing after it is swapped back."""
+    swapped it (pytest's capture, a tool) keeps writing after it is swapped back.
+
+    A reader that went away (``run.py ... 2>&1 | head -3``) makes every write fail with
+    ``BrokenPipeError``; a log call in a stage's thread then ended that thread and the run
+    hung. From the first such failure on, this process's log lines go nowhere
+    (``silence_stderr``) and the run goes on to its end, its outputs written."""
 
     def write(self, text: str) -> int:
-        return sys.stderr.write(text)
+        try:
+            return sys.stderr.write(text)
+        except BrokenPipeError:
+            silence_stderr()
+            return len(text)
 
     def flush(self) -> None:
-        sys.stderr.flush()
+        try:
+            sys.stderr.flush()
+        except BrokenPipeError:
+            silence_stderr()
+
+
+def silence_stderr() -> None:
+    """Send this process's stderr (Python's, and file descriptor 2: FFmpeg's messages) to
+    the null device, for good."""
+    null = open(os.devnull, "w")  # noqa: SIM115 - the process's stderr from now on
+    try:
+        os.dup2(null.fileno(), 2)
+    except OSError:
+        pass
+    sys.stderr = null
 
 
 def configure_logging(fmt: str = "console", level: str = "info") -> None:

@@ -108,3 +108,30 @@ def test_a_looped_file_plays_on_past_its_end_until_ctrl_c_then_ends_like_a_camer
     assert min(p for f, p in zip(frames, pts) if f >= 2 * clip_frames) >= 2 * clip_frames / 25
     assert len(read_frames(tmp_path / "loop.mp4")) == len(lines)
     assert run.events("decode workers started") and "Traceback" not in run.stderr()
+
+
+def test_a_run_whose_log_reader_goes_away_runs_to_its_end(samples, tmp_path: Path,
+                                                          repo_root: Path) -> None:
+    """``run.py ... 2>&1 | head -3``: once head exited, every log line failed (a broken pipe),
+    a stage's thread died on one and the run hung with nothing written (a new user waited 10
+    minutes). Its log lines now go nowhere and the run ends as it would have."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = pipeline_config(samples, tmp_path, [{"name": "bikes", "uri": str(samples.bikes)}],
+                             output={"video": "{source}.mp4"})
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    run = subprocess.Popen([sys.executable, "run.py", "--config", str(tmp_path / "c.yaml"),
+                            "--no-progress"], cwd=repo_root, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT)
+    try:
+        for _ in range(3):  # as head -3 reads
+            run.stdout.readline()
+        run.stdout.close()
+        assert run.wait(timeout=180) == 0
+    finally:
+        run.kill()
+    assert len(records(tmp_path / "bikes.jsonl")) == 250
+    assert len(read_frames(tmp_path / "bikes.mp4")) == 250
