@@ -366,9 +366,9 @@ class Pipeline:
                 except queue.Full:
                     continue
 
+        model = model_setup(self.config)  # before _start holds the output folders
         self._listeners.append(hand_over)
         supervisor = self._start(per_batch=True)
-        model = model_setup(self.config)
         names = model.class_names  # the names the sinks write
         tally = (CountsTally(self.config, names, model.info.num_classes)
                  if self._tally is not None else None)  # frame by frame, in this thread

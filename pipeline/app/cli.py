@@ -7,7 +7,6 @@ cams.yaml --clip my.mp4`` measures how many cameras hold (``pipeline.app.capacit
 from __future__ import annotations
 
 import argparse
-import contextlib
 import signal
 import sys
 import tempfile
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import structlog
 
-from pipeline.app.output_lock import lock_outputs
+from pipeline.app.output_lock import lock_outputs, missing_folders, remove_made
 from pipeline.app.run import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, run
 from pipeline.config import ConfigError, PipelineConfig, describe_schema, load_config
 from pipeline.logging import configure_logging
@@ -145,14 +144,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             lock.release()
 
 
-def remove_made(folders: list[Path]) -> None:
-    """Remove the folders a refused run made (the deepest first); one holding something
-    stays."""
-    for folder in folders:
-        with contextlib.suppress(OSError):
-            folder.rmdir()
-
-
 def run_command(args: argparse.Namespace, config: PipelineConfig, made: list[Path]) -> int:
     """``run`` or ``build-engine`` with a valid config (``made``: the output folders this run
     created, removed again when it is refused before it begins)."""
@@ -176,7 +167,7 @@ def make_output_dir(folder: Path) -> list[Path]:
     Raises:
         ConfigError: it cannot be created or written in (one line).
     """
-    made = [p for p in (folder, *folder.parents) if not p.exists()]
+    made = missing_folders(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):

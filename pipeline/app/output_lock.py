@@ -52,6 +52,22 @@ class OutputLock:
             os.close(descriptor)
 
 
+def missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and those of its parents that do not exist yet, the deepest first: what
+    making it creates."""
+    return [p for p in (folder, *folder.parents) if not p.exists()]
+
+
+def remove_made(folders: list[Path]) -> None:
+    """Remove the folders a refused run made (the deepest first); one holding something
+    stays."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
+
+
 def lock_outputs(config: PipelineConfig) -> OutputLock:
     """Take every folder of ``output_folders`` (made when missing), or none.
 
@@ -62,7 +78,7 @@ def lock_outputs(config: PipelineConfig) -> OutputLock:
     made: list[Path] = []
     try:
         for i, folder in enumerate(output_folders(config)):
-            missing = [p for p in (folder, *folder.parents) if not p.exists()]
+            missing = missing_folders(folder)
             try:
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as error:
@@ -73,11 +89,7 @@ def lock_outputs(config: PipelineConfig) -> OutputLock:
                                      "output (a folder this run writes in)"))
     except ConfigError:
         OutputLock(taken, []).release()
-        for folder in made:
-            try:
-                folder.rmdir()
-            except OSError:
-                pass
+        remove_made(made)
         raise
     return OutputLock(taken, made)
 

@@ -139,12 +139,14 @@ def test_records_of_another_file_are_not_resumed(samples, repo_root: Path,
     of bikes.mp4 and 94-119 of carphone.mp4, exit 0. The records file carries its source's
     path, size and modification time (an extended attribute) and a resume checks them."""
     from pipeline.resume import ORIGIN_ATTRIBUTE, file_origin, stamp_origin
+    from tests.support.ci import skip_unless_ci
 
     shutil.copy(samples.bikes, tmp_path / "clip.mp4")
     partial = tmp_path / "bikes.partial.jsonl"
     partial.write_text("".join(f'{{"source":"bikes","frame":{i}}}\n' for i in range(94)))
     if not stamp_origin(partial, file_origin(str(tmp_path / "clip.mp4"))):
-        pytest.skip(f"{tmp_path}'s file system keeps no extended attributes")
+        skip_unless_ci(f"{tmp_path}'s file system keeps no extended attributes",
+                       "resume origin")
     assert prepare_cut(bikes(samples, tmp_path, tmp_path / "clip.mp4")) == ("bikes",)
 
     done = run_cli(repo_root, bikes(samples, tmp_path, samples.carphone), tmp_path / "cfg")
@@ -180,6 +182,7 @@ def test_a_new_records_file_is_stamped_with_its_source_file(samples, tmp_path: P
     """What the check above reads is written by a run's sink, as the run builds it."""
     from pipeline.app.build import build_sink
     from pipeline.resume import file_origin, read_origin
+    from tests.support.ci import skip_unless_ci
 
     config = parse_config(bikes(samples, tmp_path, video=None))
     sink = build_sink(config, config.sources[0], None, None, keep_images=False, tracked=False,
@@ -190,7 +193,8 @@ def test_a_new_records_file_is_stamped_with_its_source_file(samples, tmp_path: P
     finally:
         sink.close()
     if stamped is None:
-        pytest.skip(f"{tmp_path}'s file system keeps no extended attributes")
+        skip_unless_ci(f"{tmp_path}'s file system keeps no extended attributes",
+                       "resume origin")
     assert stamped == file_origin(str(samples.bikes))
 
 
