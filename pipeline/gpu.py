@@ -182,6 +182,10 @@ class BatchRing:
         """A free set; waits while every set is in use (backpressure)."""
         return take(self._free, stop, "batch buffers")
 
+    def has_free(self) -> bool:
+        """Whether ``acquire`` would return at once (a set is free now)."""
+        return not self._free.empty()
+
     def release(self, buffers: BatchBuffers) -> None:
         """Return a set once its ``done`` event completed and its results were read."""
         buffers.groups, buffers.surfaces = [], []

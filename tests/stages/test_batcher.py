@@ -11,7 +11,7 @@ import pytest
 
 from kernels.preprocess import letterbox_geometry, preprocess_reference
 from pipeline.records import LETTERBOX_COLUMNS, EndOfStream, FrameBatch
-from stages.batcher import BatcherStage, DetectionSchedule, letterbox_row, pack_nv12
+from stages.batcher import SET_WAIT_POLL_S, BatcherStage, DetectionSchedule, letterbox_row, pack_nv12
 from tests.support.batches import grey_image, make_frame
 
 NAMES = ("a", "b", "c")
@@ -175,3 +175,32 @@ def test_detect_fps_restarts_when_the_time_jumps_back_or_has_a_gap() -> None:
     assert not schedule.wanted(0, 5, 0.04)
     assert schedule.wanted(0, 6, 9.0)  # a gap of seconds: detected at once
     assert not schedule.wanted(0, 7, 9.04)
+
+
+class SetsInUse:
+    """Stands in for the GPU path's ``GpuContext`` in what the batcher asks before closing a
+    timed-out batch: whether one of its batch sets is free (``BatchRing.has_free``). Only
+    that is asked here: no batch is made (making one needs the GPU; the GPU tests do)."""
+
+    def __init__(self) -> None:
+        self.free = False
+        self.batches = self
+
+    def has_free(self) -> bool:
+        return self.free
+
+
+def test_a_timed_out_batch_stays_open_while_every_batch_set_is_in_use() -> None:
+    stage = batcher(batch_size=8, timeout_ms=10)
+    stage.gpu = gpu = SetsInUse()
+    stage.process(frame("a", 0))
+    time.sleep(0.02)
+    assert stage.poll_interval_s == pytest.approx(SET_WAIT_POLL_S)  # look again soon
+    assert list(stage.on_idle()) == []  # not closed: the GPU has batches queued
+    assert list(stage.process(frame("b", 0))) == []  # past its timeout, it still takes frames
+    assert list(stage.process(frame("a", 1))) == []
+    gpu.free = True
+    assert stage.poll_interval_s == 0.0  # a set is free: it closes now
+    stage.gpu = None  # (made on the CPU path: making a GPU batch needs the GPU)
+    (batch,) = stage.on_idle()
+    assert batch.source.tolist() == [0, 1, 0] and batch.index.tolist() == [0, 0, 1]
