@@ -786,6 +786,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="before the first kill and between the kills (default 10; small: 2)")
     parser.add_argument("--no-standby-engine", action="store_true",
                         help="runtime.standby_engine: false (a dead engine is started anew)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed on to run.py (--set runtime.cuda_mps=true)")
     parser.add_argument("--engine-cache", type=Path, default=REPO_ROOT / "assets" / "engines")
     parser.add_argument("--assets", type=Path, default=REPO_ROOT / "assets")
     parser.add_argument("--budget-s", type=float, default=None,
@@ -845,7 +847,8 @@ def main(argv: list[str] | None = None) -> int:
                     not args.no_standby_engine)
         config_path = out / "config.yaml"
         config_path.write_text(yaml.safe_dump(plan.config(), sort_keys=False))
-        command = [sys.executable, "run.py", "--config", str(config_path)]
+        command = [sys.executable, "run.py", "--config", str(config_path),
+                   *(word for item in args.set for word in ("--set", item))]
         me = "python -m benchmarks.failover " + shlex.join(argv if argv is not None
                                                           else sys.argv[1:])
         layout = (f"runtime.workers {workers}" if workers is not None

@@ -983,6 +983,19 @@ class RuntimeConfig:
                       "is ready. false: none (a dead engine is started anew after a "
                       "backoff). Not with runtime.workers: 1 (no engine process)."),
     )
+    cuda_mps: bool = field(
+        default=False,
+        metadata=_doc("GPU path with an engine process: run the engine and source workers "
+                      "as clients of a CUDA MPS server of the run's own (a control daemon "
+                      "started in a private folder, quit at the end), so the GPU runs their "
+                      "work side by side instead of time-slicing between their contexts. On "
+                      "an H200 at 150 paced 1080p cameras, 4,481 of 4,500 frames/s delivered "
+                      "under MPS against 4,208 without. Needs nvidia-cuda-mps-control (the "
+                      "NVIDIA driver's utilities) and the GPU's compute mode Default or "
+                      "Exclusive_Process. Under MPS a fatal GPU error of one process (not a "
+                      "kill) ends the GPU work of every process of the run on that GPU. "
+                      "Ignored on the CPU path and with runtime.workers: 1 (one process)."),
+    )
     max_restarts: int = field(
         default=3,
         metadata=_doc("Times a source worker, engine or Ray unit that died is restarted "

@@ -123,6 +123,9 @@ def make_executor(config: PipelineConfig, ray_address: str | None = None, metric
         any(d is not None for d in devices) or gpu_count() > 0))
     place_decoders(config, len(set(devices)), on_gpu)
     if len(devices) == 1:
+        if config.runtime.cuda_mps:
+            log.warning("runtime.cuda_mps: one process (runtime.workers: 1): no MPS daemon "
+                        "started")
         if devices[0] is not None:
             config.inference.gpu_id = devices[0]
         return InProcessExecutor(config, metrics, on_batch_done, frames)

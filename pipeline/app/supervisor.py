@@ -835,6 +835,13 @@ class LocalExecutor:
         self.inboxes: dict[int, queue.SimpleQueue[HostReport | None]] = {}
         self._send_lock = threading.Lock()
         self._context = multiprocessing.get_context("spawn")
+        self.mps = None  # runtime.cuda_mps: the run's CUDA MPS daemon (pipeline.app.mps)
+        if config.runtime.cuda_mps and on_gpu:
+            from pipeline.app.mps import CudaMps
+
+            self.mps = CudaMps.start()  # before any process of the run is spawned
+        elif config.runtime.cuda_mps:
+            log.warning("runtime.cuda_mps: the CPU path: no MPS daemon started")
         self.engines = {device: EngineProcess(
             config, device, devices.count(device), on_gpu, self._context,
             spares=sum(1 for h in self.spares if devices[h] == device),
@@ -969,6 +976,7 @@ class LocalExecutor:
         return pid
 
     def close(self) -> None:
+        servers = self.mps.server_pids() if self.mps is not None else None  # all alive yet
         for host in self.processes:
             self.call(host, "stop")  # (a no-op after the supervisor's own stop)
             self.call(host, "exit")
@@ -983,6 +991,9 @@ class LocalExecutor:
             process.join(1.0)
         for engine in self.engines.values():
             engine.close()
+        if self.mps is not None:  # (close may come twice: the daemon is quit once)
+            self.mps, mps = None, self.mps
+            mps.quit(servers)
 
 
 def exit_status(process: Any, wait_s: float) -> int | None:
