@@ -15,6 +15,17 @@ modification time, stamped on the ``.partial`` JSONL file as an extended attribu
 another ``uri`` put two clips' frames in one file). Where the file system keeps no extended
 attributes, nothing is stamped and nothing is checked.
 
+They also carry what made them (``RecordsSettings``, a second attribute,
+``SETTINGS_ATTRIBUTE``): the model's files (path, size, modification time) and the settings
+that decide which detections are recorded (thresholds, classes, region of interest, ...).
+Resuming compares them with the run's (``check_settings``): records of another model, or of
+other thresholds, are not continued (the file would hold two kinds of records). Records
+stamped without them (an earlier version), or where the file system keeps no extended
+attributes, resume unchecked, with one warning (``cut_files``).
+
+A run that writes no video (``output.video: null``) does not continue the video an earlier run
+of the file left cut short: ``cut_files`` warns, naming it, and it is kept as it was.
+
 A tracked source resumed starts with fresh tracks, numbered on from its records: its first id
 is one past the largest ``tracker_id`` of its kept records (``next_tracker_id``), so an id
 names one object in the whole file, as it does in a run that was never cut.
@@ -23,12 +34,24 @@ names one object in the whole file, as it does in a run that was never cut.
 from __future__ import annotations
 
 import copy
+import datetime
+import errno
+import hashlib
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import PipelineConfig, SourceConfig, partial_path
+import structlog
+
+from pipeline.config import (
+    OutputConfig,
+    PipelineConfig,
+    SourceConfig,
+    is_stream_url,
+    partial_path,
+)
 
 TAIL_CHUNK = 64 * 1024  # bytes read at a time from the end of a file
 SCAN_CHUNK = 4 * 1024 * 1024  # bytes read at a time scanning a whole file
@@ -36,6 +59,26 @@ SCAN_CHUNK = 4 * 1024 * 1024  # bytes read at a time scanning a whole file
 # does not match. A quote inside a JSON string is escaped: only a key matches.
 _TRACKER_ID = re.compile(rb'"tracker_id"\s*:\s*(\d+)')
 ORIGIN_ATTRIBUTE = "user.streamdet.origin"
+SETTINGS_ATTRIBUTE = "user.streamdet.settings"
+# The format of ``SETTINGS_ATTRIBUTE``'s value. A setting added later is a new key (a stamp
+# without it is not checked for it); a key whose meaning changes needs a new version (a stamp
+# of another version is not checked).
+SETTINGS_VERSION = 1
+# What decides which detections a file source's records hold, by configuration key as the
+# messages name it: the model's files (their ``file_origin``), the run's settings and the
+# source's own (``sources[]``: its entry; the tracker's only with a tracker). The model's input
+# size is the model file's.
+FILE_SETTINGS = ("model.path", "model.class_names")
+RUN_SETTINGS = ("model.layout", "nms.conf_threshold", "nms.iou_threshold", "nms.class_agnostic",
+                "nms.max_detections")
+SOURCE_SETTINGS = ("classes", "roi", "detect_every", "detect_fps", "tracker")
+TRACKER_SETTINGS = ("tracker_new_confidence", "tracker_lost_s", "tracker_class_aware")
+LONG_SETTING = 80  # characters of JSON: a longer value (a large roi) is stamped as a digest
+# where an earlier run's video is looked for when this run writes none (its name then is not
+# known): the default name
+EARLIER_VIDEO = OutputConfig().video or "{source}.mp4"
+
+log = structlog.get_logger("resume")
 
 
 def file_origin(uri: str) -> dict[str, object] | None:
@@ -92,10 +135,160 @@ def check_origin(source: SourceConfig, jsonl_path: Path, resume_at: int) -> None
 
 
 def _describe(origin: dict[str, object]) -> str:
-    import datetime
-
     when = datetime.datetime.fromtimestamp(int(origin.get("mtime_ns", 0)) / 1e9)
     return f"{int(origin.get('size', 0)):,} bytes, modified {when:%Y-%m-%d %H:%M:%S}"
+
+
+@dataclass(frozen=True)
+class RecordsSettings:
+    """What made a file source's records, besides its frames: each setting of
+    ``FILE_SETTINGS`` (a file's ``file_origin``, or None), ``RUN_SETTINGS`` and
+    ``SOURCE_SETTINGS`` by its key (``nms.conf_threshold``, ``sources[].classes``), as a JSON
+    value (one longer than ``LONG_SETTING`` characters as ``{"sha256": ...}``).
+
+    Stamped on a new records file (``stamp_settings``) as
+    ``{"version": SETTINGS_VERSION, "settings": {...}}`` and compared on resume
+    (``check_settings``).
+    """
+
+    values: dict[str, object]
+
+    @classmethod
+    def of(cls, config: PipelineConfig, source: SourceConfig) -> RecordsSettings:
+        """The settings ``source``'s records are made with in a run of ``config``."""
+        values: dict[str, object] = {}
+        for key in FILE_SETTINGS:
+            path = getattr(config.model, key.split(".")[1])
+            values[key] = None if path is None else file_origin(path)
+        for key in RUN_SETTINGS:
+            section, name = key.split(".")
+            values[key] = _stamp_value(getattr(getattr(config, section), name))
+        tracked = source.tracker != "none"
+        for name in SOURCE_SETTINGS + (TRACKER_SETTINGS if tracked else ()):
+            values[f"sources[].{name}"] = _stamp_value(getattr(source, name))
+        return cls(values)
+
+    def to_bytes(self) -> bytes:
+        """The attribute's value."""
+        return json.dumps({"version": SETTINGS_VERSION, "settings": self.values},
+                          sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RecordsSettings | None:
+        """The settings an attribute's value holds; None when it is of another version (or
+        not ours)."""
+        try:
+            stamp = json.loads(data)
+            values = stamp["settings"]
+        except (ValueError, TypeError, KeyError):
+            return None
+        if stamp.get("version") != SETTINGS_VERSION or not isinstance(values, dict):
+            return None
+        return cls(values)
+
+    def changes(self, now: RecordsSettings, index: int) -> list[str]:
+        """What differs in ``now``, one text per setting (``nms.conf_threshold was 0.25, now
+        0.4``; ``index``: the source's place in ``sources``); a key one of them lacks (a
+        setting added since) is not compared."""
+        found = []
+        for key, was in self.values.items():
+            if key not in now.values or now.values[key] == was:
+                continue
+            shown = key.replace("sources[]", f"sources[{index}]")
+            if key in FILE_SETTINGS:
+                found.append(_file_change(shown, was, now.values[key]))
+            elif isinstance(was, dict) or isinstance(now.values[key], dict):
+                found.append(f"{shown} has changed")  # a digest: the value is long
+            else:
+                found.append(f"{shown} was {json.dumps(was)}, now {json.dumps(now.values[key])}")
+        return found
+
+
+def _stamp_value(value: object) -> object:
+    """``value`` as stamped: as JSON reads it back, or its digest when it is long."""
+    text = json.dumps(value, sort_keys=True)
+    if len(text) > LONG_SETTING:
+        return {"sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}
+    return json.loads(text)
+
+
+def _file_change(key: str, was: object, now: object) -> str:
+    """A model file's change: another file, or the same one changed since."""
+    if isinstance(was, dict) and isinstance(now, dict) and was.get("path") == now.get("path"):
+        return (f"{key} {str(now['path'])!r} has changed since ({_describe(was)} then, "
+                f"{_describe(now)} now)")
+    return f"{key} was {_file_text(was)}, now {_file_text(now)}"
+
+
+def _file_text(origin: object) -> str:
+    if not isinstance(origin, dict):
+        return "null"
+    return f"{str(origin.get('path'))!r} ({_describe(origin)})"
+
+
+def stamp_settings(path: Path, settings: RecordsSettings) -> bool:
+    """Stamp ``settings`` on the records file ``path``; False where its file system keeps no
+    extended attributes (it then resumes unchecked, with a warning)."""
+    try:
+        os.setxattr(path, SETTINGS_ATTRIBUTE, settings.to_bytes())
+    except (OSError, AttributeError):  # not supported here (AttributeError: not Linux)
+        return False
+    return True
+
+
+def check_settings(config: PipelineConfig, source: SourceConfig, jsonl_path: Path,
+                   resume_at: int) -> str | None:
+    """Refuse to resume ``source`` from records made with another model or other settings
+    than ``config``'s (``RecordsSettings``).
+
+    Args:
+        jsonl_path: its records' final path (the ``.partial`` twin is read).
+        resume_at: the frame it would resume at (one past its last record).
+
+    Returns:
+        None when they were checked; else why they could not be (no stamp: an earlier
+        version wrote them; a file system without extended attributes; another version's).
+
+    Raises:
+        ValueError: the stamped settings differ from the run's (the message says which).
+    """
+    partial = partial_path(jsonl_path)
+    try:
+        data = os.getxattr(partial, SETTINGS_ATTRIBUTE)
+    except AttributeError:  # not Linux
+        return "this system keeps no extended attributes"
+    except OSError as error:
+        if error.errno == errno.ENODATA:
+            return "they were not stamped on the records (an earlier version wrote them)"
+        if error.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return "their file system keeps no extended attributes"
+        return f"their stamp could not be read ({error.strerror})"
+    stamped = RecordsSettings.from_bytes(data)
+    if stamped is None:
+        return "their stamp is of another version"
+    index = next(i for i, s in enumerate(config.sources) if s.name == source.name)
+    changes = stamped.changes(RecordsSettings.of(config, source), index)
+    if changes:
+        raise ValueError(f"{str(partial)!r} holds records up to frame {resume_at - 1} made "
+                         f"with other settings ({'; '.join(changes)}): set them back to "
+                         "continue it")
+    return None
+
+
+def earlier_video(config: PipelineConfig, source: SourceConfig) -> list[Path]:
+    """The video an earlier run of file ``source`` left cut short, which this run does not
+    continue as it writes none (``output.video: null``): ``NAME.partial.mp4`` and the parts of
+    resumed runs, ``NAME.from-FRAME.partial.mp4``, under the default name (another name an
+    earlier run's ``output.video`` gave is not known), in name order. None when this run
+    writes video (its sink continues them)."""
+    if config.output.video is not None:
+        return []
+    base = config.output_path(EARLIER_VIDEO, source.name)
+    parts = re.compile(rf"{re.escape(base.stem)}\.from-\d+\.partial{re.escape(base.suffix)}")
+    found = [partial_path(base)] if partial_path(base).is_file() else []
+    if base.parent.is_dir():
+        found += sorted(p for p in base.parent.iterdir() if parts.fullmatch(p.name))
+    return found
 
 
 def cut_torn_line(path: Path) -> bytes | None:
@@ -188,24 +381,34 @@ def resumed_sources(config: PipelineConfig, names: list[str]) -> list[SourceConf
 
 def cut_files(config: PipelineConfig) -> dict[str, int]:
     """{name: resume frame} of every file source whose records an earlier run left cut short
-    (a ``.partial`` JSONL file with records): the frame after its last record. Logs each.
+    (a ``.partial`` JSONL file with records): the frame after its last record. Logs each;
+    warns once of the records whose settings could not be checked (``check_settings``), and of
+    each earlier run's video this run does not continue (``earlier_video``).
 
     Raises:
         ValueError: a ``.partial`` JSONL file whose last line is not a record (not ours), or
-            whose records came from another file (``check_origin``).
+            whose records came from another file (``check_origin``) or were made with another
+            model or other settings (``check_settings``).
     """
-    import structlog
-
-    from pipeline.config import is_stream_url
-
     files = [s for s in config.sources if not s.is_live and not is_stream_url(s.uri)]
     cut = {}
+    unchecked: dict[str, list[str]] = {}  # why -> the records files
     for old, moved in zip(files, resumed_sources(config, [s.name for s in files])):
         if moved.start_frame > old.start_frame:
-            check_origin(old, config.output_path(config.output.jsonl, old.name),
-                         moved.start_frame)
+            jsonl_path = config.output_path(config.output.jsonl, old.name)
+            check_origin(old, jsonl_path, moved.start_frame)
+            why = check_settings(config, old, jsonl_path, moved.start_frame)
+            if why is not None:
+                unchecked.setdefault(why, []).append(str(partial_path(jsonl_path)))
             cut[old.name] = moved.start_frame
-            structlog.get_logger("resume").info(
-                "resuming a file cut short after its last record", source=old.name,
-                from_frame=moved.start_frame)
+            log.info("resuming a file cut short after its last record", source=old.name,
+                     from_frame=moved.start_frame)
+            if video := earlier_video(config, old):
+                log.warning("an earlier run's video of this file is kept as it was and not "
+                            "continued: output.video is null, so this run writes no video",
+                            source=old.name, paths=[str(path) for path in video])
+    for why, paths in unchecked.items():
+        log.warning("resuming records whose model and detection settings could not be "
+                    f"checked: {why}; if they changed, the file mixes records of both "
+                    "(--restart starts over)", files=paths)
     return cut

@@ -54,7 +54,7 @@ import structlog
 
 from pipeline.config import partial_path
 from pipeline.records import AnalyticsEvent, BatchDetections, EndOfStream
-from pipeline.resume import cut_torn_line
+from pipeline.resume import RecordsSettings, cut_torn_line, stamp_origin, stamp_settings
 from pipeline.stage import Stage
 
 
@@ -426,10 +426,14 @@ class JsonlWriter:
         origin: the file source's identity (``pipeline.resume.file_origin``), stamped on a
             new ``.partial`` file so that a later run resumes it only from the same file;
             None: nothing stamped.
+        settings: what makes the records (``pipeline.resume.RecordsSettings``: the model's
+            files and the detection settings), stamped on a new ``.partial`` file so that a
+            later run resumes it only with the same; None: nothing stamped.
     """
 
     def __init__(self, path: Path, class_names: list[str] | None, tracked: bool = False,
-                 append: bool = False, origin: dict[str, object] | None = None) -> None:
+                 append: bool = False, origin: dict[str, object] | None = None,
+                 settings: RecordsSettings | None = None) -> None:
         self.path = path
         self.class_names = class_names
         self.tracked = tracked
@@ -439,10 +443,10 @@ class JsonlWriter:
             cut_torn_line(partial)
         self._file = open(partial, "a" if append else "w")
         self.kept = self._file.tell() > 0  # lines of an earlier run, appended to
-        if origin is not None and not self.kept:
-            from pipeline.resume import stamp_origin
-
+        if origin is not None and not self.kept:  # kept: stamped by the run that began it
             stamp_origin(partial, origin)
+        if settings is not None and not self.kept:
+            stamp_settings(partial, settings)
         self.frames = 0
         self.last_frame: int | None = None  # the frame number of this run's last record
 
@@ -528,6 +532,8 @@ class SinkStage(Stage[BatchDetections, None]):
             when the sink opens and at every new segment; None: keep every one.
         clock: the time retention measures ages against (Unix seconds).
         origin: a file source's identity, stamped on its new records file (``JsonlWriter``).
+        settings: what makes a file source's records, stamped on its new records file
+            (``JsonlWriter``).
     """
 
     def __init__(self, name: str, video_path: Path | None, jsonl_path: Path | None,
@@ -538,9 +544,10 @@ class SinkStage(Stage[BatchDetections, None]):
                  resume_from: int | None = None, segment_s: float | None = None,
                  keep_hours: float | None = None,
                  clock: Callable[[], float] = time.time,
-                 origin: dict[str, object] | None = None) -> None:
+                 origin: dict[str, object] | None = None,
+                 settings: RecordsSettings | None = None) -> None:
         super().__init__(name)
-        self.origin = origin
+        self.origin, self.settings = origin, settings
         self.segment_s = segment_s if live else None
         self.keep_s = keep_hours * 3600 if keep_hours is not None and self.segment_s else None
         self.clock = clock
@@ -570,12 +577,17 @@ class SinkStage(Stage[BatchDetections, None]):
         # (close); only the temporary names are this run's to start again.
         for path in (self.video_path, self.jsonl_path, self.events_path):
             if path is not None and (not resumed or path == self.video_path):
-                partial_path(path).unlink(missing_ok=True)  # resumed: append to the records
+                unfinished = partial_path(path)  # resumed: append to the records
+                if unfinished.exists():
+                    unfinished.unlink()
+                    log.info("an earlier run's unfinished output deleted: this run writes it "
+                             "anew", sink=self.name, path=str(unfinished))
         # The records of a part are written before its video: whatever a killed run's MP4
         # holds has its records.
         if self.jsonl_path is not None:
             self.writers.append(JsonlWriter(self.jsonl_path, self.class_names, self.tracked,
-                                            append=resumed, origin=self.origin))
+                                            append=resumed, origin=self.origin,
+                                            settings=self.settings))
         if self.events_path is not None:
             self.writers.append(EventsWriter(self.events_path, append=resumed))
         if self.video_path is not None:

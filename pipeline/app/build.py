@@ -28,7 +28,7 @@ from pipeline.engine_link import EngineLink
 from pipeline.gpu import GpuContext, gpu_unavailable_reason
 from pipeline.graph import Graph
 from pipeline.records import BatchDetections
-from pipeline.resume import file_origin
+from pipeline.resume import RecordsSettings, file_origin
 from pipeline.slots import SlotRing, i420_bytes
 from pipeline.stage import SourceStage, Stage
 from stages.analytics import AnalyticsStage, Region
@@ -450,6 +450,7 @@ def build_sink(config: PipelineConfig, source: SourceConfig, class_names: list[s
         segment_s=output.segment_s,  # live sources only (SinkStage ignores it for files)
         keep_hours=output.keep_hours,
         origin=None if source.is_live else file_origin(source.uri),  # checked on resume
+        settings=None if source.is_live else RecordsSettings.of(config, source),  # and these
     )
 
 

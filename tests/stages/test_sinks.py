@@ -17,6 +17,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from pipeline.records import AnalyticsEvent, BatchDetections, EndOfStream, Frame
+from pipeline.resume import SETTINGS_ATTRIBUTE, RecordsSettings, read_origin, stamp_origin
 from stages.sinks import (
     JsonlWriter,
     SinkStage,
@@ -32,6 +33,7 @@ from stages.sinks import (
 )
 from tests.support import read_frames
 from tests.support.batches import Box, batch_detections, grey_image, make_frame
+from tests.support.ci import skip_unless_ci
 from tests.support.harness import run_stage
 
 CAPTURE = 1_700_000_000.1234567
@@ -634,3 +636,44 @@ def test_a_records_write_that_fails_names_its_file(tmp_path: Path) -> None:
     with pytest.raises(OSError) as info:
         writer.write(parts(grey_frames(range(2)), 2)[0])
     assert str(info.value) == "[Errno 28] No space left on device: '/dev/full'"
+
+
+def test_a_new_records_file_is_stamped_with_what_made_it_and_a_resumed_one_keeps_its_stamp(
+        tmp_path: Path) -> None:
+    """The settings stamped when a file source's records begin are the ones a resume is
+    checked against (``pipeline.resume.check_settings``): a run that appends to them (whatever
+    its settings) does not stamp them again, or the stamp would no longer say what made the
+    first records."""
+    then = RecordsSettings({"nms.conf_threshold": 0.25})
+    origin = {"path": "/videos/cam.mp4", "size": 10, "mtime_ns": 1}
+    sink = SinkStage("sink:cam", None, tmp_path / "cam.jsonl", None, origin=origin,
+                     settings=then)
+    (tmp_path / "probe").touch()
+    if not stamp_origin(tmp_path / "probe", {}):  # this file system keeps none
+        skip_unless_ci(f"{tmp_path}'s file system keeps no extended attributes",
+                       "resume settings")
+    run_stage(sink, parts(grey_frames(range(4)), 2), finish=False)  # killed
+    partial = partial_path(tmp_path / "cam.jsonl")
+    assert RecordsSettings.from_bytes(os.getxattr(partial, SETTINGS_ATTRIBUTE)) == then
+    sink = SinkStage("sink:cam", None, tmp_path / "cam.jsonl", None, resume_from=4,
+                     origin={**origin, "size": 11},
+                     settings=RecordsSettings({"nms.conf_threshold": 0.4}))
+    run_stage(sink, [*parts(grey_frames(range(4, 6)), 2), EndOfStream("cam", 6)])
+    final = tmp_path / "cam.jsonl"
+    assert len(final.read_text().splitlines()) == 6
+    # renamed with the file: still the first run's
+    assert RecordsSettings.from_bytes(os.getxattr(final, SETTINGS_ATTRIBUTE)) == then
+    assert read_origin(final) == origin
+
+
+def test_an_earlier_runs_unfinished_output_that_a_run_starts_anew_is_deleted_with_a_line(
+        tmp_path):
+    (tmp_path / "cam.partial.mp4").write_bytes(b"earlier video")
+    (tmp_path / "cam.partial.jsonl").write_text('{"frame": 0}\n')
+    sink = SinkStage("sink:cam", tmp_path / "cam.mp4", tmp_path / "cam.jsonl", ["person"])
+    with capture_logs() as logs:
+        sink.open()
+    deleted = sorted(e["path"] for e in logs
+                     if e["event"].startswith("an earlier run's unfinished output deleted"))
+    assert deleted == [str(tmp_path / "cam.partial.jsonl"), str(tmp_path / "cam.partial.mp4")]
+    sink.close()
