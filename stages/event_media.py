@@ -408,7 +408,10 @@ class EventMedia:
 
     def close(self) -> None:
         """Make what is queued (the sources ended: recordings are final now), for up to
-        ``CLOSE_WAIT_S``, stop the thread and log the summary (``event media summary``)."""
+        ``CLOSE_WAIT_S``, stop the thread and log the summary (``event media summary``, with
+        the sources it made media for) when a source joined (``add_source``): a source worker
+        that never ran a source with analytics (with ``runtime.workers: 2``, the other worker
+        and the spare) made none, and its line of zeros read as the run's real count."""
         if self._closing.is_set():
             return
         for name in list(self._sources):
@@ -419,9 +422,12 @@ class EventMedia:
             self._thread.join(CLOSE_WAIT_S)
             if self._thread.is_alive():
                 log.warning("event media still working at close; left unfinished")
+        if not self._sources:
+            return
         stats = self.stats()
         log.info("event media summary", snapshots=stats.snapshots, clips=stats.clips,
-                 dropped=stats.dropped, failed=stats.failed, unfinished=stats.waiting)
+                 dropped=stats.dropped, failed=stats.failed, unfinished=stats.waiting,
+                 sources=sorted(self._sources))
 
     def stats(self) -> EventMediaStats:
         with self._lock:

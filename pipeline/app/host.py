@@ -98,7 +98,8 @@ class SourceEnded:
         complete: its outputs are final (it ended, or a camera was stopped).
         cut_short: where a file stopped before its end (``stopped at frame N of M``: its
             outputs keep their ``.partial`` names), or None.
-        frames: frames that reached its sink here.
+        frames: frames its sink finished here, or, where more, the frames its records file
+            holds from here (``recorded_frames``: what its source summary reports).
         summary: its ``SourceMetrics.summary`` (frames, fps, dropped, latency, ...).
         outputs: the files it left (final or ``.partial`` names).
     """
@@ -427,7 +428,7 @@ class PipelineHost:
             error = f"pipeline failed: {failure}"
         return SourceEnded(name, error, complete,
                            None if stopped is None else stopped_text(*stopped),
-                           metrics.frames_out, summary, outputs)
+                           max(metrics.frames_out, recorded_frames(sink)), summary, outputs)
 
     def _snapshot(self) -> tuple[Any, ...]:
         from pipeline.app.cluster_metrics import snapshot
@@ -437,6 +438,21 @@ class PipelineHost:
         except Exception as error:  # noqa: BLE001 - metrics never stop a pipeline
             log.warning("reading metrics failed", error=f"{type(error).__name__}: {error}")
             return ()
+
+
+def recorded_frames(sink: Any) -> int:
+    """The records (one per frame) ``sink`` wrote to its records file in this run (a segmented
+    sink's: its open segment's), 0 without one.
+
+    A sink writes a batch part's records before its video: when the video's write fails (a
+    full disk), the records hold the frames of that part, which its source's count of frames
+    done (``SourceMetrics.frames_out``) lacks; the records are what the run kept (a rerun
+    resumes after them), and ``output incomplete`` reports them beside the source summary.
+    """
+    from stages.sinks import JsonlWriter
+
+    return next((writer.frames for writer in getattr(sink, "writers", ())
+                 if type(writer) is JsonlWriter), 0)
 
 
 def _name_of(source: SourceConfig | dict) -> str | None:

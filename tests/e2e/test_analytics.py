@@ -525,3 +525,29 @@ def test_every_event_has_its_snapshot_and_its_clip(analytics_run: dict[str, Any]
     (summary,) = [e for e in analytics_run["logs"] if e["event"] == "event media summary"]
     assert (summary["snapshots"], summary["clips"], summary["dropped"], summary["failed"]) == \
         (len(events), len(events), 0, 0)
+
+
+@pytest.mark.slow  # the detector over a clip on the CPU, through run.py with source workers
+def test_with_two_workers_only_the_worker_that_made_media_logs_its_summary(
+        make_clip, repo_root: Path, run_pipeline, tmp_path: Path) -> None:
+    """``runtime.workers: 2`` (and its spare): every source worker builds the event media,
+    but only the one that ran the source made any. Its ``event media summary`` is the run's
+    one line, naming the source; the two idle workers' lines of zeros (a new user read them
+    as real counts) are not logged."""
+    import yaml
+
+    config = yaml.safe_load((repo_root / "configs/analytics.yaml").read_text())
+    config["sources"][0]["uri"] = str(make_clip("bikes", 100, (WIDTH, HEIGHT)))
+    config["inference"].update(backend="onnxruntime", device="cpu")
+    # snapshots only, no video: this test's time goes to the workers' summaries
+    config["output"].update(dir=str(tmp_path / "out"), video=None,
+                            event_media={"clip": None})
+    config["runtime"] = {"log_format": "json", "progress": False, "workers": 2}
+    run = run_pipeline(config, tmp_path)
+    assert run.wait(120) == 0, run.stderr()[-3000:]
+    assert len(run.events("worker gone")) == 3, run.stderr()[-3000:]  # two and the spare
+    events = records(tmp_path / "out" / "bikes.events.jsonl")
+    assert events and all("snapshot" in event for event in events)
+    (summary,) = run.events("event media summary")
+    assert (summary["snapshots"], summary["clips"], summary["dropped"], summary["failed"],
+            summary["sources"]) == (len(events), 0, 0, 0, ["bikes"])

@@ -244,8 +244,63 @@ def test_a_full_disk_fails_its_source_with_its_own_error(samples, small_disk: Pa
     assert summary["error"].startswith("pipeline failed: sink:bikes: OSError: [Errno 28] "
                                        "No space left on device"), summary
     assert 0 < summary["frames"] < 250, summary  # it filled up mid-run
+    assert summary["frames"] == len(records(small_disk / "bikes.partial.jsonl")), summary
     assert [e["source"] for e in events if e["event"] == "source placed"] == ["bikes"]
     assert {p.name for p in small_disk.iterdir()} == {"bikes.partial.mp4", "bikes.partial.jsonl"}
+
+
+# A child's sitecustomize: from its first video file on, no file the process writes grows past
+# 100,000 bytes (RLIMIT_FSIZE; set then, not at start: the frame ring's shared memory is a
+# file too). The write that would fails with EFBIG ('File too large'; Python ignores the
+# SIGXFSZ that comes with it), in libav's muxer as a full disk's does, and again as the
+# video is closed: a full disk, for the video only (bikes.mp4's passes it mid-run, its
+# records never do), without root.
+VIDEO_FILLS_THE_DISK = """
+import resource
+
+from stages import sinks
+
+_open = sinks.VideoWriter._open
+
+
+def _open_on_a_full_disk(self, *args):
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+    _open(self, *args)
+
+
+sinks.VideoWriter._open = _open_on_a_full_disk
+"""
+
+
+def test_a_failed_video_write_leaves_records_that_the_summary_counts(
+        samples, tmp_path: Path, repo_root: Path) -> None:
+    """The video's write fails mid-run (a full disk: ``VIDEO_FILLS_THE_DISK``). A part's
+    records are written before its video, so the records file holds the frames of the part
+    whose video failed: the source summary once said ``frames=136`` beside ``output
+    incomplete ... frames=138`` for that file (two counts of one source that disagreed).
+    Both say the records it kept, the frames a rerun resumes after."""
+    import json
+
+    (tmp_path / "fault").mkdir()
+    (tmp_path / "fault" / "sitecustomize.py").write_text(VIDEO_FILLS_THE_DISK)
+    out = tmp_path / "out"
+    path = write(tmp_path, bikes(samples, out, video="{source}.mp4"))
+    result = subprocess.run(
+        [sys.executable, "run.py", "--config", str(path), "--no-progress", "--log-format",
+         "json"], cwd=repo_root, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(tmp_path / "fault"), os.environ.get("PYTHONPATH")]))})
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1].startswith(
+        "error: sink:bikes: OSError: [Errno 27] File too large"), result.stderr[-3000:]
+    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    (summary,) = [e for e in events if e["event"] == "source summary"]
+    kept = records(out / "bikes.partial.jsonl")
+    assert [r["frame"] for r in kept] == list(range(len(kept)))
+    assert 0 < len(kept) < 250, summary  # it failed mid-run
+    incomplete = {e["path"]: e["frames"] for e in events if e["event"] == "output incomplete"}
+    assert incomplete[str(out / "bikes.partial.jsonl")] == summary["frames"] == len(kept), \
+        (incomplete, summary)
 
 
 def test_an_output_spelled_as_an_absolute_path_collides(samples, tmp_path: Path,

@@ -13,6 +13,7 @@ import av
 import cv2
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from pipeline.config import ClipConfig, EventMediaConfig
 from pipeline.records import AnalyticsEvent
@@ -130,6 +131,28 @@ def test_a_full_queue_drops_media_never_events(bikes_i420, tmp_path: Path) -> No
     assert "snapshot" not in out[1].to_json()
     stats = media.stats()
     assert (stats.snapshots, stats.clips, stats.dropped) == (1, 1, 3)
+
+
+def test_the_summary_is_logged_only_where_a_source_made_media(bikes_i420,
+                                                               tmp_path: Path) -> None:
+    """A source worker builds the event media whether or not it runs a source with analytics
+    (``runtime.workers: 2``: the other worker and the spare never do): without a source it
+    logs no ``event media summary`` (its zeros read as the run's count); with one, the line
+    names its sources."""
+    idle = EventMedia(EventMediaConfig(clip=None))
+    idle.start()
+    with capture_logs() as idle_logs:
+        idle.close()
+    assert not [e for e in idle_logs if e["event"] == "event media summary"]
+    media = EventMedia(EventMediaConfig(clip=None))
+    media.add_source("bikes", tmp_path / "bikes.events.jsonl", None)
+    media.start()
+    frame = make_frame("bikes", 0, bikes_i420[0], pts=0.0, rate=RATE)
+    media.observe(batch_detections([(frame, [])]), [event_at(0)])
+    with capture_logs() as logs:
+        media.close()
+    (summary,) = [e for e in logs if e["event"] == "event media summary"]
+    assert (summary["snapshots"], summary["clips"], summary["sources"]) == (1, 0, ["bikes"])
 
 
 def i420_to_nv12(image: np.ndarray, width: int, height: int) -> np.ndarray:
