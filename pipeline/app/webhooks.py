@@ -36,8 +36,12 @@ endpoint is down), then gives up on the rest (``unsent`` in the summary line).
 
 Visible: ``stats()`` (read by ``pipeline.app.prometheus``: the ``pipeline_webhook_*``
 metrics), ``reasons()`` (read by ``pipeline.app.view``: a health reason while an endpoint
-fails) and, at close, one ``webhook summary`` log line per endpoint. Logs: one line per change
-of failure reason, per recovery and per first overflow of an outage, never one per event.
+fails) and, at close, one ``webhook summary`` log line per endpoint, naming the publisher's
+sources (those whose frames reached its analytics stage), and only from a publisher that had
+a source: every source worker builds one, and with ``runtime.workers: 2`` the other worker
+and the spare, which run no source of it, logged lines of zeros read as the run's counts.
+Logs: one line per change of failure reason, per recovery and per first overflow of an
+outage, never one per event.
 URLs are shown with credentials hidden (``redact_url``); headers are never shown.
 
 httpx is imported by the endpoint threads only: the metrics and the view import this module
@@ -51,6 +55,7 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -162,17 +167,22 @@ class WebhookEndpoint:
             self._flush_deadline = deadline
             self._cond.notify_all()
 
-    def finish_close(self) -> None:
+    def finish_close(self, sources: Sequence[str]) -> None:
         """Wait for the thread (until the flush deadline and ``JOIN_MARGIN_S``), then log the
-        endpoint's summary line."""
+        endpoint's summary line, naming ``sources`` (those of its publisher), when it had a
+        source or counted anything: a line of zeros from a publisher that had none (a source
+        worker that ran no source with analytics) read as the run's real count."""
         if self._thread is not None:
             self._thread.join(max(0.0, self._flush_deadline - time.monotonic()) + JOIN_MARGIN_S)
             if self._thread.is_alive():  # a request that ignores its timeout; a daemon thread
                 log.warning("webhook still sending at close; left to time out", url=self.url)
         stats = self.stats()
+        if not sources and not (stats.delivered or stats.failed or stats.rejected
+                                or stats.dropped or stats.waiting):
+            return
         log.info("webhook summary", url=self.url, delivered=stats.delivered,
                  failed=stats.failed, rejected=stats.rejected, dropped=stats.dropped,
-                 unsent=stats.waiting)
+                 unsent=stats.waiting, sources=list(sources))
 
     def stats(self) -> WebhookStats:
         """The counters now (any thread)."""
@@ -318,6 +328,10 @@ class WebhookPublisher:
             config.check(f"output.webhooks[{i}]")
         self.endpoints = [WebhookEndpoint(config, str(i)) for i, config in enumerate(configs)]
         self._closed = False
+        # The sources seen (their first counts or an event): replaced, never changed in place,
+        # under _lock, so a caller's test of membership needs no lock.
+        self._sources: frozenset[str] = frozenset()
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"WebhookPublisher({[endpoint.url for endpoint in self.endpoints]!r})"
@@ -331,25 +345,40 @@ class WebhookPublisher:
         """Queue ``event`` (``AnalyticsEvent.to_json()`` of ``source``) for every endpoint that
         gets its kind. Non-blocking and O(1); encoded later, in the endpoints' threads, so
         the dict must not be changed after this call. Ignored after ``close()``."""
+        self._joined(source)
         event_id = str(uuid.uuid4())
         for endpoint in self.endpoints:
             endpoint.offer(event_id, event)
 
     def publish_counts(self, source: str, counts: dict) -> None:
-        """Counts are not sent to webhooks (the events are; counts are in the metrics)."""
+        """Counts are not sent to webhooks (the events are; counts are in the metrics); the
+        first ones of a source (its first frame, ``AnalyticsStage``) say it runs here: the
+        summary names it."""
+        self._joined(source)
+
+    def sources(self) -> list[str]:
+        """The sources this publisher had (their counts or events came), sorted."""
+        return sorted(self._sources)
+
+    def _joined(self, source: str) -> None:
+        if source not in self._sources:
+            with self._lock:
+                self._sources = self._sources | {source}
 
     def close(self) -> None:
         """Deliver what waits for up to ``FLUSH_S`` seconds (every endpoint at once), then
-        log each endpoint's summary. Returns within about ``FLUSH_S + JOIN_MARGIN_S``
-        seconds, also when an endpoint is down. A second call does nothing."""
+        log each endpoint's summary when a source came (``WebhookEndpoint.finish_close``).
+        Returns within about ``FLUSH_S + JOIN_MARGIN_S`` seconds, also when an endpoint is
+        down. A second call does nothing."""
         if self._closed:
             return
         self._closed = True
         deadline = time.monotonic() + FLUSH_S
         for endpoint in self.endpoints:
             endpoint.begin_close(deadline)
+        sources = self.sources()
         for endpoint in self.endpoints:
-            endpoint.finish_close()
+            endpoint.finish_close(sources)
 
     def stats(self) -> list[WebhookStats]:
         """Every endpoint's counters now, in configuration order (any thread)."""

@@ -109,6 +109,37 @@ def test_every_event_is_posted_once_in_order_as_its_events_file_line(
     assert publisher.reasons() == []
 
 
+def test_the_summary_is_logged_only_where_a_source_came_and_names_its_sources(
+        receivers: Callable[..., WebhookReceiver]) -> None:
+    """Every source worker builds the publisher whether or not it runs a source with
+    analytics (``runtime.workers: 2``: the other worker and the spare never do): one that had
+    no source logs no ``webhook summary`` (its zeros read as the run's counts); one whose
+    source had only its counts (its first frame, no event) logs its zeros, as real, naming
+    it; one that sent events names their sources."""
+    receiver = receivers()
+
+    def summaries(publish: Callable[[WebhookPublisher], None]) -> list[dict[str, Any]]:
+        publisher = WebhookPublisher([WebhookConfig(receiver.url)])
+        publisher.start()
+        publish(publisher)
+        with capture_logs() as logs:
+            publisher.close()
+        return [e for e in logs if e["event"] == "webhook summary"]
+
+    assert summaries(lambda publisher: None) == []
+    (quiet,) = summaries(lambda publisher: publisher.publish_counts("cam", {}))
+    assert (quiet["delivered"], quiet["unsent"], quiet["sources"]) == (0, 0, ["cam"])
+
+    def two_sources(publisher: WebhookPublisher) -> None:
+        publisher.publish_counts("yard", {})
+        publisher.publish_event("yard", event(0, source="yard"))
+        publisher.publish_event("cam", event(1))
+
+    (busy,) = summaries(two_sources)
+    assert (busy["url"], busy["delivered"], busy["unsent"], busy["sources"]) == \
+        (receiver.url, 2, 0, ["cam", "yard"])
+
+
 def test_each_endpoint_gets_only_the_kinds_it_asks_for(
         receivers: Callable[..., WebhookReceiver],
         publishers: Callable[..., WebhookPublisher]) -> None:
