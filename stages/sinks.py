@@ -578,10 +578,14 @@ class SinkStage(Stage[BatchDetections, None]):
         for path in (self.video_path, self.jsonl_path, self.events_path):
             if path is not None and (not resumed or path == self.video_path):
                 unfinished = partial_path(path)  # resumed: append to the records
-                if unfinished.exists():
-                    unfinished.unlink()
-                    log.info("an earlier run's unfinished output deleted: this run writes it "
-                             "anew", sink=self.name, path=str(unfinished))
+                if not unfinished.exists():
+                    continue
+                if self.live and not resumed:
+                    self._finish_earlier(unfinished, path)
+                    continue
+                unfinished.unlink()
+                log.info("an earlier run's unfinished output deleted: this run writes it "
+                         "anew", sink=self.name, path=str(unfinished))
         # The records of a part are written before its video: whatever a killed run's MP4
         # holds has its records.
         if self.jsonl_path is not None:
@@ -593,6 +597,31 @@ class SinkStage(Stage[BatchDetections, None]):
         if self.video_path is not None:
             self.writers.append(VideoWriter(self.video_path, self.crf))
             self._recordings.append(self.writers[-1])
+
+    def _finish_earlier(self, unfinished: Path, final: Path) -> None:
+        """A live source's output left ``.partial`` by an earlier run that was killed (or
+        failed to rename it): a camera's output is complete whenever it stops, so it gets its
+        final name now, as that run would have given it (its torn last line or fragment cut
+        first), replacing the final file there as that run's end would have; this run's own
+        replaces it in turn when it ends. One that holds nothing is deleted. Logged."""
+        if final == self.video_path:
+            if cut_torn_fragment(unfinished):
+                log.warning("a torn last fragment cut from a video (written halfway: a killed "
+                            "run, or a full disk)", sink=self.name, path=str(unfinished))
+            span = video_span(unfinished)
+            empty = span is None or span[0] == 0
+        else:
+            empty = cut_torn_line(unfinished) is None
+        if empty:
+            unfinished.unlink()
+            log.info("an earlier run's empty unfinished output deleted", sink=self.name,
+                     path=str(unfinished))
+            return
+        replaced = final.exists()
+        os.replace(unfinished, final)
+        log.info("an earlier run's unfinished output kept under its final name (that run "
+                 "ended without it)", sink=self.name, path=str(final),
+                 renamed_from=str(unfinished), **({"replaced": True} if replaced else {}))
 
     def recording_of(self, frame: int) -> VideoWriter | None:
         """The video writer of this run whose file holds (or will hold) frame ``frame`` of

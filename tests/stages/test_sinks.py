@@ -677,3 +677,45 @@ def test_an_earlier_runs_unfinished_output_that_a_run_starts_anew_is_deleted_wit
                      if e["event"].startswith("an earlier run's unfinished output deleted"))
     assert deleted == [str(tmp_path / "cam.partial.jsonl"), str(tmp_path / "cam.partial.mp4")]
     sink.close()
+
+
+def test_a_killed_runs_camera_output_gets_its_final_name_when_the_next_run_starts(
+        tmp_path: Path) -> None:
+    """A new user's camera: a run killed with kill -9 left cam.partial.jsonl and
+    cam.partial.mp4 (a camera's output is complete whenever it stops); the next run deleted
+    both, unlogged. Now they get their final names at the next start (torn tail cut), and
+    that run's own output replaces them when it ends, as after a run that stopped."""
+    live = SinkStage("sink:cam", tmp_path / "cam.mp4", tmp_path / "cam.jsonl", None, live=True)
+    run_stage(live, parts(grey_frames(range(30)), 4), finish=False)  # killed: 30 records
+    writer = VideoWriter(tmp_path / "cam.mp4", crf=23)  # ... and what its MP4 kept
+    writer.write(parts(grey_frames(range(12)), 100)[0])
+    writer.close(complete=False)
+    with open(partial_path(tmp_path / "cam.jsonl"), "a") as records:
+        records.write('{"frame": 30, "detecti')  # a line written halfway by the kill
+    (tmp_path / "cam.mp4").write_bytes(OLDER)  # the run before it, which stopped
+    with capture_logs() as logs:
+        after = SinkStage("sink:cam", tmp_path / "cam.mp4", tmp_path / "cam.jsonl", None,
+                          live=True)
+        after.open()
+        after.close()  # stopped before its first frame: the kept outputs stay
+    assert names(tmp_path) == {"cam.jsonl", "cam.mp4"}
+    assert [json.loads(line)["frame"] for line in
+            (tmp_path / "cam.jsonl").read_text().splitlines()] == list(range(30))
+    assert len(read_frames(tmp_path / "cam.mp4")) == 12  # the killed run's, not OLDER
+    kept = events(logs, "an earlier run's unfinished output kept under its final name (that "
+                        "run ended without it)")
+    assert sorted((e["path"], e.get("replaced", False)) for e in kept) == [
+        (str(tmp_path / "cam.jsonl"), False), (str(tmp_path / "cam.mp4"), True)]
+
+
+def test_an_empty_unfinished_camera_output_is_deleted_not_kept(tmp_path: Path) -> None:
+    (tmp_path / "cam.jsonl").write_text('{"frame": 0}\n')  # a stopped run's: stays
+    partial_path(tmp_path / "cam.jsonl").write_text('{"frame": 0, "detec')  # torn, no line
+    with capture_logs() as logs:
+        after = SinkStage("sink:cam", None, tmp_path / "cam.jsonl", None, live=True)
+        after.open()
+        after.close()
+    assert names(tmp_path) == {"cam.jsonl"}
+    assert (tmp_path / "cam.jsonl").read_text() == '{"frame": 0}\n'
+    (deleted,) = events(logs, "an earlier run's empty unfinished output deleted")
+    assert deleted["path"] == str(partial_path(tmp_path / "cam.jsonl"))
