@@ -81,6 +81,45 @@ def warn_unpaced_files(config: PipelineConfig) -> None:
         log.warning(UNPACED_FILES, sources=len(unpaced), names=names, key="sources[].pace_fps")
 
 
+def gpu_settings(config: PipelineConfig) -> list[tuple[str, str, str, str]]:
+    """The settings of ``config`` that run on the GPU only, in config order: (key, value,
+    what it does, what to set instead)."""
+    inference = config.inference
+    asked = []
+    if inference.device == "cuda":
+        asked.append(("inference.device", "cuda", "", "leave it at auto or set cpu"))
+    if inference.backend in ("torch", "tensorrt"):
+        asked.append(("inference.backend", inference.backend, " runs on the GPU only",
+                      "leave it at auto or set onnxruntime"))
+    asked += [(f"sources[{i}].decode", "gpu", " decodes on the GPU (NVDEC)",
+               "leave it at auto or set cpu")
+              for i, source in enumerate(config.sources) if source.decode == "gpu"]
+    return asked
+
+
+def check_gpu_settings(config: PipelineConfig, probe: Callable[[], tuple[int, str | None]]
+                       ) -> int | None:
+    """Stop the start, before any worker, when a setting runs on the GPU only and cannot:
+    inference is set to the CPU, or ``probe`` (``supervisor.gpu_probe``) finds no usable GPU.
+
+    Returns:
+        The GPUs the probe found, or None when it was not asked (no such setting).
+
+    Raises:
+        ConfigError: ``KEY: 'VALUE' ...: no usable GPU here (why): what to set instead``.
+    """
+    asked = gpu_settings(config)
+    if not asked:
+        return None
+    key, value, does, instead = asked[0]
+    if config.inference.device == "cpu":
+        raise ConfigError(f"{key}: {value!r}{does}, and inference.device is cpu: {instead}")
+    count, reason = probe()
+    if count < 1:
+        raise ConfigError(f"{key}: {value!r}{does}: no usable GPU here ({reason}): {instead}")
+    return count
+
+
 def make_executor(config: PipelineConfig, ray_address: str | None = None, metrics: bool = False,
                   on_batch_done: Callable[..., None] | None = None,
                   frames: str | None = None) -> Any:
@@ -90,7 +129,8 @@ def make_executor(config: PipelineConfig, ray_address: str | None = None, metric
     format (``build_graph``'s ``frames``; the Python API).
 
     Raises:
-        ConfigError: ``runtime.gpus`` cannot be had, or per-batch results asked for
+        ConfigError: a setting that runs on the GPU only cannot (``check_gpu_settings``),
+            ``runtime.gpus`` cannot be had, or per-batch results asked for
             (``on_batch_done``) with more than one worker.
     """
     from pipeline.app.supervisor import (
@@ -98,6 +138,7 @@ def make_executor(config: PipelineConfig, ray_address: str | None = None, metric
         LocalExecutor,
         absolute_paths,
         gpu_count,
+        gpu_probe,
         resolve_devices,
         spare_hosts,
     )
@@ -114,13 +155,14 @@ def make_executor(config: PipelineConfig, ray_address: str | None = None, metric
             unit_count(config, {"GPU": gpu_count()}, 1)
         local_gcs = connect(ray_address)
         return RayExecutor(absolute_paths(config), metrics=metrics, local_gcs=local_gcs)
-    devices = resolve_devices(config)
+    gpus = None if config.runtime.gpus == "all" else check_gpu_settings(config, gpu_probe)
+    devices = resolve_devices(config)  # (runtime.gpus: all asks, and says when it finds none)
     if len(devices) > 1 and on_batch_done is not None:
         raise ConfigError("runtime.workers: the Python API's per-frame results need the "
                           "whole pipeline in this process (runtime.workers: 1); run() and "
                           "the outputs work with any")
     on_gpu = functools.cache(lambda: config.inference.device != "cpu" and (
-        any(d is not None for d in devices) or gpu_count() > 0))
+        any(d is not None for d in devices) or (gpus if gpus is not None else gpu_count()) > 0))
     place_decoders(config, len(set(devices)), on_gpu)
     if len(devices) == 1:
         if config.runtime.cuda_mps:

@@ -1090,18 +1090,48 @@ def spare_hosts(config: PipelineConfig, devices: list[int | None]) -> list[int |
             for _ in range(spares if spares is not None else int(devices.count(device) >= 2))]
 
 
-def gpu_count() -> int:
-    """GPUs of this machine (``CUDA_VISIBLE_DEVICES`` respected), 0 when CUDA is unusable.
-    Asked in a child process: this one must not create a CUDA context before spawning."""
+GPU_PROBE = """
+import ctypes, json
+reasons = []
+try:
+    ctypes.CDLL("libcuda.so.1")
+except OSError:
+    reasons.append("no NVIDIA driver: libcuda.so.1 not found")
+try:
+    import cupy
+    count = cupy.cuda.runtime.getDeviceCount()
+except ImportError:
+    count = 0
+    reasons.append("CuPy is not installed")
+except Exception as error:
+    count = 0
+    reasons.append(str(error) or type(error).__name__)
+print(json.dumps([count, "; ".join(reasons) if count < 1 else None]))
+"""
+
+
+def gpu_probe() -> tuple[int, str | None]:
+    """(GPUs of this machine, ``CUDA_VISIBLE_DEVICES`` respected; why there is none, or None
+    when there are). Asked in a child process: this one must not create a CUDA context
+    before spawning."""
+    import json
     import subprocess
     import sys
 
     try:
-        out = subprocess.run([sys.executable, "-c", "import cupy; print(cupy.cuda.runtime."
-                              "getDeviceCount())"], capture_output=True, text=True, timeout=60)
-        return int(out.stdout.strip() or 0) if out.returncode == 0 else 0
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return 0
+        out = subprocess.run([sys.executable, "-c", GPU_PROBE], capture_output=True, text=True,
+                             timeout=60)
+        count, reason = json.loads(out.stdout.strip().splitlines()[-1])
+        return int(count), reason
+    except subprocess.TimeoutExpired:
+        return 0, "asking CUDA for the GPUs took over 60 s"
+    except (OSError, ValueError, IndexError, TypeError):
+        return 0, "asking CUDA for the GPUs failed"
+
+
+def gpu_count() -> int:
+    """GPUs of this machine (``gpu_probe``), 0 when CUDA is unusable."""
+    return gpu_probe()[0]
 
 
 def absolute_paths(config: PipelineConfig, base: str | None = None) -> PipelineConfig:
