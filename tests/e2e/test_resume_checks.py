@@ -12,18 +12,16 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from structlog.testing import capture_logs
 
 from pipeline.app.run import prepare
 from pipeline.config import parse_config
 from pipeline.resume import SETTINGS_ATTRIBUTE, stamp_origin
 from tests.e2e.conftest import Run, pipeline_config, records
+from tests.e2e.test_outputs import run_cli
 from tests.support.ci import skip_unless_ci
 from tests.support.harness import wait_for
 
@@ -91,15 +89,6 @@ def cut(copied: Path) -> Path:
         skip_unless_ci(f"{copied}'s file system keeps no extended attributes",
                        "resume settings")
     return copied
-
-
-def run_cli(repo_root: Path, config: dict, folder: Path) -> subprocess.CompletedProcess:
-    """``run.py`` on ``config`` (written into ``folder``), to its end."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return subprocess.run([sys.executable, "run.py", "--config", str(path), "--no-progress"],
-                          cwd=repo_root, capture_output=True, text=True, timeout=120)
 
 
 def test_a_resume_with_other_settings_or_another_model_is_refused(
