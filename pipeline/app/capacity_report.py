@@ -109,15 +109,20 @@ def latency_text(found: tuple[float, float] | None) -> str:
 
 
 def busiest_text(window: Window) -> str:
-    """``infer 92% (27.6 s work, 0.3 s blocked)``: the busiest stage of any process, with its
-    work and blocked seconds (a host stage's summed over the hosts), and where it ran when
-    that is not plain: ``engine infer ...``, ``worker3 sinks ...``."""
+    """``infer 92% of 30.1 s (27.6 s work, 0.3 s blocked)``: the busiest stage of any
+    process, its work in % of the time its counts cover (``Window.span_of``: a host's, from
+    its metrics report sent by the window's start to the one sent by its end; an engine's,
+    between its log lines; left out when not known), with its work and blocked seconds (a
+    host stage's summed over the hosts), and where it ran when that is not plain: ``engine
+    infer ...``, ``worker3 sinks ...``."""
     if window.busiest is None:
         return "-"
     where, stage, share = window.busiest
     work, blocked = window.stage_numbers(where, stage)
     named = f"{where} " if where in window.engines or len(window.hosts) > 1 else ""
-    return f"{named}{stage} {share:.0f}% ({work:,.1f} s work, {blocked:,.1f} s blocked)"
+    span = window.span_of(where)
+    of = "" if span is None else f" of {span:,.1f} s"
+    return f"{named}{stage} {share:.0f}%{of} ({work:,.1f} s work, {blocked:,.1f} s blocked)"
 
 
 def overload_text(window: Window) -> str:
@@ -295,12 +300,17 @@ def ceiling_lines(ceilings: dict[str, Any], fps: float) -> list[str]:
 
 def stage_lines(row: RunRow) -> str:
     """Every stage's work and blocked seconds in ``row``'s window, busiest first: the hosts'
-    (summed over them), then each engine's over the span of its log lines."""
+    (summed over them, each over the time between its metrics reports at the window's ends:
+    ``Window.spans``), then each engine's over the span of its log lines."""
     if row.window is None or not (row.window.stages or row.window.engines):
         return "-"
     parts = [f"{stage} {work:,.1f} s work, {blocked:,.1f} s blocked"
              for stage, (work, blocked) in sorted(row.window.stages.items(),
                                                   key=lambda item: -item[1][0])]
+    spans = sorted({round(span, 1) for span in row.window.spans.values()})
+    if parts and spans:
+        over = f"{spans[0]:,.1f}" + ("" if len(spans) == 1 else f"-{spans[-1]:,.1f}")
+        parts[-1] += f" (over the {over} s between the metrics reports at the window's ends)"
     for name, engine in row.window.engines.items():
         parts += [f"{name} {stage} {work:,.1f} s work, {blocked:,.1f} s blocked"
                   for stage, (work, blocked, _) in sorted(engine.stages.items(),

@@ -3,7 +3,7 @@ child process, scrape its ``/metrics`` (``runtime.metrics_port``), take a window
 and decide whether the run held. ``capacity`` and ``benchmarks.live_control`` measure with it.
 
     launch(run.py) ──> MetricsPoller (a thread, /metrics every SCRAPE_PERIOD_S, per host the
-    │                  snapshots that changed, each with the time it was first seen)
+    │                  snapshots that changed, each with when the host sent it: ``sent_at``)
     │   wait_delivering: every camera counted a frame
     │   warm-up, then the window [t0, t1]
     │   once in the window: query_compute_apps (nvidia-smi), process_tree(child);
@@ -18,16 +18,24 @@ Over the window, for the cameras asked about (others, e.g. one added through the
 left out): delivered frames/s (``pipeline_source_frames_total``), dropped
 (``pipeline_source_dropped_frames_total``), p50 and p99 capture-to-sink latency from the
 deltas of ``pipeline_frame_latency_seconds_bucket`` summed over the cameras, and the p99 of
-each host. Hosts send their metrics to the supervisor once a second, so a host's numbers run
-between its first and last snapshot inside the window (timed to within a scrape period). A
-percentile is the bucket it falls in: ``<= 100 ms`` means in (50, 100] ms (the bounds are
-``pipeline.app.prometheus.LATENCY_BUCKETS_S``: 5, 10, 20, 50, 100, 200, 500 ms, 1 s, ...);
-100 ms is a bound, so "p99 <= 100 ms" is decided exactly. Each stage's work and blocked
-seconds (``pipeline_stage_work_seconds_total``, ``pipeline_stage_blocked_seconds_total``; the
-per-camera sinks summed as ``sinks``) are summed over the hosts, and the busiest stage of any
-host or engine (work in % of the window; an engine's over the span of its log lines around
-the window, ``pipeline.app.run_log``) is named: the bottleneck. Held: 0 dropped, p99 <= 100
-ms and delivered >= 95% of offered. Cameras that ended by the window's end
+each host. Hosts send their metrics to the supervisor once a second, so a host's numbers are
+its counters' change from the snapshot it had sent by the window's start to the one it had
+sent by its end, and each rate or share divides that change by the time between those two
+sendings (``Window.spans``): about the window, either end earlier by up to a report period.
+When a snapshot was sent is known from the scrapes around it: after the last scrape that
+still showed the one before began, by the first that showed it answered (``sent_at``: the
+middle, so within half a scrape period; its first sighting alone is up to a scrape period
+late, by a different amount at each end). What remains is noise: a counter moves a batch at
+a time (its frames reach the sinks together, its work is counted as it ends), so either end
+can count one batch more or less. A percentile is the bucket it falls in: ``<= 100 ms``
+means in (50, 100] ms (the bounds are ``pipeline.app.prometheus.LATENCY_BUCKETS_S``: 5, 10,
+20, 50, 100, 200, 500 ms, 1 s, ...); 100 ms is a bound, so "p99 <= 100 ms" is decided
+exactly. Each stage's work and blocked seconds (``pipeline_stage_work_seconds_total``,
+``pipeline_stage_blocked_seconds_total``; the per-camera sinks summed as ``sinks``) are
+summed over the hosts, and the busiest stage of any host or engine (work in % of the time
+its counts cover; an engine's over the span of its log lines around the window,
+``pipeline.app.run_log``) is named: the bottleneck. Held: 0 dropped, p99 <= 100 ms and
+delivered >= 95% of offered. Cameras that ended by the window's end
 (``pipeline_source_state``) are counted: a clip too short for the window.
 """
 
@@ -143,10 +151,21 @@ def bucket_text(found: tuple[float, float] | None) -> str:
     return f"<= {1000 * upper:g} ms ({1000 * lower:g}-{1000 * upper:g})"
 
 
+def sent_at(shown_before: float | None, first_seen: float) -> float:
+    """When a host sent a snapshot (``time.monotonic()``), from the scrapes around it: it was
+    not there when the last scrape that still showed the host's previous one began
+    (``shown_before``; None: no such scrape), and was there when the first scrape that
+    showed it answered (``first_seen``). The middle of the two; ``first_seen`` without the
+    first."""
+    return first_seen if shown_before is None else (shown_before + first_seen) / 2
+
+
 class MetricsPoller:
     """Scrapes ``/metrics`` every ``SCRAPE_PERIOD_S`` in a thread and keeps, per host, each
-    snapshot that differs from that host's previous one, with the time it was first seen
-    (``time.monotonic()``)."""
+    snapshot that differs from that host's previous one, with when the host sent it
+    (``time.monotonic()``, ``sent_at``: to within half the time between the scrape before it
+    and the one that first showed it). Scrapes, the poller's and those asked for (``scrape``
+    at a window's ends), take turns, so each one's start and answer bound what it showed."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -154,6 +173,9 @@ class MetricsPoller:
         self.history: dict[str, list[tuple[float, HostSample]]] = {}
         self.last_text = ""
         self.errors = 0
+        self._turn = threading.Lock()  # one scrape at a time
+        self._shown: dict[str, float] = {}  # host -> when the latest scrape showing it began
+        self._last_began: float | None = None  # when the latest scrape that answered began
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metrics-poller", daemon=True)
 
@@ -166,23 +188,36 @@ class MetricsPoller:
             self._thread.join(5)
 
     def scrape(self) -> str:
-        """One scrape now; records it and returns its text ("" when nothing answered)."""
-        try:
-            with urllib.request.urlopen(self.url, timeout=5) as answer:
-                text = answer.read().decode()
-        except OSError:
-            with self.lock:
-                self.errors += 1
-            return ""
-        seen = time.monotonic()
-        hosts = parse_metrics(text)
+        """One scrape now (after any under way); records it and returns its text ("" when
+        nothing answered)."""
+        with self._turn:
+            began = time.monotonic()
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as answer:
+                    text = answer.read().decode()
+            except OSError:
+                with self.lock:
+                    self.errors += 1
+                return ""
+            seen = time.monotonic()
+            self.record(parse_metrics(text), began, seen, text)
+        return text
+
+    def record(self, hosts: dict[str, HostSample], began: float, seen: float,
+               text: str = "") -> None:
+        """Record a scrape that began at ``began`` and answered ``hosts`` at ``seen`` (scrapes
+        in turn): a host's snapshot that changed is timed ``sent_at`` the start of the last
+        scrape that showed the host before (for a host new to it, of the last scrape that
+        answered) and ``seen``."""
         with self.lock:
             self.last_text = text
             for name, sample in hosts.items():
                 history = self.history.setdefault(name, [])
                 if not history or history[-1][1] != sample:
-                    history.append((seen, sample))
-        return text
+                    history.append((sent_at(self._shown.get(name, self._last_began), seen),
+                                    sample))
+                self._shown[name] = began
+            self._last_began = began
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -192,10 +227,12 @@ class MetricsPoller:
 
     def ends(self, start: float, end: float) -> dict[str, tuple[float, HostSample, float,
                                                                HostSample]]:
-        """Per host: (time, snapshot) of its first and of its last snapshot in [start, end].
-        A host whose counters changed less than twice in the window (an idle one: a worker
-        without cameras) but that had a snapshot before it: its snapshot as of ``start`` and
-        as of ``end``, timed at the window's ends.
+        """Per host: (when it was sent, snapshot) of the snapshot it had sent by ``start`` and
+        of the one it had sent by ``end``: its counters' change between them covers the time
+        between those two times, which is what a rate divides by. A host that sent its
+        first snapshot after ``start`` (one started in the window) counts from that one. A
+        host that sent nothing new between them (an idle one: a worker without cameras): its
+        snapshot at both ends, timed at the window's ends (its changes are all zero).
 
         Raises:
             MeasurementError: a host has fewer than two snapshots in the window and none
@@ -205,15 +242,17 @@ class MetricsPoller:
             histories = {name: list(items) for name, items in self.history.items()}
         found = {}
         for name, items in histories.items():
-            inside = [item for item in items if start <= item[0] <= end]
-            before = [item for item in items if item[0] < start]
-            if len(inside) >= 2:
-                found[name] = (*inside[0], *inside[-1])
-            elif before:
-                found[name] = (start, before[-1][1], end, (inside or before)[-1][1])
-            else:
+            by_start = [item for item in items if item[0] <= start]
+            by_end = [item for item in items if item[0] <= end]
+            first = by_start[-1] if by_start else by_end[0] if len(by_end) >= 2 else None
+            if first is None:
                 raise MeasurementError(f"host {name}: fewer than two metrics snapshots in the "
                                        f"window (a window of a few seconds at least is needed)")
+            last = by_end[-1]
+            if last[0] <= first[0]:  # nothing new sent in the window
+                found[name] = (start, first[1], end, last[1])
+            else:
+                found[name] = (*first, *last)
         return found
 
     def host_of(self) -> dict[str, str]:
@@ -242,17 +281,21 @@ class Window:
 
     Attributes:
         window_s: its length (from the scrapes at its ends).
+        spans: host -> the seconds its counters' changes cover (``MetricsPoller.ends``:
+            from the snapshot it had sent by the window's start to the one it had sent by
+            its end; about ``window_s``), which its rates and stage shares divide by.
         offered: frames/s the cameras offered (their number x their pace).
-        delivered: frames/s they delivered (``pipeline_source_frames_total``).
-        dropped: frames they dropped in it.
+        delivered: frames/s they delivered (``pipeline_source_frames_total``), each host's
+            frames over its span, summed.
+        dropped: frames they dropped in it (over the hosts' spans).
         p50, p99: the capture-to-sink latency buckets ``(lower, upper]`` in s, all cameras.
         host_p99: host -> the p99 bucket of its cameras.
         host_cameras: host -> how many of the cameras it ran.
         hosts: the hosts that ran some of them, in name order.
-        stages: stage -> (work s, blocked s) summed over the hosts.
-        busiest: (host or engine, stage, work in % of the window) of the busiest stage of
-            any process: a host's (the sinks, many threads, left out) or an engine's
-            (``engines``; ``add_engines``).
+        stages: stage -> (work s, blocked s) summed over the hosts (each over its span).
+        busiest: (host or engine, stage, work in % of the time it covers: the host's span,
+            about the window) of the busiest stage of any process: a host's (the sinks, many
+            threads, left out) or an engine's (``engines``; ``add_engines``).
         gpu_util: the mean GPU utilisation (%) over the window, when sampled.
         nvdec_util: the mean utilisation (%) of the GPU's video decoders over the window,
             when sampled.
@@ -267,6 +310,7 @@ class Window:
     """
 
     window_s: float | None = None
+    spans: dict[str, float] = field(default_factory=dict)
     offered: float | None = None
     delivered: float | None = None
     dropped: int | None = None
@@ -296,6 +340,13 @@ class Window:
                 share = engine.share(stage)
                 if self.busiest is None or share > self.busiest[2]:
                     self.busiest = (name, stage, share)
+
+    def span_of(self, where: str) -> float | None:
+        """The seconds the counts of ``where`` (an engine or a host) cover: its share's
+        divisor; None when not known."""
+        if where in self.engines:
+            return self.engines[where].span_s
+        return self.spans.get(where)
 
     def stage_numbers(self, where: str, stage: str) -> tuple[float, float]:
         """(work s, blocked s) of ``stage``: an engine's when ``where`` names one, else
@@ -336,7 +387,9 @@ class Window:
 
 def window_numbers(poller: MetricsPoller, start: float, end: float, cameras: set[str],
                    result: Window) -> None:
-    """Fill ``result``'s rates, drops, latency and stages from the snapshots in the window.
+    """Fill ``result``'s rates, drops, latency and stages from each host's snapshots at the
+    window's ends (``MetricsPoller.ends``): every rate and share is a counter's change over
+    the time between the two snapshots it is read from (``spans``).
 
     Raises:
         MeasurementError: a host has fewer than two snapshots in the window.
@@ -349,7 +402,7 @@ def window_numbers(poller: MetricsPoller, start: float, end: float, cameras: set
         if mine:
             result.hosts.append(host)
             result.host_cameras[host] = len(mine)
-        span = t1 - t0
+        span = result.spans[host] = t1 - t0
         frames_per_s += sum(last.frames[s] - first.frames.get(s, 0.0) for s in mine) / span
         dropped += sum(last.dropped.get(s, 0.0) - first.dropped.get(s, 0.0) for s in mine)
         buckets: dict[float, float] = {}

@@ -28,6 +28,7 @@ from pipeline.app.capacity_report import (
     largest_held,
     overload_verdict,
     report,
+    stage_lines,
     table,
     unpaced_table,
     unpaced_verdict,
@@ -153,6 +154,21 @@ def test_the_table_has_a_row_per_count_in_order_with_the_verdict_and_the_bottlen
     assert largest_held(rows) == 50
 
 
+def test_the_busiest_stage_says_the_time_its_share_is_of():
+    """The user's check, 4.2 s of work in a 6 s window: the share is of the time the host's
+    counts cover (from its metrics report sent by the window's start to the one sent by its
+    end), and the cell says it, so work / that time is the share shown."""
+    w = Window(offered=5.0, delivered=5.0, dropped=0, p50=(0.02, 0.05), p99=(0.05, 0.1),
+               hosts=["pipeline0"], spans={"pipeline0": 6.04}, window_s=6.0,
+               busiest=("pipeline0", "infer", 100 * 4.2 / 6.04),
+               stages={"infer": (4.2, 0.0), "batch": (0.01, 0.0)})
+    assert table([RunRow(1, 5.0, w)]).splitlines()[2].endswith(
+        "| yes | infer 70% of 6.0 s (4.2 s work, 0.0 s blocked) |")
+    assert stage_lines(RunRow(1, 5.0, w)) == (
+        "infer 4.2 s work, 0.0 s blocked; batch 0.0 s work, 0.0 s blocked (over the 6.0 s "
+        "between the metrics reports at the window's ends)")
+
+
 def test_a_run_with_an_error_did_not_hold_whatever_its_numbers():
     row = RunRow(5, 2.0, window(0, (0.05, 0.1), 100.0), error="killed")
     assert not row.held and held_text(row) == "no: failed (killed)"
@@ -235,7 +251,8 @@ def test_the_unpaced_row_is_throughput_beside_the_slower_ceiling(ceilings, ratio
     assert head == ("| unpaced cameras | delivered fps | x slower ceiling | dropped | p50 latency "
                     "| p99 latency | busiest stage | CPU | GPU | NVDEC | GPU memory |")
     assert cells == (f"| 100 | 5,100.0 | {'-' if ratio is None else f'{ratio:.2f}x'} | 1200 | "
-                     f"<= 50 ms | <= 200 ms | engine infer 95% (28.5 s work, 0.2 s blocked) | "
+                     f"<= 50 ms | <= 200 ms | engine infer 95% of 30.0 s (28.5 s work, 0.2 s "
+                     f"blocked) | "
                      f"8.4 of 16 cores | 97% | 88% | 3,412 MiB in 2 processes, engine 2,900 |")
 
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
+from pipeline.app import measurement
 from pipeline.app.measurement import (
+    SCRAPE_PERIOD_S,
     CpuTicks,
     HostSample,
     MeasurementError,
@@ -264,6 +268,141 @@ def test_an_idle_host_counts_from_its_snapshot_before_the_window():
     assert result.delivered == pytest.approx(100.0)  # cam0: 200 frames in 2 s; cam1: none
     assert result.stages["infer"][0] == pytest.approx(2.0)  # p0's 2 s; p1's none
     assert result.host_cameras == {"p0": 1, "p1": 1}
+
+
+class PacedHost:
+    """A host sending its metrics at the times ``sends``, read at a fake clock (``now``): one
+    camera paced at ``fps`` (its frames as of a sending: ``fps`` x that time) and an infer
+    stage busy all the time (its work: that time). ``urlopen`` stands in for
+    ``urllib.request.urlopen``: the clock advances ``took`` s per scrape, the page as of its
+    middle."""
+
+    def __init__(self, sends: list[float], fps: float = 5.0, took: float = 0.005) -> None:
+        self.sends, self.fps, self.took, self.now = sends, fps, took, 0.0
+
+    def page(self, at: float) -> str:
+        sent = max((t for t in self.sends if t <= at), default=None)
+        if sent is None:
+            return ""
+        return (f'pipeline_source_frames_total{{pipeline="p0",source="cam0"}} {self.fps * sent}\n'
+                f'pipeline_frame_latency_seconds_bucket{{le="0.05",pipeline="p0",source="cam0"}} '
+                f'{self.fps * sent}\n'
+                f'pipeline_frame_latency_seconds_bucket{{le="+Inf",pipeline="p0",source="cam0"}} '
+                f'{self.fps * sent}\n'
+                f'pipeline_stage_work_seconds_total{{pipeline="p0",stage="infer"}} {sent}\n')
+
+    def urlopen(self, url: str, timeout: float) -> object:
+        text = self.page(self.now + self.took / 2)
+        self.now += self.took
+
+        class Answer:
+            def __enter__(self) -> Answer:
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                pass
+
+            def read(self) -> bytes:
+                return text.encode()
+
+        return Answer()
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """``make(sends)``: a ``PacedHost`` whose clock and /metrics the measurement reads."""
+    def make(sends: list[float]) -> PacedHost:
+        host = PacedHost(sends)
+        monkeypatch.setattr(measurement, "time", SimpleNamespace(monotonic=lambda: host.now))
+        monkeypatch.setattr(measurement.urllib.request, "urlopen", host.urlopen)
+        return host
+    return make
+
+
+def test_a_snapshot_is_timed_when_the_host_sent_it_not_when_it_was_first_seen(fake_clock):
+    """Sent at 1.05 and 1.31: the first scrape that shows each answers up to a scrape period
+    later (1.205; 1.335, off the poller's beat). Each is timed between the scrape before it
+    began and that answer, so its time is off by at most half of that."""
+    host = fake_clock([0.0, 1.05, 1.31])
+    poller = MetricsPoller("http://unused")
+    for began in (0.8, 1.0, 1.2, 1.33):
+        host.now = began
+        poller.scrape()
+    times = [at for at, _ in poller.history["p0"]]
+    assert times[1:] == [pytest.approx((1.0 + 1.205) / 2), pytest.approx((1.2 + 1.335) / 2)]
+    for sent, at, (before, seen) in zip((1.05, 1.31), times[1:], ((1.0, 1.205), (1.2, 1.335))):
+        assert abs(at - sent) <= (seen - before) / 2
+
+
+def paced_window(make_host, seed: int, seconds: float = 6.0) -> tuple[Window, float]:
+    """One window of ``seconds`` over a ``PacedHost`` sending every 1 to 1.05 s (``seed``:
+    the phases), the poller scraping every ``SCRAPE_PERIOD_S`` and the window's ends scraped
+    off its beat, as ``capacity`` does (t0, a scrape; ... a scrape, t1). Returns the window
+    and the time its counts cover (``MetricsPoller.ends``)."""
+    rng = random.Random(seed)
+    sends, at = [], rng.uniform(0.0, 1.0)
+    while at < 20:
+        sends.append(at)
+        at += 1.0 + rng.uniform(0.0, 0.05)
+    host = make_host(sends)
+    poller = MetricsPoller("http://unused")
+    start, beat = rng.uniform(3.0, 4.0), rng.uniform(0.0, SCRAPE_PERIOD_S)
+    t0 = t1 = None
+    while t1 is None:
+        if t0 is None and beat >= start:
+            host.now = start
+            t0 = host.now
+            poller.scrape()
+        elif t0 is not None and beat >= start + seconds:
+            host.now = start + seconds
+            poller.scrape()
+            t1 = host.now
+        host.now = began = max(host.now, beat)  # the poller's beat
+        poller.scrape()
+        beat = began + SCRAPE_PERIOD_S
+    result = Window()
+    window_numbers(poller, t0, t1, {"cam0"}, result)
+    first, _, last, _ = poller.ends(t0, t1)["p0"]
+    return result, last - first
+
+
+def test_a_paced_camera_is_never_read_faster_than_it_is_paced_beyond_the_timing_error(
+        fake_clock):
+    """A camera paced at 5 fps and a stage busy all the time, over 300 phases of the host's
+    reports and the poller's scrapes in a 6 s window. The counts run from the snapshot sent
+    by the window's start to the one sent by its end: they cover all the window but at most
+    one report period (the first and last snapshot inside it, timed when first seen, covered
+    as little as 4.0 of the 6 s here, and the shorter the time, the more an error in it or
+    a batch more at one end weighs). The rates divide by the time between those two
+    sendings, each known to within half the time between the scrape before it and the one
+    that showed it: together within a scrape period (and two scrapes' own time). So 5 fps
+    is never read as more than that error allows over the window less a report period, nor
+    the stage as busier than 100% by more; and every figure is a change over the time it
+    covers."""
+    timing = SCRAPE_PERIOD_S + 2 * PacedHost([]).took
+    error = timing / (6.0 - 1.05)
+    found = [paced_window(fake_clock, seed) for seed in range(300)]
+    assert min(span for _, span in found) >= 6.0 - 1.05
+    assert max(window.delivered for window, _ in found) <= 5.0 * (1 + error)
+    assert min(window.delivered for window, _ in found) >= 5.0 * (1 - error)
+    assert max(window.busiest[2] for window, _ in found) <= 100 * (1 + error)
+    for window, span in found:  # every figure: a change over the time it covers
+        assert window.spans == {"p0": span}
+        assert window.stages["infer"][0] == pytest.approx(window.delivered / 5.0 * span)
+        assert window.busiest[2] == pytest.approx(100 * window.stages["infer"][0] / span)
+
+
+def test_a_host_that_sent_one_new_snapshot_in_the_window_counts_over_the_time_between_them():
+    """p0 sent at 0.5 and at 1.5, nothing more by the window's end (3.0): its 100 frames
+    cover the second between those sendings, not the 2 s of the window."""
+    poller = MetricsPoller("http://unused")
+    poller.history["p0"] = [(at, parse_metrics(metrics_page(frames, frames, work=work))["p0"])
+                            for at, frames, work in ((0.5, 100, 1.0), (1.5, 200, 1.8))]
+    result = Window()
+    window_numbers(poller, 1.0, 3.0, {"cam0"}, result)
+    assert result.delivered == pytest.approx(100.0)
+    assert result.busiest == ("p0", "infer", pytest.approx(80.0))
+    assert result.spans == {"p0": pytest.approx(1.0)}
 
 
 def test_the_child_runs_in_its_own_group_and_stops_on_one_sigint(tmp_path):
