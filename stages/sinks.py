@@ -586,6 +586,8 @@ class SinkStage(Stage[BatchDetections, None]):
                 unfinished.unlink()
                 log.info("an earlier run's unfinished output deleted: this run writes it "
                          "anew", sink=self.name, path=str(unfinished))
+        if self.video_path is not None and not resumed:
+            self._delete_cut_parts()
         # The records of a part are written before its video: whatever a killed run's MP4
         # holds has its records.
         if self.jsonl_path is not None:
@@ -597,6 +599,20 @@ class SinkStage(Stage[BatchDetections, None]):
         if self.video_path is not None:
             self.writers.append(VideoWriter(self.video_path, self.crf))
             self._recordings.append(self.writers[-1])
+
+    def _delete_cut_parts(self) -> None:
+        """A source started from its first frame: the video parts that earlier resumed runs
+        left cut short (``NAME.from-FRAME.partial.mp4``) belong to records this run replaces,
+        and a later resume of this run would take them for its own (frames twice, another
+        run's video under these records' name): deleted now, each logged. Final-named parts
+        stay until this run completes (``_delete_replaced_video``)."""
+        assert self.video_path is not None
+        suffix = f".partial{self.video_path.suffix}"
+        for part in video_parts(self.video_path):
+            if part.name.endswith(suffix):
+                part.unlink(missing_ok=True)
+                log.info("an earlier run's unfinished output deleted: this run writes it "
+                         "anew", sink=self.name, path=str(part))
 
     def _finish_earlier(self, unfinished: Path, final: Path) -> None:
         """A live source's output left ``.partial`` by an earlier run that was killed (or
@@ -619,8 +635,9 @@ class SinkStage(Stage[BatchDetections, None]):
             return
         replaced = final.exists()
         os.replace(unfinished, final)
-        log.info("an earlier run's unfinished output kept under its final name (that run "
-                 "ended without it)", sink=self.name, path=str(final),
+        log.info("an earlier run's unfinished output given its final name (that run ended "
+                 "without it); this run's own replaces it when it ends", sink=self.name,
+                 path=str(final),
                  renamed_from=str(unfinished), **({"replaced": True} if replaced else {}))
 
     def recording_of(self, frame: int) -> VideoWriter | None:
@@ -739,7 +756,8 @@ class SinkStage(Stage[BatchDetections, None]):
     def _delete_replaced_video(self) -> None:
         """A source that was not resumed just completed with its whole video in ``NAME.mp4``:
         what earlier runs left of that video is replaced by it and deleted, each logged: the
-        parts of a resumed run (``NAME.from-FRAME.mp4``, final or cut short) and an earlier
+        parts of a resumed run (``NAME.from-FRAME.mp4``; those cut short went when this run
+        started, ``_delete_cut_parts``) and an earlier
         run's video set aside (``NAME.older.mp4``). When this run wrote no video (no frame
         came), nothing replaces them: they stay."""
         writer = self._video_writer()

@@ -536,10 +536,12 @@ def test_a_resumed_file_that_completes_again_replaces_the_video_set_aside_before
 @pytest.mark.parametrize("count", [6, 0])
 def test_a_whole_run_deletes_the_parts_and_the_older_video_it_replaces_naming_each(
         tmp_path: Path, count: int) -> None:
-    """A run that was not resumed and wrote the whole video replaces the parts of resumed
-    runs (final or cut short) and the video set aside: each deletion is logged. One that
-    completed without a frame wrote no video to replace them with: it deletes nothing."""
-    earlier = ["cam.from-0.mp4", "cam.from-30.mp4", "cam.from-40.partial.mp4", "cam.older.mp4"]
+    """A run that was not resumed and wrote the whole video replaces the final parts of
+    resumed runs and the video set aside: each deletion is logged. One that completed
+    without a frame wrote no video to replace them with: it deletes none of them. A part cut
+    short goes at the start in both (``_delete_cut_parts``), logged."""
+    earlier = ["cam.from-0.mp4", "cam.from-30.mp4", "cam.older.mp4"]
+    (tmp_path / "cam.from-40.partial.mp4").write_bytes(b"x")
     others = ["cam.from-x.mp4", "cam.from-3.txt", "door.from-0.mp4", "cam.older.jsonl"]
     for name in earlier + others:
         (tmp_path / name).write_bytes(b"x")
@@ -548,6 +550,9 @@ def test_a_whole_run_deletes_the_parts_and_the_older_video_it_replaces_naming_ea
         run_stage(cam_sink(tmp_path), [*parts(grey_frames(range(count)), 4),
                                        EndOfStream("cam", count)])
     deleted = events(logs, "older video deleted: replaced by this run's")
+    assert [e["path"] for e in events(logs, "an earlier run's unfinished output deleted: this "
+                                            "run writes it anew")] == [
+        str(tmp_path / "cam.from-40.partial.mp4")]
     if count:
         assert names(tmp_path) == {"cam.mp4", "cam.jsonl", *others}
         assert sorted(Path(e["path"]).name for e in deleted) == sorted(earlier)
@@ -702,8 +707,8 @@ def test_a_killed_runs_camera_output_gets_its_final_name_when_the_next_run_start
     assert [json.loads(line)["frame"] for line in
             (tmp_path / "cam.jsonl").read_text().splitlines()] == list(range(30))
     assert len(read_frames(tmp_path / "cam.mp4")) == 12  # the killed run's, not OLDER
-    kept = events(logs, "an earlier run's unfinished output kept under its final name (that "
-                        "run ended without it)")
+    kept = events(logs, "an earlier run's unfinished output given its final name (that run "
+                        "ended without it); this run's own replaces it when it ends")
     assert sorted((e["path"], e.get("replaced", False)) for e in kept) == [
         (str(tmp_path / "cam.jsonl"), False), (str(tmp_path / "cam.mp4"), True)]
 
@@ -719,3 +724,21 @@ def test_an_empty_unfinished_camera_output_is_deleted_not_kept(tmp_path: Path) -
     assert (tmp_path / "cam.jsonl").read_text() == '{"frame": 0}\n'
     (deleted,) = events(logs, "an earlier run's empty unfinished output deleted")
     assert deleted["path"] == str(partial_path(tmp_path / "cam.jsonl"))
+
+
+def test_a_file_started_over_deletes_the_parts_earlier_resumed_runs_cut_short(
+        tmp_path: Path) -> None:
+    """A new user's --restart left bikes.from-127.partial.mp4 of an earlier resumed run; the
+    restarted run, stopped and resumed, took that part for its own: frames 127-214 twice, the
+    older run's video under the new records' name."""
+    writer = VideoWriter(tmp_path / "cam.from-12.mp4", crf=23)  # a resumed run's part, cut
+    writer.write(parts(grey_frames(range(12, 20)), 100)[0])
+    writer.close(complete=False)
+    (tmp_path / "cam.from-3.mp4").write_bytes(b"a finished run's part")  # final: stays
+    with capture_logs() as logs:
+        run_stage(cam_sink(tmp_path), parts(grey_frames(range(6)), 3), finish=False)
+    assert "cam.from-12.partial.mp4" not in names(tmp_path)
+    assert "cam.from-3.mp4" in names(tmp_path)  # until this run completes
+    deleted = [e["path"] for e in events(logs, "an earlier run's unfinished output deleted: "
+                                               "this run writes it anew")]
+    assert deleted == [str(tmp_path / "cam.from-12.partial.mp4")]
