@@ -376,7 +376,10 @@ class PipelineHost:
             if self.view is not None:
                 self.view.close()
             for metrics in graph.stage_metrics.values():
-                log.info("stage summary", host=self.name, **metrics.summary())
+                summary = metrics.summary()
+                if summary["frames"] or summary["work_s"] or summary["blocked_s"]:
+                    # (a stage that did nothing, a spare's say, has nothing to tell)
+                    log.info("stage summary", host=self.name, **summary)
             self._finished.set()
 
     def _fail(self, reason: str, usage: bool) -> None:

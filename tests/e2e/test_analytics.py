@@ -551,3 +551,7 @@ def test_with_two_workers_only_the_worker_that_made_media_logs_its_summary(
     (summary,) = run.events("event media summary")
     assert (summary["snapshots"], summary["clips"], summary["dropped"], summary["failed"],
             summary["sources"]) == (len(events), 0, 0, 0, ["bikes"])
+    # nor a stage that did nothing (the idle workers' track, analytics, annotate, ...)
+    stages = run.events("stage summary")
+    assert stages and all(s["frames"] or s["work_s"] or s["blocked_s"] for s in stages)
+    assert len({s["host"] for s in stages if s["stage"] == "analytics"}) == 1
