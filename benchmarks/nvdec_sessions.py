@@ -16,9 +16,9 @@ and is dropped. The rows run one after another; each is counted over ``--seconds
 - delivered frames/s, and offered frames/s for a paced row;
 - late: the share of the window's frames delivered more than 100 ms after they were due
   (paced rows; a decoder that cannot keep up delivers ever later);
-- NVDEC and GPU busy (``nvidia-smi``'s decoder and GPU utilisation, mean of samples every
-  250 ms over the window);
-- CPU: the machine's cores busy over the window (``/proc/stat``).
+- NVDEC and GPU busy (the decoder and GPU utilisation, mean of samples every 250 ms over the
+  window: ``pipeline.app.measurement.UtilisationSampler``, as ``capacity``'s);
+- CPU: the machine's cores busy over the window (``/proc/stat``: ``measurement.cores_busy``).
 
 So the question "what lowers NVDEC's frames per busy second in a run" is answered by rows
 that differ in one thing: the session count, the processes (CUDA contexts), compute load, or
@@ -30,18 +30,18 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
 import re
-import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.app.measurement import UtilisationSampler, cores_busy, cpu_ticks
+
 ROW = re.compile(r"^(\d+)x(\d+)(?:@(\d+(?:\.\d+)?))?(\+load)?(\+copy)?$")
 LATE_S = 0.1  # a paced frame delivered later than this after its due time is late
-SAMPLE_MS = 250  # nvidia-smi's sampling period
+SAMPLE_S = 0.25  # GPU and NVDEC utilisation sampled this often (NVML, else nvidia-smi)
 FLUSH_S = 0.25  # each child adds its threads' counts to the shared counters this often
 
 
@@ -160,18 +160,6 @@ def _load_child(device: int, stop: object, done: object) -> None:
                 done.value += 8
 
 
-def proc_stat() -> list[int]:
-    """/proc/stat's first line: the machine's CPU time counters (clock ticks)."""
-    return [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-
-
-def cores_busy(before: list[int], after: list[int]) -> float:
-    """Cores busy between two ``proc_stat`` readings (idle and iowait count as not busy)."""
-    idle = (after[3] + after[4]) - (before[3] + before[4])
-    total = sum(after) - sum(before)
-    return (os.cpu_count() or 1) * (total - idle) / total if total else 0.0
-
-
 def measure(row: Row, clip: Path, seconds: float, warmup_s: float, device: int) -> dict:
     """One row's figures (module docstring)."""
     context = multiprocessing.get_context("spawn")
@@ -188,18 +176,13 @@ def measure(row: Row, clip: Path, seconds: float, warmup_s: float, device: int) 
         proc.start()
     try:
         time.sleep(warmup_s)
-        smi = subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=utilization.gpu,utilization.decoder",
-             "--format=csv,noheader,nounits", f"-lms={SAMPLE_MS}", f"--id={device}"],
-            stdout=subprocess.PIPE, text=True)
-        stat, f0, l0, p0 = proc_stat(), frames.value, late.value, products.value
-        t0 = time.perf_counter()
-        time.sleep(seconds)
-        f1, l1, p1, t1 = frames.value, late.value, products.value, time.perf_counter()
-        cores = cores_busy(stat, proc_stat())
-        smi.terminate()
-        samples = [tuple(float(v) for v in line.split(",")) for line in
-                   smi.communicate(timeout=10)[0].splitlines() if line.count(",") == 1]
+        with UtilisationSampler(True, SAMPLE_S, device) as sampler:
+            ticks, f0, l0, p0 = cpu_ticks(), frames.value, late.value, products.value
+            t0 = time.perf_counter()
+            time.sleep(seconds)
+            f1, l1, p1, t1 = frames.value, late.value, products.value, time.perf_counter()
+            cores = cores_busy(ticks, cpu_ticks())
+        gpu, nvdec = sampler.mean(t0, t1) or (None, None)
     finally:
         stop.set()
         for proc in procs:
@@ -210,9 +193,8 @@ def measure(row: Row, clip: Path, seconds: float, warmup_s: float, device: int) 
     return {"row": row.label, "fps": delivered,
             "offered": row.sessions * row.fps if row.fps else None,
             "late": (l1 - l0) / max(f1 - f0, 1) if row.fps else None,
-            "gpu": sum(s[0] for s in samples) / len(samples) if samples else None,
-            "nvdec": sum(s[1] for s in samples) / len(samples) if samples else None,
-            "cores": cores, "load": (p1 - p0) / (t1 - t0) if row.load else None}
+            "gpu": gpu, "nvdec": nvdec, "cores": cores,
+            "load": (p1 - p0) / (t1 - t0) if row.load else None}
 
 
 def table(results: list[dict]) -> str:
@@ -226,7 +208,8 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {r['row']} | {r['fps']:,.1f} | "
                      + ("-" if r["offered"] is None else f"{r['offered']:,.0f}") + " | "
                      + ("-" if r["late"] is None else f"{100 * r['late']:.1f}%")
-                     + f" | {pct(r['nvdec'])} | {pct(r['gpu'])} | {r['cores']:.1f} | "
+                     + f" | {pct(r['nvdec'])} | {pct(r['gpu'])} | "
+                     + ("-" if r["cores"] is None else f"{r['cores']:.1f}") + " | "
                      + ("-" if r.get("load") is None else f"{r['load']:.1f}") + " |")
     return "\n".join(lines)
 

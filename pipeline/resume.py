@@ -275,6 +275,18 @@ def check_settings(config: PipelineConfig, source: SourceConfig, jsonl_path: Pat
     return None
 
 
+def video_parts(path: Path) -> dict[Path, int]:
+    """{file: its first frame} of the parts of output ``path``'s video in its folder, final
+    (``cam.from-1200.mp4``) or cut short (``cam.from-1200.partial.mp4``): only names
+    ``stages.sinks.resumed_video_path`` (and ``partial_path`` of one) makes."""
+    pattern = re.compile(rf"{re.escape(path.stem)}\.from-(\d+)(\.partial)?"
+                         rf"{re.escape(path.suffix)}")
+    if not path.parent.is_dir():
+        return {}
+    return {p: int(match.group(1)) for p in sorted(path.parent.iterdir())
+            if (match := pattern.fullmatch(p.name)) and p.is_file()}
+
+
 def earlier_video(config: PipelineConfig, source: SourceConfig) -> list[Path]:
     """The video an earlier run of file ``source`` left cut short, which this run does not
     continue as it writes none (``output.video: null``): ``NAME.partial.mp4`` and the parts of
@@ -284,11 +296,9 @@ def earlier_video(config: PipelineConfig, source: SourceConfig) -> list[Path]:
     if config.output.video is not None:
         return []
     base = config.output_path(EARLIER_VIDEO, source.name)
-    parts = re.compile(rf"{re.escape(base.stem)}\.from-\d+\.partial{re.escape(base.suffix)}")
     found = [partial_path(base)] if partial_path(base).is_file() else []
-    if base.parent.is_dir():
-        found += sorted(p for p in base.parent.iterdir() if parts.fullmatch(p.name))
-    return found
+    return found + [part for part in video_parts(base)
+                    if part.name.endswith(f".partial{base.suffix}")]
 
 
 def cut_torn_line(path: Path) -> bytes | None:

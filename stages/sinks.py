@@ -54,7 +54,13 @@ import structlog
 
 from pipeline.config import partial_path
 from pipeline.records import AnalyticsEvent, BatchDetections, EndOfStream
-from pipeline.resume import RecordsSettings, cut_torn_line, stamp_origin, stamp_settings
+from pipeline.resume import (
+    RecordsSettings,
+    cut_torn_line,
+    stamp_origin,
+    stamp_settings,
+    video_parts,
+)
 from pipeline.stage import Stage
 
 
@@ -343,18 +349,6 @@ def older_video_path(path: Path) -> Path:
     """Where an earlier run's whole video goes when a resumed run of its source completes
     in parts (its records no longer match it): ``cam.mp4`` -> ``cam.older.mp4``."""
     return path.with_name(f"{path.stem}.older{path.suffix}")
-
-
-def video_parts(path: Path) -> dict[Path, int]:
-    """{file: its first frame} of the parts of output ``path``'s video in its folder, final
-    (``cam.from-1200.mp4``) or cut short (``cam.from-1200.partial.mp4``): only names
-    ``resumed_video_path`` (and ``partial_path`` of one) makes."""
-    pattern = re.compile(rf"{re.escape(path.stem)}\.from-(\d+)(\.partial)?"
-                         rf"{re.escape(path.suffix)}")
-    if not path.parent.is_dir():
-        return {}
-    return {p: int(match.group(1)) for p in sorted(path.parent.iterdir())
-            if (match := pattern.fullmatch(p.name)) and p.is_file()}
 
 
 @dataclass(frozen=True)

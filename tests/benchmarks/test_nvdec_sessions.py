@@ -1,6 +1,6 @@
 import pytest
 
-from benchmarks.nvdec_sessions import Row, cores_busy, deal, main, parse_rows, table
+from benchmarks.nvdec_sessions import Row, deal, main, parse_rows, table
 
 
 def test_rows_parse_sessions_processes_pace_and_load():
@@ -24,13 +24,6 @@ def test_sessions_are_dealt_evenly_over_the_processes():
     assert sorted(n for part in parts for n in part) == list(range(152))
     assert [len(p) for p in parts] == [31, 31, 30, 30, 30]
     assert deal(0, 0) == []
-
-
-def test_cores_busy_counts_everything_but_idle_and_iowait(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
-    before = [100, 0, 100, 1000, 50, 0, 0, 0, 0, 0]
-    after = [400, 0, 200, 1300, 150, 0, 0, 0, 0, 0]  # 400 busy of 800 ticks
-    assert cores_busy(before, after) == pytest.approx(8.0)
 
 
 def test_the_table_shows_late_only_for_paced_rows():
