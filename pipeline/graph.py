@@ -41,6 +41,7 @@ from __future__ import annotations
 import threading
 import time
 import types
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, get_args
@@ -61,6 +62,10 @@ JOIN_TIMEOUT_S = 10.0
 # within its read timeout; its thread is a daemon and holds no output open).
 SOURCE_ABORT_WAIT_S = 1.0
 REPORT_INTERVAL_S = 60.0  # a "source stats" log line per source this often
+DROP_REPORT_S = 5.0  # a "live frames dropped" warning, with why, at most this often
+# Why a live frame was dropped (``drop_frame``'s reasons, then the decoders' two)
+QUEUE_FULL, SINK_BEHIND = "queue_full", "sink_behind"
+DECODER_NO_SLOT, DECODER_BEHIND = "no_frame_slot", "behind_real_time"
 CONTROL_LANE = "control"  # the first queue's lane that stays open until the run ends
 STOP_WHEN = ("all_ended", "files_ended", "never")
 SOURCE_RECORD = Frame  # what every source produces (``SourceStage.frames``)
@@ -200,6 +205,9 @@ class Graph:
         self.source_metrics = {s.name: SourceMetrics(s.name) for s in sources}
 
         self._dropped = {source.name: 0 for source in sources}  # frames, per source
+        self._drop_reasons: Counter[str] = Counter()  # frames dropped after decoding, by why
+        self._decoder_drops_told: dict[str, tuple[int, int]] = {}  # source: (no slot, behind)
+        self._drop_reasons_told: Counter[str] = Counter()
         self._dropped_lock = threading.Lock()
         self._inboxes = [StageQueue(stage.name, self._stop) for stage in chain]
         self._inboxes[0].add_lane(CONTROL_LANE, 1)
@@ -245,7 +253,7 @@ class Graph:
         lane = lane or source.name
         if source.live:
             self._inboxes[0].add_lane(lane, self.queue_size, "drop_oldest",
-                                      on_drop=self.drop_frame)
+                                      on_drop=lambda frame: self.drop_frame(frame, QUEUE_FULL))
         else:
             self._inboxes[0].add_lane(lane, self.queue_size, "block")
 
@@ -382,11 +390,12 @@ class Graph:
         for queue in [*self._inboxes, *self._sink_inboxes.values()]:
             queue.wake()
 
-    def drop_frame(self, frame: Frame) -> None:
-        """A live frame was dropped before the batcher (its lane, or a source worker's
-        remote inference stage): count it, free its slot."""
+    def drop_frame(self, frame: Frame, reason: str) -> None:
+        """A live frame was dropped before the batcher (its lane: ``QUEUE_FULL``, or a source
+        worker's remote inference stage, which names its reason): count it, free its slot."""
         with self._dropped_lock:
             self._dropped[frame.source] += 1
+            self._drop_reasons[reason] += 1
         if self.ring is not None and frame.slot >= 0:
             self.ring.release([frame.slot])
 
@@ -395,6 +404,7 @@ class Graph:
         name = part.frames.source_name(0)
         with self._dropped_lock:
             self._dropped[name] += len(part)
+            self._drop_reasons[SINK_BEHIND] += len(part)
         if self.ring is not None and self._release_at_sink:
             self.ring.release(part.frames.slot)
 
@@ -645,6 +655,30 @@ class Graph:
             metrics.reconnects = source.reconnects
             metrics.link = source.link
 
+    def report_drops(self, seconds: float) -> None:
+        """Log one warning when live frames were dropped since the last call (``seconds``
+        ago), counted by why: ``queue_full`` (a source's lane), ``sink_behind`` (its sink's
+        lane), the remote inference stage's reasons (``no_engine_slot``: its worker's share
+        of the engine's ring in use; ``engine_away``, ``engine_lost``), and the decoders'
+        ``no_frame_slot`` (every host frame slot in flight) and ``behind_real_time``
+        (skipped to a keyframe)."""
+        with self._dropped_lock:
+            reasons = self._drop_reasons - self._drop_reasons_told
+            self._drop_reasons_told = Counter(self._drop_reasons)
+        for source in list(self.sources):
+            now = (source.dropped - source.skipped, source.skipped)
+            told = self._decoder_drops_told.get(source.name, (0, 0))
+            if now[0] < told[0] or now[1] < told[1]:
+                told = (0, 0)  # a new source of that name
+            self._decoder_drops_told[source.name] = now
+            for reason, new in ((DECODER_NO_SLOT, now[0] - told[0]),
+                                (DECODER_BEHIND, now[1] - told[1])):
+                if new:
+                    reasons[reason] += new
+        if reasons:
+            log.warning("live frames dropped", seconds=round(seconds, 1),
+                        frames=sum(reasons.values()), **dict(sorted(reasons.items())))
+
     def queue_depths(self) -> dict[str, int]:
         """Items waiting now in front of each stage and sink, by its name."""
         return {queue.name: queue.depth()
@@ -654,6 +688,7 @@ class Graph:
         # Join with short timeouts so the main thread keeps handling signals (Ctrl-C).
         started = time.monotonic()
         next_report = started + REPORT_INTERVAL_S
+        drops_told_at = started
         while not self._stop.is_set():
             threads = self._all_threads()
             alive = [t for t in threads if t.is_alive()]
@@ -661,6 +696,9 @@ class Graph:
                 break
             alive[0].join(0.1)
             self._check_stop_when()
+            if time.monotonic() >= drops_told_at + DROP_REPORT_S:
+                self.report_drops(time.monotonic() - drops_told_at)
+                drops_told_at = time.monotonic()
             if time.monotonic() >= next_report:
                 next_report += REPORT_INTERVAL_S
                 self.refresh_source_metrics()

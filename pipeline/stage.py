@@ -114,12 +114,14 @@ class SourceStage:
         dropped: frames a live source decoded but discarded because every frame slot was in
             flight (the pipeline is behind), or read without decoding them to catch up with
             real time (``max_lag_ms``); they still count in the frame index.
+        skipped: of ``dropped``, those read without decoding to catch up with real time.
     """
 
     live: bool = False
     expected_frames: int | None = None
     reconnects: int = 0
     dropped: int = 0
+    skipped: int = 0
     link: LinkStatus | None = None
 
     def __init__(self, name: str) -> None:

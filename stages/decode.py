@@ -373,6 +373,7 @@ class DecodeStage(SourceStage):
                         continue
                     if picture is SKIPPED:  # behind real time: dropped, its number kept
                         self.dropped += 1
+                        self.skipped += 1
                         index += 1
                         continue
                     if index < self.first_index:  # resuming a file: already delivered

@@ -65,6 +65,10 @@ FLUSH_ROWS = 16  # a submit message goes once this many frames wait (else when i
 RESULT_POLL_S = 0.002  # how often finished frames are looked for while some are out
 RECONNECT_INITIAL_S, RECONNECT_MAX_S = 0.2, 2.0
 CUDA_STREAM_LEGACY = 1  # FFmpeg queues its output copies on the legacy default stream
+# Why a live frame was dropped here (``on_drop``'s reason; ``Graph.report_drops`` logs them):
+NO_ENGINE_SLOT = "no_engine_slot"  # its worker's share of the engine's device ring is in use
+ENGINE_AWAY = "engine_away"  # the engine is restarting
+ENGINE_LOST = "engine_lost"  # sent, unanswered, when the engine died
 
 
 @dataclass
@@ -101,8 +105,8 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
         keep_images: a later stage reads the frames' images (video, previews): the sinks
             free the host slots; else they are freed once the results are in.
         stop: the graph's abort event (ends every wait).
-        on_drop: called with each live frame dropped here (the graph counts it, frees its
-            host slot).
+        on_drop: called with each live frame dropped here and why (``NO_ENGINE_SLOT``,
+            ``ENGINE_AWAY``, ``ENGINE_LOST``; the graph counts it, frees its host slot).
         keep_device_pictures: the GPU-decoded frames' pictures go on with their batch
             (``FrameBatch.device_pictures``, for the event snapshots); else the decoder's
             surface is let go once the results are in.
@@ -110,7 +114,7 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
 
     def __init__(self, name: str, link: EngineLink, worker: int, ring: SlotRing,
                  input_size: tuple[int, int], keep_images: bool, stop: threading.Event,
-                 on_drop: Callable[[Frame], None], keep_device_pictures: bool = False) -> None:
+                 on_drop: Callable[[Frame, str], None], keep_device_pictures: bool = False) -> None:
         super().__init__(name)
         self.link, self.worker, self.ring = link, worker, ring
         self.input_height, self.input_width = input_size
@@ -166,7 +170,7 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
                                       item.capture_time if item.pts is None else item.pts)
         live = self.sources_live[source]
         if detect and live and self._link is None:  # the engine is away: stay fresh
-            self.on_drop(item)
+            self.on_drop(item, ENGINE_AWAY)
             return self._take_done()
         token = next(self._tokens)
         with self._cond:
@@ -288,7 +292,7 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
                 rows.append((token, frame.slot if frame.device_planes is None else -1,
                              entry.device_slot, frame.width, frame.height))
             if dropped:
-                self._drop(dropped)
+                self._drop(dropped, NO_ENGINE_SLOT)
             if rows:
                 self._send(link, rows, copies)
 
@@ -317,15 +321,15 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
             self.blocked_s += time.perf_counter() - started
             return link.free_device.popleft()
 
-    def _drop(self, tokens: list[int]) -> None:
-        """Drop these live frames (counted by ``on_drop``)."""
+    def _drop(self, tokens: list[int], reason: str) -> None:
+        """Drop these live frames (counted by ``on_drop``, with ``reason``)."""
         with self._cond:
             entries = [self._entries.pop(token) for token in tokens]
             gone = set(tokens)
             self._order = deque(t for t in self._order if t not in gone)
         for entry in entries:
             entry.item.device_planes = None
-            self.on_drop(entry.item)
+            self.on_drop(entry.item, reason)
 
     def _copy_in(self, link: _Link, entries: list[_Entry]) -> None:
         if not entries:
@@ -394,7 +398,7 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
             with self._cond:
                 stale = [t for t in self._order
                          if not self._entries[t].done and self._entries[t].live]
-            self._drop(stale)
+            self._drop(stale, ENGINE_LOST)
             with self._cond:
                 self._unsent = [t for t in self._order if not self._entries[t].done]
         new = self._connect()

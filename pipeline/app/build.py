@@ -306,7 +306,7 @@ def build_graph(config: PipelineConfig,
                      setting="auto" if config.runtime.decode_workers is None
                      else "runtime.decode_workers")
         remote = RemoteInferStage("remote_infer", link, worker, ring, size, keep_images, stop,
-                                  on_drop=lambda frame: None,
+                                  on_drop=lambda frame, reason: None,
                                   keep_device_pictures=device_pictures)
         chain: list[Stage] = [remote]
     else:

@@ -176,6 +176,25 @@ def test_live_source_drops_oldest_when_downstream_is_slow() -> None:
     assert received == sorted(received) and received[-1] == 59  # newest kept, order kept
 
 
+
+def test_live_drops_are_told_once_a_report_with_why() -> None:
+    sources = [TinySource("cam", 60, live=True)]
+    graph, _ = build(sources, chain_of(Tag("one")), queue_size=2, sink_delay_s=0.01)
+    graph.run()
+    in_queues = graph.source_metrics["cam"].dropped
+    assert in_queues > 0
+    sources[0].dropped, sources[0].skipped = 7, 3  # as a decoder counts: 4 want a slot, 3 skipped
+    with capture_logs() as logs:
+        graph.report_drops(5.0)
+        graph.report_drops(5.0)  # nothing new since: no line
+    told = [e for e in logs if e["event"] == "live frames dropped"]
+    assert len(told) == 1 and told[0]["log_level"] == "warning"
+    assert told[0]["frames"] == in_queues + 7 and told[0]["seconds"] == 5.0
+    assert told[0]["no_frame_slot"] == 4 and told[0]["behind_real_time"] == 3
+    # the slow sink's lane drops (and its backpressure may fill the source's lane)
+    assert told[0]["sink_behind"] > 0
+    assert told[0].get("queue_full", 0) + told[0]["sink_behind"] == in_queues
+
 def test_file_source_never_drops() -> None:
     sources = [TinySource("file", 40)]
     graph, sinks = build(sources, chain_of(Tag("one")), queue_size=1, sink_delay_s=0.002)

@@ -49,7 +49,7 @@ def stage_with_file_frames(frames: int, lost: _Link) -> RemoteInferStage:
     stage = RemoteInferStage("remote_infer", SimpleNamespace(), 0,
                              SimpleNamespace(release=lambda slots: None), (32, 32),
                              keep_images=False, stop=threading.Event(),
-                             on_drop=lambda frame: None)
+                             on_drop=lambda frame, reason: None)
     stage._copy_in = lambda link, entries: None  # the NVDEC copies: no GPU here
     stage.add_source("file", live=False)
     for token in range(frames):
