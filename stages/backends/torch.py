@@ -67,7 +67,8 @@ conversion, dynamo's trace of the module (seconds) and the CUDA graph captures (
 their process); cuDNN's algorithm search, which torch does not cache on disk, is off (above).
 ``warmup()`` logs a heartbeat every few seconds while it compiles and one ``model ready`` line
 with ``seconds`` (construction and warm-up), ``cache="hit"`` (every compiled graph came from
-the cache) or ``"miss"``, ``compiled``, ``buckets``, ``capture_s`` (the seconds each bucket
+the cache) or ``"miss"``, ``cache_counts`` (the FX graph and AOTAutograd caches' hits,
+misses and bypasses during the warm-up: a miss says which), ``compiled``, ``buckets``, ``capture_s`` (the seconds each bucket
 took to compile or load and capture) and ``build_s`` (converting the ONNX, moving it to the
 device).
 """
@@ -481,13 +482,18 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _cache_counters() -> tuple[int, int]:
-    """(hits, misses) of inductor's FX graph and AOTAutograd caches so far in this process."""
+CACHE_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+                  ("inductor", "fxgraph_cache_bypass"), ("aot_autograd", "autograd_cache_hit"),
+                  ("aot_autograd", "autograd_cache_miss"),
+                  ("aot_autograd", "autograd_cache_bypass"))
+
+
+def _cache_counters() -> dict[str, int]:
+    """Hits, misses and bypasses of inductor's FX graph and AOTAutograd caches so far in this
+    process, by torch's counter name."""
     from torch._dynamo.utils import counters
 
-    inductor, aot = counters["inductor"], counters["aot_autograd"]
-    return (inductor["fxgraph_cache_hit"] + aot["autograd_cache_hit"],
-            inductor["fxgraph_cache_miss"])
+    return {name: counters[group][name] for group, name in CACHE_COUNTERS}
 
 
 class TorchBackend(InferenceBackend):
@@ -681,7 +687,7 @@ class TorchBackend(InferenceBackend):
             The output of that run, (max_batch, 4 + classes, anchors), as ``infer`` returns it.
         """
         started = time.perf_counter()
-        hits, misses = _cache_counters()
+        before = _cache_counters()
         # On the CPU (no graphs): compile at max_batch, 2 (frames after graph breaks turn
         # dynamic) and 1 (specialised), the sizes a partial batch can meet.
         first = [b for b in (self.max_batch, 2, 1) if b <= self.max_batch] if self.compile else []
@@ -707,8 +713,11 @@ class TorchBackend(InferenceBackend):
                     self.capture_seconds[bucket] = round(time.perf_counter() - begun, 2)
                 output = self.infer(images, stream)
                 stream.synchronize()
-        new_hits, new_misses = _cache_counters()
-        self.cache_hit = (self.compiled and new_misses == misses and new_hits > hits)
+        after = _cache_counters()
+        counts = {name.replace("_cache", ""): after[name] - before[name]
+                  for name in after if after[name] != before[name]}
+        self.cache_hit = (self.compiled and not counts.get("fxgraph_miss")
+                          and counts.get("fxgraph_hit", 0) + counts.get("autograd_hit", 0) > 0)
         if self.compiled and self._cache_folder is not None:
             record = self._cache_folder / "key.json"
             if not record.exists():
@@ -716,6 +725,7 @@ class TorchBackend(InferenceBackend):
         self.ready_seconds = self._init_seconds + time.perf_counter() - started
         log.info("model ready", seconds=round(self.ready_seconds, 1),
                  cache="hit" if self.cache_hit else "miss", compiled=self.compiled,
+                 cache_counts=counts or None,
                  cuda_graphs=self.cuda_graphs, max_batch=self.max_batch,
                  buckets=self.buckets if self.cuda_graphs else None,
                  capture_s=self.capture_seconds or None, build_s=self.build_seconds)
