@@ -983,20 +983,21 @@ class RuntimeConfig:
                       "is ready. false: none (a dead engine is started anew after a "
                       "backoff). Not with runtime.workers: 1 (no engine process)."),
     )
-    cuda_mps: bool = field(
-        default=False,
+    cuda_mps: bool | Literal["auto"] = field(
+        default="auto",
         metadata=_doc("GPU path with an engine process: run the engine and source workers "
                       "as clients of a CUDA MPS server of the run's own (a control daemon "
                       "started in a private folder, quit at the end), so the GPU runs their "
                       "work side by side instead of time-slicing between their contexts. On "
                       "an H200 with 1080p cameras at 30 fps: 130 held (120 without), 150 "
-                      "delivered 4,484 of 4,500 frames/s (4,122-4,208 without). Off by "
-                      "default: there a killed engine's cameras took 23.9 s to deliver again "
-                      "(11 s without), and under MPS a fatal GPU error of one process (not a "
-                      "kill) ends the GPU work of every process of the run on that GPU. Needs "
-                      "nvidia-cuda-mps-control (the NVIDIA driver's utilities) and the GPU's "
-                      "compute mode Default or Exclusive_Process. Ignored, with a warning, on "
-                      "the CPU path and with runtime.workers: 1 (one process)."),
+                      "delivered 4,484 of 4,500 frames/s (4,122-4,208 without). Under MPS a "
+                      "fatal GPU error of one process (not a kill) ends the GPU work of every "
+                      "process of the run on that GPU. auto: on where "
+                      "nvidia-cuda-mps-control (the NVIDIA driver's utilities) is on PATH "
+                      "and no daemon of the machine's runs (then its clients), said in the "
+                      "log, and a daemon that fails to start is a warning; true: needed (a "
+                      "one-line error without); false: off. Nothing on the CPU path or with "
+                      "runtime.workers: 1 (one process)."),
     )
     max_restarts: int = field(
         default=3,

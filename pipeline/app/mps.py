@@ -116,3 +116,41 @@ class CudaMps:
                 os.environ[name] = value
         shutil.rmtree(self.folder, ignore_errors=True)
         log.info("cuda mps daemon quit", servers=servers)
+
+
+MACHINE_PIPE = Path("/tmp/nvidia-mps")  # the pipe folder of a daemon started without ours
+
+
+def start_for_run(setting: bool | str, on_gpu: bool) -> CudaMps | None:
+    """The run's daemon as ``runtime.cuda_mps`` says, started before any of its processes;
+    None where there is none.
+
+    ``true``: started, or ``ConfigError`` (no control program, or it failed); ignored with a
+    warning on the CPU path. ``"auto"`` (the default): started on the GPU path unless the
+    control program is missing or a daemon of the machine's is already there
+    (``CUDA_MPS_PIPE_DIRECTORY`` set, or ``/tmp/nvidia-mps/control``: its clients must not
+    be taken from it), each said in one info line; a daemon that fails to start is a warning
+    and the run goes on without. ``false``: none."""
+    if setting is False or (not on_gpu and setting == "auto"):
+        return None
+    if not on_gpu:
+        log.warning("runtime.cuda_mps: the CPU path: no MPS daemon started")
+        return None
+    if setting == "auto":
+        if shutil.which(CONTROL) is None:
+            log.info("no CUDA MPS daemon: nvidia-cuda-mps-control is not on PATH; the "
+                     "processes time-slice the GPU (runtime.cuda_mps: auto)")
+            return None
+        if os.environ.get(PIPE_VARIABLE) or (MACHINE_PIPE / "control").exists():
+            log.info("no CUDA MPS daemon of the run's own: the machine's is running; the "
+                     "processes are its clients (runtime.cuda_mps: auto)",
+                     pipe=os.environ.get(PIPE_VARIABLE) or str(MACHINE_PIPE))
+            return None
+    try:
+        return CudaMps.start()
+    except ConfigError as error:
+        if setting is True:
+            raise
+        log.warning("no CUDA MPS daemon: it failed to start; the processes time-slice the "
+                    "GPU (runtime.cuda_mps: auto)", error=str(error))
+        return None

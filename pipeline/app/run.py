@@ -165,7 +165,7 @@ def make_executor(config: PipelineConfig, ray_address: str | None = None, metric
         any(d is not None for d in devices) or (gpus if gpus is not None else gpu_count()) > 0))
     place_decoders(config, len(set(devices)), on_gpu)
     if len(devices) == 1:
-        if config.runtime.cuda_mps:
+        if config.runtime.cuda_mps is True:
             log.warning("runtime.cuda_mps: one process (runtime.workers: 1): no MPS daemon "
                         "started")
         if devices[0] is not None:

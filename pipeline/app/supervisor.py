@@ -835,13 +835,10 @@ class LocalExecutor:
         self.inboxes: dict[int, queue.SimpleQueue[HostReport | None]] = {}
         self._send_lock = threading.Lock()
         self._context = multiprocessing.get_context("spawn")
-        self.mps = None  # runtime.cuda_mps: the run's CUDA MPS daemon (pipeline.app.mps)
-        if config.runtime.cuda_mps and on_gpu:
-            from pipeline.app.mps import CudaMps
+        from pipeline.app.mps import start_for_run
 
-            self.mps = CudaMps.start()  # before any process of the run is spawned
-        elif config.runtime.cuda_mps:
-            log.warning("runtime.cuda_mps: the CPU path: no MPS daemon started")
+        # runtime.cuda_mps: the run's CUDA MPS daemon, before any process of it is spawned
+        self.mps = start_for_run(config.runtime.cuda_mps, on_gpu)
         self.engines = {device: EngineProcess(
             config, device, devices.count(device), on_gpu, self._context,
             spares=sum(1 for h in self.spares if devices[h] == device),

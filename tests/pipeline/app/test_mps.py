@@ -1,6 +1,6 @@
-"""runtime.cuda_mps's daemon (pipeline.app.mps) with a FAKE nvidia-cuda-mps-control: the real
-one needs an NVIDIA driver and GPU, which CI has not (the H200 runs the real one: capacity
-with --set runtime.cuda_mps=true). The fake records what it is asked and answers as the real
+"""runtime.cuda_mps's daemon (pipeline.app.mps: ``CudaMps``, and ``start_for_run``, which
+reads the setting) with a FAKE nvidia-cuda-mps-control: the real one needs an NVIDIA driver
+and GPU, which CI has not (the H200 runs the real one through run.py's capacity command). The fake records what it is asked and answers as the real
 one does: -d starts (exit 0) or fails with a message; on standard input, get_server_list
 prints server pids, quit ends."""
 
@@ -13,8 +13,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
-from pipeline.app.mps import LOG_VARIABLE, PIPE_VARIABLE, CudaMps
+from pipeline.app.mps import LOG_VARIABLE, PIPE_VARIABLE, CudaMps, start_for_run
 from pipeline.config import ConfigError
 
 FAKE = """#!{python}
@@ -81,3 +82,40 @@ def test_without_the_control_program_the_error_says_how_to_run(tmp_path, monkeyp
     with pytest.raises(ConfigError, match="nvidia-cuda-mps-control is not on PATH .* set "
                                           "runtime.cuda_mps: false"):
         CudaMps.start()
+
+
+def test_auto_starts_the_run_s_daemon_on_the_gpu_path_only(tmp_path, monkeypatch):
+    calls = fake_control(tmp_path, monkeypatch)
+    assert start_for_run("auto", on_gpu=False) is None and not calls.exists()
+    mps = start_for_run("auto", on_gpu=True)
+    assert mps is not None and os.environ[PIPE_VARIABLE] == str(mps.folder / "pipe")
+    mps.quit()
+    assert calls.read_text().splitlines()[0] == f"start {mps.folder / 'pipe'}"
+    assert start_for_run(False, on_gpu=True) is None
+
+
+@pytest.mark.parametrize("why", ["missing", "fails", "machine's daemon"])
+def test_auto_runs_on_without_a_daemon_and_says_why(tmp_path, monkeypatch, why):
+    calls = fake_control(tmp_path, monkeypatch, fail=why == "fails")
+    if why == "missing":
+        monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    elif why == "machine's daemon":
+        monkeypatch.setenv(PIPE_VARIABLE, str(tmp_path / "machine-pipe"))
+    with capture_logs() as logs:
+        assert start_for_run("auto", on_gpu=True) is None
+    said = [(e["log_level"], e["event"]) for e in logs]
+    expected = {"missing": ("info", "not on PATH"), "fails": ("warning", "failed to start"),
+                "machine's daemon": ("info", "the machine's is running")}[why]
+    assert len(said) == 1 and said[0][0] == expected[0] and expected[1] in said[0][1]
+    assert calls.exists() == (why == "fails")  # the machine's daemon is not even asked
+    assert os.environ.get(PIPE_VARIABLE) == (str(tmp_path / "machine-pipe")
+                                             if why == "machine's daemon" else None)
+
+
+def test_true_needs_the_daemon_and_warns_on_the_cpu_path(tmp_path, monkeypatch):
+    fake_control(tmp_path, monkeypatch, fail=True)
+    with pytest.raises(ConfigError, match="^runtime.cuda_mps: nvidia-cuda-mps-control -d"):
+        start_for_run(True, on_gpu=True)
+    with capture_logs() as logs:
+        assert start_for_run(True, on_gpu=False) is None
+    assert [e["event"] for e in logs] == ["runtime.cuda_mps: the CPU path: no MPS daemon started"]
