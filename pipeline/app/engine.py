@@ -100,7 +100,7 @@ class Engine:
         """Load the model, allocate every buffer, warm up (compile or read the cache)."""
         from pipeline.app.build import create_gpu_context, first_file_source, model_setup
         from stages.batcher import BatcherStage, DetectionSchedule
-        from stages.infer import InferStage, create_backend
+        from stages.infer import InferStage, create_backend, prepare_backend
         from stages.postprocess import DeviceNms, PostprocessStage
         from stages.preprocess import DevicePreprocess, HostPreprocess
 
@@ -113,6 +113,14 @@ class Engine:
         config, link, inference = self.config, self.link, self.config.inference
         info = model_setup(config).info
         phase("model_setup")
+        if self.prepared is None:
+            # Before the GPU's context, as a standby does it (prepare_standby): the model's
+            # compile cache is keyed on what was traced, and a standby that had converted
+            # its model first, where its engine had not, found the cache warm and missed it
+            # on the H200 (cache_counts fxgraph_miss 1: 15-17 s compiling again).
+            self.prepared = prepare_backend(inference, Path(config.model.path),
+                                            link.device is not None)
+            phase("prepare")
         self.gpu = gpu = create_gpu_context(config)
         phase("gpu")
         self.ring = SlotRing.attach(link.host_ring, link.host_slots, link.slot_bytes, [])
@@ -476,7 +484,10 @@ def prepare_standby(config: PipelineConfig, link: EngineLink, conn: Connection) 
         return STANDBY_ENDS
 
 
-HOST_SLOTS_PER_SOURCE, DEVICE_SLOTS_PER_SOURCE = 4, 3  # a worker's ring shares, per source
+# A worker's ring shares, per source. Device: a frame holds its slot from its copy in until
+# its results are back, about 3 frames at 30 fps and 100 ms; with 3 slots, 150 paced cameras
+# under MPS on the H200 dropped 6 frames in 20 s for want of one (no_engine_slot).
+HOST_SLOTS_PER_SOURCE, DEVICE_SLOTS_PER_SOURCE = 4, 4
 SLOTS_PER_WORKER = 16  # plus this many each (frames of a batch being formed)
 ENGINE_JOIN_S = 15.0
 STANDBY_JOIN_S = 1.0  # then it is killed: it holds nothing to free
