@@ -787,7 +787,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-standby-engine", action="store_true",
                         help="runtime.standby_engine: false (a dead engine is started anew)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="passed on to run.py (--set runtime.cuda_mps=true)")
+                        help="passed on to run.py (--set runtime.cuda_mps=false)")
     parser.add_argument("--engine-cache", type=Path, default=REPO_ROOT / "assets" / "engines")
     parser.add_argument("--assets", type=Path, default=REPO_ROOT / "assets")
     parser.add_argument("--budget-s", type=float, default=None,

@@ -64,7 +64,7 @@
 # nothing), then the engine (every camera again within 20 s); then the files' records are
 # checked (complete, each frame once) and the exit status after SIGINT. The start gets what
 # the rest leaves of the time left (--budget-s); its table, run.log and the files' JSONL go
-# under $OUT/failover. FAIL_ARGS: more flags (--no-standby-engine; --set runtime.cuda_mps=true,
+# under $OUT/failover. FAIL_ARGS: more flags (--no-standby-engine; --set runtime.cuda_mps=false,
 # passed on to run.py). Needs starlette and
 # uvicorn there, like livecontrol:
 #   BUDGET_S=570 bash benchmarks/gpu_check.sh failover

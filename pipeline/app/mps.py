@@ -6,8 +6,9 @@ into the engine's device ring) take turns, and every turn costs a context switch
 the processes are clients of one MPS server, whose single context runs their work
 concurrently. On the H200 at 150 paced 1080p cameras (``benchmarks/results-h200.md``,
 thirteenth session) the run delivered 4,122-4,208 frames/s without it, the engine waiting for
-a free batch set 12.7-13.1 s of 20, and 4,484 with it, the engine waiting 0.1 s; 130 cameras
-held with it, 120 without.
+a free batch set 12.7-13.1 s of 20, and 4,484 with it, the engine waiting 0.1 s; 120 cameras
+held without it. In the fourteenth session, with MPS the default (``start_for_run``) and 4
+device slots per camera, 150 held (4,503.5 frames/s, 0 dropped, p99 <= 100 ms).
 
 ``CudaMps.start`` runs ``nvidia-cuda-mps-control -d`` with its pipe and log folders in a
 fresh folder of its own (``CUDA_MPS_PIPE_DIRECTORY``, ``CUDA_MPS_LOG_DIRECTORY``), so it is
