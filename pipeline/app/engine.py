@@ -114,10 +114,11 @@ class Engine:
         info = model_setup(config).info
         phase("model_setup")
         if self.prepared is None:
-            # Before the GPU's context, as a standby does it (prepare_standby): the model's
-            # compile cache is keyed on what was traced, and a standby that had converted
-            # its model first, where its engine had not, found the cache warm and missed it
-            # on the H200 (cache_counts fxgraph_miss 1: 15-17 s compiling again).
+            # Before the GPU's context, in the order a standby does it (prepare_standby). On
+            # the H200 a standby, which had converted its model first where its engine had
+            # not, missed the engine's warm compile cache (cache_counts fxgraph_miss 1: 17 s
+            # compiling again); in this order it hit (results-h200.md, fourteenth session).
+            # What in inductor's cache key the order changed was not found.
             self.prepared = prepare_backend(inference, Path(config.model.path),
                                             link.device is not None)
             phase("prepare")

@@ -68,9 +68,9 @@ their process); cuDNN's algorithm search, which torch does not cache on disk, is
 ``warmup()`` logs a heartbeat every few seconds while it compiles and one ``model ready`` line
 with ``seconds`` (construction and warm-up), ``cache="hit"`` (every compiled graph came from
 the cache) or ``"miss"``, ``cache_counts`` (the FX graph and AOTAutograd caches' hits,
-misses and bypasses during the warm-up: a miss says which), ``compiled``, ``buckets``, ``capture_s`` (the seconds each bucket
-took to compile or load and capture) and ``build_s`` (converting the ONNX, moving it to the
-device).
+misses and bypasses during the warm-up: a miss says which), ``compiled``, ``buckets``,
+``capture_s`` (the seconds each bucket took to compile or load and capture) and ``build_s``
+(converting the ONNX, moving it to the device).
 """
 
 from __future__ import annotations

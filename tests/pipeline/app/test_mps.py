@@ -1,8 +1,8 @@
 """runtime.cuda_mps's daemon (pipeline.app.mps: ``CudaMps``, and ``start_for_run``, which
 reads the setting) with a FAKE nvidia-cuda-mps-control: the real one needs an NVIDIA driver
-and GPU, which CI has not (the H200 runs the real one through run.py's capacity command). The fake records what it is asked and answers as the real
-one does: -d starts (exit 0) or fails with a message; on standard input, get_server_list
-prints server pids, quit ends."""
+and GPU, which CI has not (the H200 runs the real one through run.py's capacity command). The
+fake records what it is asked and answers as the real one does: -d starts (exit 0) or fails
+with a message; on standard input, get_server_list prints server pids, quit ends."""
 
 from __future__ import annotations
 
