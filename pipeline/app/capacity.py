@@ -17,7 +17,8 @@ through its API in each window; ``--set KEY=VALUE`` changes the user's configura
            of Prometheus scrapes -> delivered, dropped, p50/p99, stages' work and blocked s;
            mid-window, on the GPU path, nvidia-smi's device memory per process; with --http
            POST a camera at 20% of the window, DELETE it at 60% (pipeline.app.api_client);
-           after the run, the engine's stages from its log (pipeline.app.run_log)
+           after the run, the engine's stages and the processes' drops by why from its
+           log (pipeline.app.run_log)
     decode alone, engine alone: python -m pipeline.app.ceilings (child processes, first)
     the rows, the table, results.md and results.json: pipeline.app.capacity_report
 
@@ -85,7 +86,7 @@ from pipeline.app.measurement import (
     wait_delivering,
     window_numbers,
 )
-from pipeline.app.run_log import engine_lines, engine_windows
+from pipeline.app.run_log import drop_reasons, engine_lines, engine_windows
 from pipeline.config import (
     ConfigError,
     PipelineConfig,
@@ -336,8 +337,10 @@ def measure_cameras(options: Options, user: dict[str, Any], clip: Path, fps: flo
             row.events, row.snapshots = events_written(records, data["output"]["events"])
         shutil.rmtree(records, ignore_errors=True)
     if row.window is not None and span is not None:
-        engines = engine_windows(engine_lines(folder / "run.log"), *span)
+        lines = (folder / "run.log").read_text(errors="replace").splitlines()
+        engines = engine_windows(engine_lines(lines), *span)
         row.window.add_engines(engines)
+        row.window.drop_reasons = drop_reasons(lines, *span)
         row.window.gpu_memory = gpu_memory(apps, tree)
         if row.window.gpu_memory is not None:
             row.window.gpu_memory.engine_pids = sorted(p for p in engines if p is not None)

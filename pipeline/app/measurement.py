@@ -307,6 +307,8 @@ class Window:
         cpu_busy: how many of the machine's CPUs were busy, on average over the window (all
             its processes, not only the run's: ``cores_busy``).
         cpus: how many CPUs the machine has (``/proc/stat``).
+        drop_reasons: frames dropped by why, from the processes' "live frames dropped" log
+            lines around the window (``pipeline.app.run_log.drop_reasons``), when read.
     """
 
     window_s: float | None = None
@@ -328,6 +330,7 @@ class Window:
     gpu_memory: GpuMemory | None = None
     cpu_busy: float | None = None
     cpus: int | None = None
+    drop_reasons: dict[str, int] | None = None
 
     def add_engines(self, engines: dict[int | None, EngineWindow]) -> None:
         """Add the engines' stages (``run_log.engine_windows``) and name the busiest stage
@@ -375,7 +378,9 @@ class Window:
             return ["not measured"]
         reasons = []
         if self.dropped:
-            reasons.append(f"{self.dropped} dropped")
+            why = ", ".join(f"{reason} {count}" for reason, count
+                            in sorted((self.drop_reasons or {}).items(), key=lambda rc: -rc[1]))
+            reasons.append(f"{self.dropped} dropped" + (f" (logged: {why})" if why else ""))
         if self.p99 is None:
             reasons.append("no latency counted")
         elif self.p99[1] > P99_LIMIT_S:

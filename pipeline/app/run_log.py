@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 EVENTS = ("engine stages", "engine ready")
+DROPS = "live frames dropped"  # a process's drops since its last such line, by why (Graph)
 _FIELD = re.compile(r"(\w+)=(\{[^{}]*\}|\S+)")
 
 
@@ -40,10 +41,10 @@ class LogLine:
     fields: dict[str, Any]
 
 
-def parse_line(text: str) -> LogLine | None:
-    """The "engine stages" or "engine ready" line in ``text`` (a line of ``run.log``: its
-    second since the launch, then a console or JSON log line), or None for any other line
-    (one that two processes' output interleaved into is skipped too)."""
+def parse_line(text: str, events: tuple[str, ...] = EVENTS) -> LogLine | None:
+    """The line of one of ``events`` in ``text`` (a line of ``run.log``: its second since the
+    launch, then a console or JSON log line), or None for any other line (one that two
+    processes' output interleaved into is skipped too)."""
     head, _, rest = text.strip().partition(" ")
     try:
         second = float(head)
@@ -56,8 +57,8 @@ def parse_line(text: str) -> LogLine | None:
         except ValueError:
             return None
         event = found.pop("event", None) if isinstance(found, dict) else None
-        return LogLine(second, event, found) if event in EVENTS else None
-    for event in EVENTS:
+        return LogLine(second, event, found) if event in events else None
+    for event in events:
         at = rest.find(f"] {event} ")
         if at >= 0:
             break
@@ -76,6 +77,23 @@ def engine_lines(log: Path | Iterable[str]) -> list[LogLine]:
     """Every "engine stages" and "engine ready" line of ``log`` (a file or its lines)."""
     lines = log.read_text(errors="replace").splitlines() if isinstance(log, Path) else log
     return [found for found in map(parse_line, lines) if found is not None]
+
+
+def drop_reasons(log: Path | Iterable[str], start_s: float, end_s: float) -> dict[str, int]:
+    """Frames dropped by why (``pipeline.graph.Graph.report_drops``' counts, summed over the
+    processes) in the "live frames dropped" lines of ``log`` whose interval (their
+    ``seconds`` before them) overlaps the window [``start_s``, ``end_s``]: a line covers up
+    to ``DROP_REPORT_S``, so a line across a window's end counts whole."""
+    lines = log.read_text(errors="replace").splitlines() if isinstance(log, Path) else log
+    found: dict[str, int] = {}
+    for line in (parse_line(text, (DROPS,)) for text in lines):
+        if line is None or not (line.second > start_s
+                                and line.second - float(line.fields.get("seconds", 0)) < end_s):
+            continue
+        for reason, count in line.fields.items():
+            if reason not in ("frames", "seconds") and isinstance(count, int):
+                found[reason] = found.get(reason, 0) + count
+    return found
 
 
 @dataclass

@@ -180,6 +180,12 @@ def test_held_is_zero_dropped_p99_within_100_ms_and_95_percent_delivered(dropped
     assert window.why_not_held() == why
 
 
+def test_drops_not_held_name_their_logged_reasons_largest_first():
+    window = Window(offered=100.0, delivered=100.0, dropped=6, p99=(0.05, 0.1),
+                    drop_reasons={"queue_full": 1, "no_engine_slot": 5})
+    assert window.why_not_held() == ["6 dropped (logged: no_engine_slot 5, queue_full 1)"]
+
+
 def test_a_window_not_measured_did_not_hold():
     assert not Window().held and Window().why_not_held() == ["not measured"]
 

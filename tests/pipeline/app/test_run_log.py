@@ -1,6 +1,6 @@
 """pipeline.app.run_log: the engine's "engine stages" lines as the engine writes them (its own
 ``log_summary``, in both log formats), read back from a run.log and turned into a window's
-numbers."""
+numbers; and the processes' "live frames dropped" lines summed by why."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import pytest
 import structlog
 
 from pipeline.app.engine import Engine
-from pipeline.app.run_log import EngineWindow, engine_lines, engine_windows, parse_line
+from pipeline.app.run_log import (
+    DROPS,
+    EngineWindow,
+    drop_reasons,
+    engine_lines,
+    engine_windows,
+    parse_line,
+)
 from pipeline.logging import configure_logging
 
 PID = 4242
@@ -100,3 +107,21 @@ def test_a_restarted_engine_is_counted_from_its_own_start():
 ])
 def test_other_lines_are_not_engine_lines(text):
     assert parse_line(text) is None
+
+
+@pytest.mark.parametrize("fmt", ["console", "json"])
+def test_drops_by_why_are_summed_over_the_lines_that_overlap_the_window(capsys, fmt):
+    configure_logging(fmt, "info")
+    lines = []
+    for second, counts in [(20.0, {"queue_full": 40, "behind_real_time": 9}),  # before it
+                           (32.0, {"no_engine_slot": 1}),  # (27, 32]: across its start
+                           (37.0, {"no_engine_slot": 5, "sink_behind": 2}),
+                           (58.0, {"engine_away": 300})]:  # (53, 58]: after its end
+        # as Graph.report_drops logs it, from two processes
+        for _ in range(2):
+            structlog.get_logger("graph").warning(DROPS, seconds=5.0,
+                                                  frames=sum(counts.values()), **counts)
+        lines += [f"{second:8.2f} {line}" for line in capsys.readouterr().err.splitlines()]
+    assert drop_reasons(lines, 30.0, 50.0) == {"no_engine_slot": 12, "sink_behind": 4}
+    assert drop_reasons(lines, 60.0, 80.0) == {}
+    assert engine_lines(lines) == []  # not engine lines
