@@ -81,6 +81,7 @@ DEFAULT_RATE = Fraction(25)
 FRAGMENT_S = 2.0  # every MP4: a keyframe, and so a fragment, this often (of video time)
 SEGMENT_STAMP = "%Y%m%dT%H%M%SZ"  # a segment's first frame, UTC: sorts as text in time order
 _SEGMENT_STAMP_PATTERN = r"\d{8}T\d{6}Z"
+EMPTY_VIDEO = object()  # ``_settle_video_part``: the part held no frame and is gone
 RECORDINGS_KEPT = 4  # video writers a sink remembers for ``recording_of`` (event clips)
 
 
@@ -615,14 +616,9 @@ class SinkStage(Stage[BatchDetections, None]):
         first), replacing the final file there as that run's end would have; this run's own
         replaces it in turn when it ends. One that holds nothing is deleted. Logged."""
         if final == self.video_path:
-            if cut_torn_fragment(unfinished):
-                log.warning("a torn last fragment cut from a video (written halfway: a killed "
-                            "run, or a full disk)", sink=self.name, path=str(unfinished))
-            span = video_span(unfinished)
-            empty = span is None or span[0] == 0
-        else:
-            empty = cut_torn_line(unfinished) is None
-        if empty:
+            if self._settle_video_part(unfinished) is EMPTY_VIDEO:
+                return
+        elif cut_torn_line(unfinished) is None:
             unfinished.unlink()
             log.info("an earlier run's empty unfinished output deleted", sink=self.name,
                      path=str(unfinished))
@@ -633,6 +629,23 @@ class SinkStage(Stage[BatchDetections, None]):
                  "without it); this run's own replaces it when it ends", sink=self.name,
                  path=str(final),
                  renamed_from=str(unfinished), **({"replaced": True} if replaced else {}))
+
+    def _settle_video_part(self, part: Path) -> tuple[int, int] | None | object:
+        """An earlier run's unfinished video (``.partial``: a killed run's, or a full
+        disk's) before it gets a final name: its torn last fragment cut, then what it holds
+        (``video_span``; None where PyAV cannot read it: kept, nothing is lost). One that
+        holds no frame (killed before its first fragment; the records have the frames) is
+        deleted and ``EMPTY_VIDEO`` returned. Each step logged."""
+        if cut_torn_fragment(part):
+            log.warning("a torn last fragment cut from a video (written halfway: a killed "
+                        "run, or a full disk)", sink=self.name, path=str(part))
+        span = video_span(part)
+        if span is not None and span[0] == 0:
+            part.unlink(missing_ok=True)
+            log.info("an earlier run's empty unfinished output deleted", sink=self.name,
+                     path=str(part))
+            return EMPTY_VIDEO
+        return span
 
     def recording_of(self, frame: int) -> VideoWriter | None:
         """The video writer of this run whose file holds (or will hold) frame ``frame`` of
@@ -794,14 +807,8 @@ class SinkStage(Stage[BatchDetections, None]):
         if first_part.exists():
             cut_parts[first_part] = (resumed_video_path(base, first_recorded), first_recorded)
         for part, (final, first) in cut_parts.items():
-            if cut_torn_fragment(part):
-                log.warning("a torn last fragment cut from a video part (written halfway: "
-                            "a killed run, or a full disk)", sink=self.name, path=str(part))
-            span = video_span(part)
-            if span is not None and span[0] == 0:
-                # killed before its first fragment: no frame to keep (records have them)
-                part.unlink(missing_ok=True)
-                log.info("empty video part deleted", sink=self.name, path=str(part))
+            span = self._settle_video_part(part)
+            if span is EMPTY_VIDEO:
                 continue
             replaced = final.exists()
             os.replace(part, final)
