@@ -538,16 +538,22 @@ class AnalyticsStage(Stage[BatchDetections, BatchDetections]):
                          for source, found in regions.items()}
         self._counts = {source: AnalyticsCounts(found, class_names)
                         for source, found in regions.items()}
+        self._counted_from: dict[str, int] = {}  # a source counted from a frame past its first
         self._lock = threading.Lock()  # the counts are read by the Prometheus thread
 
     def open(self) -> None:
         import supervision  # noqa: F401 - a second to import: before the first frame
 
     def add_source(self, source: str, regions: list[Region], class_names: list[str] | None,
-                   forget_s: float) -> None:
+                   forget_s: float, first_frame: int = 0) -> None:
         """Count the zones and lines of one more source (added while the pipeline runs,
-        before its first frame; any thread)."""
+        before its first frame; any thread). ``first_frame``: where it starts (a resumed
+        source's resume point): its counts are of its frames from there, which its final
+        ``analytics counts`` line says (``counted_from_frame``); its events file, appended
+        to, holds the events of every run."""
         analytics = SourceAnalytics(source, list(regions), class_names, forget_s)
+        if first_frame > 0:
+            self._counted_from[source] = first_frame
         with self._lock:
             self._sources = {**self._sources, source: analytics}
             self._counts = {**self._counts, source: AnalyticsCounts(regions, class_names)}
@@ -623,5 +629,7 @@ class AnalyticsStage(Stage[BatchDetections, BatchDetections]):
                 publisher.publish_event(eos.source, event.to_json())
             if closing:
                 publisher.publish_counts(eos.source, counts)
-        log.info("analytics counts", source=eos.source, counts=counts)
+        counted_from = self._counted_from.get(eos.source)
+        log.info("analytics counts", source=eos.source, counts=counts,
+                 **({"counted_from_frame": counted_from} if counted_from else {}))
         return (dataclasses.replace(eos, events=(*eos.events, *closing)) if closing else eos,)

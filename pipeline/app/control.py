@@ -327,6 +327,7 @@ class SourceControl:
                                      parts.get("first_tracker_id", 0))
         if parts["regions"] and self._analytics is not None:
             self._analytics.add_source(source.name, parts["regions"], self.class_names,
-                                       source.tracker_lost_s + self.track_gone_margin_s)
+                                       source.tracker_lost_s + self.track_gone_margin_s,
+                                       source.start_frame)
             if self._annotate is not None:
                 self._annotate.add_source(source.name, parts["regions"])

@@ -355,6 +355,18 @@ def test_occupancy_falls_when_a_track_is_lost(seen: Iterable[int], inside: list[
         assert events[1].frame == 6 and events[1].dwell_s == pytest.approx((4 - 2) / RATE)
 
 
+def test_a_source_counted_from_its_resume_point_says_so_in_its_final_counts() -> None:
+    stage = AnalyticsStage("analytics", {}, NAMES, {})
+    stage.add_source("cam", [region(GATE), region(DOCK)], NAMES, 10.0, first_frame=120)
+    stage.add_source("other", [region(GATE)], NAMES, 10.0)
+    with capture_logs() as logs:
+        stage.end_of_stream(EndOfStream("cam", 0))
+        stage.end_of_stream(EndOfStream("other", 0))
+    told = {e["source"]: e for e in logs if e["event"] == "analytics counts"}
+    assert told["cam"]["counted_from_frame"] == 120
+    assert "counted_from_frame" not in told["other"]
+
+
 @pytest.mark.parametrize("stopped", [False, True])
 def test_end_of_stream_closes_the_tracks_still_inside(stopped: bool) -> None:
     """Tracks 20 and 21 stand in the dock when the source ends (21 has not been inside for
