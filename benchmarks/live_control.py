@@ -371,11 +371,14 @@ def markdown(plan: Plan, result: Result, header: str) -> str:
          f"gone from /api/sources after {num(control.gone_s, 2)} s"),
     ]
     if result.stages:
-        window = result.window_s or 1.0
+        # each host's counters cover its span (about the window): the mean span, not the
+        # window, is what their sum is a share of
+        spans = list(result.spans.values())
+        covered = sum(spans) / len(spans) if spans else (result.window_s or 1.0)
         rows += [(f"stage {stage}", f"{work:,.1f} s work, {blocked:,.1f} s blocked",
-                  f"summed over {len(result.hosts)} hosts; {100 * work / window:.0f}% of one "
-                  f"thread over the window") for stage, (work, blocked) in
-                 sorted(result.stages.items(), key=lambda item: -item[1][0])]
+                  f"summed over {len(result.hosts)} hosts; {100 * work / covered:.0f}% of one "
+                  f"thread over the {covered:.1f} s its counters cover") for stage,
+                 (work, blocked) in sorted(result.stages.items(), key=lambda item: -item[1][0])]
     if result.busiest is not None:
         host, stage, share = result.busiest
         rows.append(("busiest stage", f"{host} {stage}", f"work {share:.0f}% of the window"))

@@ -46,6 +46,20 @@ def test_the_table_gives_the_gpu_and_its_decoders_utilisation_when_sampled(gpu, 
     assert {name: cells[0] for name, cells in rows.items() if "utilisation" in name} == shown
 
 
+def test_a_stage_s_share_is_of_the_time_its_hosts_counters_cover():
+    """Each host's counters cover its span (its two metrics reports), not the window."""
+    plan = Plan(False, 100, None, 30.0, 10.0, 30.0, "auto", *[Path("x")] * 6, 1, 2, 420.0)
+    result = Result(window_s=20.0, spans={"worker0": 19.0, "worker1": 21.0},
+                    stages={"sinks": (30.0, 1.0)}, hosts=["worker0", "worker1"],
+                    host_cameras={"worker0": 50, "worker1": 50})
+    rows = table_rows(markdown(plan, result, "header"))
+    assert rows["stage sinks"][1] == ("summed over 2 hosts; 150% of one thread over the 20.0 s "
+                                      "its counters cover")
+    result.spans = {"worker0": 15.0, "worker1": 15.0}
+    assert "200% of one thread over the 15.0 s" in table_rows(
+        markdown(plan, result, "header"))["stage sinks"][1]
+
+
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
     """One ``--small`` run: (its --out folder, its exit status, the table it printed)."""
