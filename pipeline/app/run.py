@@ -312,6 +312,7 @@ def finish(supervisor: Any, results: dict[str, str | None], interrupts: int,
     """Log every source's summary (each source the run had, in the order added: a name
     added again has one per source) and the run's end; print the errors; the exit status."""
     cut: list[tuple[Any, str]] = []  # (its SourceRun, where)
+    unfinished: list[str] = []  # sources with frames whose outputs are not final, a rerun's
     for run, error in supervisor.every_source():
         name = run.config.name
         ended = run.ended
@@ -324,9 +325,15 @@ def finish(supervisor: Any, results: dict[str, str | None], interrupts: int,
         if where and error is None:
             summary["cut_short"] = where
             cut.append((run, where))
+        if (run.frames and not (ended is not None and ended.complete) and not run.added
+                and run.output_number is None):
+            unfinished.append(name)
         log.info("source summary", **summary)
     log.info("run finished", seconds=round(elapsed, 2))
     if interrupts >= 2:
+        if unfinished:  # as after a first Ctrl-C (below), for the sources a rerun resumes
+            log.warning("aborted: outputs kept as .partial; run the same command again to "
+                        "resume (--restart: start over)", sources=unfinished)
         return EXIT_INTERRUPTED
     if supervisor.failure is not None:
         reason, usage = supervisor.failure

@@ -58,6 +58,9 @@ def test_second_signal_aborts_at_once_and_leaves_outputs_partial(samples, tmp_pa
     assert not (tmp_path / "bikes.mp4").exists() and not (tmp_path / "bikes.jsonl").exists()
     assert len(records(tmp_path / "bikes.partial.jsonl")) >= 10
     assert run.events("aborting") and "Traceback" not in run.stderr()
+    hint = run.events("aborted: outputs kept as .partial; run the same command again to resume "
+                      "(--restart: start over)")
+    assert [e["sources"] for e in hint] == [["bikes"]]
 
 
 @pytest.mark.slow  # the detector over a whole video on the CPU
