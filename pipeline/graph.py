@@ -208,6 +208,8 @@ class Graph:
         self._drop_reasons: Counter[str] = Counter()  # frames dropped after decoding, by why
         self._decoder_drops_told: dict[str, tuple[int, int]] = {}  # source: (no slot, behind)
         self._drop_reasons_told: Counter[str] = Counter()
+        self._source_drops_told: dict[str, int] = {}  # source: its drops at the last report
+        self.host: str | None = None  # its process's name in the run, in its drop warnings
         self._dropped_lock = threading.Lock()
         self._inboxes = [StageQueue(stage.name, self._stop) for stage in chain]
         self._inboxes[0].add_lane(CONTROL_LANE, 1)
@@ -661,10 +663,14 @@ class Graph:
         lane), the remote inference stage's reasons (``no_engine_slot``: its worker's share
         of the engine's ring in use; ``engine_away``, ``engine_lost``), and the decoders'
         ``no_frame_slot`` (every host frame slot in flight) and ``behind_real_time``
-        (skipped to a keyframe)."""
+        (skipped to a keyframe); with how many sources dropped, the one that dropped most, and
+        ``host`` where set. Called every ``DROP_REPORT_S`` while the graph runs, and once
+        as it ends."""
         with self._dropped_lock:
             reasons = self._drop_reasons - self._drop_reasons_told
             self._drop_reasons_told = Counter(self._drop_reasons)
+            in_graph = dict(self._dropped)
+        by_source: dict[str, int] = {}
         for source in list(self.sources):
             now = (source.dropped - source.skipped, source.skipped)
             told = self._decoder_drops_told.get(source.name, (0, 0))
@@ -675,9 +681,19 @@ class Graph:
                                 (DECODER_BEHIND, now[1] - told[1])):
                 if new:
                     reasons[reason] += new
+            total = in_graph.get(source.name, 0) + source.dropped
+            before = self._source_drops_told.get(source.name, 0)
+            self._source_drops_told[source.name] = total
+            new = total - before if total >= before else total  # (a new source of that name)
+            if new:
+                by_source[source.name] = new
         if reasons:
+            most = max(by_source, key=by_source.__getitem__, default=None)
             log.warning("live frames dropped", seconds=round(seconds, 1),
-                        frames=sum(reasons.values()), **dict(sorted(reasons.items())))
+                        frames=sum(reasons.values()), **dict(sorted(reasons.items())),
+                        sources=len(by_source),
+                        **({"most": f"{most} ({by_source[most]})"} if most else {}),
+                        **({"host": self.host} if self.host else {}))
 
     def queue_depths(self) -> dict[str, int]:
         """Items waiting now in front of each stage and sink, by its name."""
@@ -720,6 +736,7 @@ class Graph:
             log.error("threads did not stop in time", threads=stuck, timeout_s=JOIN_TIMEOUT_S)
             if self._error is None:
                 self._error = ("graph", TimeoutError(f"threads did not stop: {', '.join(stuck)}"))
+        self.report_drops(time.monotonic() - drops_told_at)  # those since the last report
 
     def _all_threads(self) -> list[threading.Thread]:
         with self._sources_lock:

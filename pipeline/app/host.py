@@ -348,6 +348,7 @@ class PipelineHost:
         except Exception as error:  # noqa: BLE001 - reported to the supervisor
             self._fail(f"failed to start: {type(error).__name__}: {error}", usage=False)
             return
+        graph.host = self.name
         if self._metrics:
             self._collector = GraphCollector(graph, latency)
         if self.config.runtime.http is not None:

@@ -180,20 +180,29 @@ def test_live_source_drops_oldest_when_downstream_is_slow() -> None:
 def test_live_drops_are_told_once_a_report_with_why() -> None:
     sources = [TinySource("cam", 60, live=True)]
     graph, _ = build(sources, chain_of(Tag("one")), queue_size=2, sink_delay_s=0.01)
-    graph.run()
+    with capture_logs() as logs:
+        graph.run()
     in_queues = graph.source_metrics["cam"].dropped
     assert in_queues > 0
+    # the run is shorter than DROP_REPORT_S: its one line came as it ended, with them all
+    (told,) = [e for e in logs if e["event"] == "live frames dropped"]
+    assert told["log_level"] == "warning" and told["frames"] == in_queues
+    # the slow sink's lane drops (and its backpressure may fill the source's lane)
+    assert told["sink_behind"] > 0
+    assert told.get("queue_full", 0) + told["sink_behind"] == in_queues
+    assert told["sources"] == 1 and told["most"] == f"cam ({in_queues})"
+    assert "host" not in told  # a graph of no host (the whole pipeline in one process)
+
     sources[0].dropped, sources[0].skipped = 7, 3  # as a decoder counts: 4 want a slot, 3 skipped
+    graph.host = "worker2"
     with capture_logs() as logs:
         graph.report_drops(5.0)
         graph.report_drops(5.0)  # nothing new since: no line
-    told = [e for e in logs if e["event"] == "live frames dropped"]
-    assert len(told) == 1 and told[0]["log_level"] == "warning"
-    assert told[0]["frames"] == in_queues + 7 and told[0]["seconds"] == 5.0
-    assert told[0]["no_frame_slot"] == 4 and told[0]["behind_real_time"] == 3
-    # the slow sink's lane drops (and its backpressure may fill the source's lane)
-    assert told[0]["sink_behind"] > 0
-    assert told[0].get("queue_full", 0) + told[0]["sink_behind"] == in_queues
+    (told,) = [e for e in logs if e["event"] == "live frames dropped"]
+    assert told["frames"] == 7 and told["seconds"] == 5.0 and told["host"] == "worker2"
+    assert (told["no_frame_slot"], told["behind_real_time"], told["most"]) == (4, 3, "cam (7)")
+    assert "sink_behind" not in told and "queue_full" not in told
+
 
 def test_file_source_never_drops() -> None:
     sources = [TinySource("file", 40)]
