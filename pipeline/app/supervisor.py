@@ -165,7 +165,8 @@ class SourceRun:
         hosts: the hosts it ran on, in order.
         moves: times it was placed again because its host died.
         unended: why the run ended with its outputs maybe not final: its host was lost while
-            the run was stopping, before it reported the source's end (None: it ended).
+            the run was stopping, before it reported the source's end, or the run was stopping
+            before its host started it (None: it ended).
         result: its result (``results``' value: an error, or None), kept here once its name
             was added again (``sources`` and ``results`` then hold the new source's).
     """
@@ -565,6 +566,9 @@ class Supervisor:
                 run.moving = False
             elif reply.conflict and (self._stop.is_set() or self._abort.is_set() or run.removing):
                 self.results.setdefault(name, None)
+                if not run.removing and run.ended is None:  # nothing of it is final: a cut
+                    run.unended = f"stopped at frame {run.frames} (the run was stopping " \
+                        "before it started on its worker)"
             else:
                 self.results[name] = reply.error
                 log.error("source failed", source=name, host=self.executor.names[host],

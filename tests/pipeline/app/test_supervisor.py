@@ -726,6 +726,41 @@ def test_a_host_lost_while_the_run_stops_leaves_its_sources_cut_short_not_finish
     assert finish(supervisor, results, 1, 1.0) == EXIT_STOPPED
 
 
+def test_sources_a_stopping_run_never_started_are_cut_short_not_finished(config):
+    """Ctrl-C before the workers took their sources (a new user's runtime.workers: 2 run,
+    interrupted 3.5-5.5 s after its launch, exited 0 with nothing written): each worker
+    refuses its adds as its run is stopping, and the run says they were stopped before
+    their first frame (exit 3), not finished (exit 0)."""
+    from pipeline.app.run import EXIT_STOPPED, finish
+
+    class StartsNothing(ScriptedExecutor):
+        def __init__(self, hosts: int) -> None:
+            super().__init__(hosts)
+            self.waiting: dict[int, list] = {}  # host -> the adds it has not answered
+
+        def call(self, host: int, method: str, *args) -> None:
+            with self.lock:
+                if method == "add":
+                    self.waiting.setdefault(host, []).append(args[0])
+                    return
+                if method == "stop":  # as a stopping host answers what it never started
+                    self.reports[host].append(Report(tuple(
+                        Reply(request.id, error="the run is ending", conflict=True)
+                        for request in self.waiting.pop(host, []))))
+            super().call(host, method, *args)
+
+    executor = StartsNothing(2)
+    supervisor, thread, results = start(config, executor)
+    wait_for(lambda: sum(map(len, executor.waiting.values())) == 4, "four adds sent")
+    supervisor.request_stop()
+    thread.join(5)
+    assert not thread.is_alive() and results == {name: None for name in "abcd"}
+    assert all(supervisor.sources[name].unended == "stopped at frame 0 (the run was stopping "
+                                                   "before it started on its worker)"
+               for name in "abcd")
+    assert finish(supervisor, results, 1, 1.0) == EXIT_STOPPED
+
+
 def test_every_source_the_run_had_gets_a_summary_also_those_whose_name_was_added_again(
         config, samples):
     """A source removed (or ended) whose name is added again keeps its summary line: one per
