@@ -187,9 +187,9 @@ def test_live_drops_are_told_once_a_report_with_why() -> None:
     # the run is shorter than DROP_REPORT_S: its one line came as it ended, with them all
     (told,) = [e for e in logs if e["event"] == "live frames dropped"]
     assert told["log_level"] == "warning" and told["frames"] == in_queues
-    # the slow sink's lane drops (and its backpressure may fill the source's lane)
-    assert told["sink_behind"] > 0
-    assert told.get("queue_full", 0) + told["sink_behind"] == in_queues
+    # the slow sink's lane drops, and its backpressure may fill the source's lane: which
+    # of the two drops depends on the threads' timing
+    assert told.get("queue_full", 0) + told.get("sink_behind", 0) == in_queues
     assert told["sources"] == 1 and told["most"] == f"cam ({in_queues})"
     assert "host" not in told  # a graph of no host (the whole pipeline in one process)
 
