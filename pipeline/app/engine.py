@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from pipeline.app.workers import exit_text
+from pipeline.app.workers import exit_text, start_shielded
 from pipeline.config import PipelineConfig
 from pipeline.engine_link import BYE, HELLO, READY, SUBMIT_DTYPE, DeviceRing, EngineLink
 from pipeline.metrics import StageMetrics
@@ -582,7 +582,7 @@ class EngineProcess:
         process = self._context.Process(
             target=engine_main, name="streamdet-standby" if standby else "streamdet-engine",
             daemon=False, args=(self.config, self.link, self.device, theirs, standby))
-        process.start()
+        start_shielded(process)
         theirs.close()
         return process, ours
 

@@ -59,7 +59,7 @@ import structlog
 
 from pipeline.app.host import HostReport, PipelineHost, Reply, SourceEnded, SourceRequest, host_main
 from pipeline.app.placement import SourceLoad, rebalance, source_loads
-from pipeline.app.workers import exit_text
+from pipeline.app.workers import exit_text, start_shielded
 from pipeline.config import (
     UNPACED_FILES,
     ConfigError,
@@ -868,7 +868,7 @@ class LocalExecutor:
                   self.sources_per_worker,
                   self.cores,
                   (engine.link, self.worker_number(host))))
-        process.start()
+        start_shielded(process)
         theirs.close()
         self._attach(host, process, ours)
         log.info("source worker started", worker=self.names[host], pid=process.pid,

@@ -88,6 +88,29 @@ def exit_text(code: int) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
 
 
+def start_shielded(process: multiprocessing.process.BaseProcess) -> None:
+    """Start ``process`` ignoring SIGINT from its first instruction: a terminal's Ctrl-C goes
+    to the whole process group, and a child still importing (before its main ignores SIGINT
+    itself) printed a ``KeyboardInterrupt`` traceback and died, taken for a crash (the run's
+    processes stop on the supervisor's word, not on SIGINT). An ignored signal stays ignored
+    in a spawned child, and Python then installs no handler of its own. This process's
+    handler is put back at once (a Ctrl-C in those milliseconds is lost). Elsewhere than in
+    the main thread, where Python cannot change a handler, SIGINT is blocked instead: a
+    weaker shield (a thread of the child's libraries may still take it)."""
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            process.start()
+        finally:
+            signal.signal(signal.SIGINT, handler)
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def name_this_process(role: str) -> None:
     """Name this process ``process_title(role)`` where ``ps``, ``top`` and ``pgrep`` show it
     (elsewhere than Linux nothing happens): a process is otherwise just ``python -c
@@ -468,7 +491,7 @@ class DecodeWorkerPool:
                 args=(worker.number, sources, self.ring.shm_name, self.ring.slots,
                       self.ring.slot_bytes, free, theirs, runtime.log_format,
                       runtime.log_level, self.threads_per_source, self.nice))
-            process.start()
+            start_shielded(process)
             theirs.close()
             worker.process, worker.conn, worker.restart_at = process, ours, None
 

@@ -323,3 +323,22 @@ def test_a_process_shows_its_name_to_ps():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[3])
     assert out.stdout.strip() == "sd.u1.worker2"
+
+
+@pytest.mark.parametrize("shielded", [True, False])
+def test_a_child_started_shielded_outlives_a_ctrl_c_during_its_start(shielded: bool) -> None:
+    """A terminal's Ctrl-C reaches every process of the group, also a child still starting
+    (here: sleeping where it would import); started shielded, it goes on undisturbed; else
+    it dies of KeyboardInterrupt, as a new user's workers did."""
+    import multiprocessing
+    import signal
+    import time
+
+    from pipeline.app.workers import start_shielded
+
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(1.0,))
+    (start_shielded if shielded else type(child).start)(child)
+    time.sleep(0.3)
+    os.kill(child.pid, signal.SIGINT)
+    child.join(10)
+    assert (child.exitcode == 0) is shielded
