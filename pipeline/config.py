@@ -1088,7 +1088,12 @@ def _describe(tp: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
+        options = typing.get_args(tp)
+        if bool in options:  # "true or false or 'auto'": a Literal beside a bool, its values
+            return " or ".join(
+                "true or false" if a is bool else " or ".join(map(repr, typing.get_args(a)))
+                if typing.get_origin(a) is Literal else _describe(a) for a in options)
+        return " or ".join(_describe(a) for a in options)
     if origin is list:
         return "a list"
     if origin is dict or dataclasses.is_dataclass(tp):

@@ -166,8 +166,9 @@ def make_executor(config: PipelineConfig, ray_address: str | None = None, metric
     place_decoders(config, len(set(devices)), on_gpu)
     if len(devices) == 1:
         if config.runtime.cuda_mps is True:
-            log.warning("runtime.cuda_mps: one process (runtime.workers: 1): no MPS daemon "
-                        "started")
+            log.warning("runtime.cuda_mps: true, but the whole pipeline runs in one process "
+                        "here (runtime.workers: 1, set or chosen for this machine): no MPS "
+                        "daemon started")
         if devices[0] is not None:
             config.inference.gpu_id = devices[0]
         return InProcessExecutor(config, metrics, on_batch_done, frames)

@@ -100,6 +100,7 @@ BAD = [
     ("sources.0.uri", "rtsp://h/a b", "expected scheme://host[:port]/path, got 'rtsp://h/a b'"),
     ("sources.0.reconnect", True, "sources[0].reconnect: files never reconnect"),
     ("sources.0.reconnect", "always", "sources[0].reconnect: expected true or false or null"),
+    ("runtime.cuda_mps", "maybe", "runtime.cuda_mps: expected true or false or 'auto', got 'maybe'"),
     ("sources.0.reconnect_initial_s", 0, "reconnect_initial_s: expected a value >= 0.01, got 0"),
     ("sources.0.open_timeout_s", "10s", "sources[0].open_timeout_s: expected a number, got '10s'"),
     ("sources.0.name", "my cam", "sources[0].name: expected letters, digits"),
