@@ -29,6 +29,7 @@ from typing import Any
 
 EVENTS = ("engine stages", "engine ready")
 DROPS = "live frames dropped"  # a process's drops since its last such line, by why (Graph)
+NOT_REASONS = ("frames", "seconds", "sources", "pid")  # the numbers of such a line not a why
 _FIELD = re.compile(r"(\w+)=(\{[^{}]*\}|\S+)")
 
 
@@ -91,7 +92,7 @@ def drop_reasons(log: Path | Iterable[str], start_s: float, end_s: float) -> dic
                                 and line.second - float(line.fields.get("seconds", 0)) < end_s):
             continue
         for reason, count in line.fields.items():
-            if reason not in ("frames", "seconds") and isinstance(count, int):
+            if reason not in NOT_REASONS and isinstance(count, int):
                 found[reason] = found.get(reason, 0) + count
     return found
 

@@ -120,7 +120,8 @@ def test_drops_by_why_are_summed_over_the_lines_that_overlap_the_window(capsys, 
         # as Graph.report_drops logs it, from two processes
         for _ in range(2):
             structlog.get_logger("graph").warning(DROPS, seconds=5.0,
-                                                  frames=sum(counts.values()), **counts)
+                                                  frames=sum(counts.values()), **counts,
+                                                  sources=3, most="cam007 (2)", host="worker1")
         lines += [f"{second:8.2f} {line}" for line in capsys.readouterr().err.splitlines()]
     assert drop_reasons(lines, 30.0, 50.0) == {"no_engine_slot": 12, "sink_behind": 4}
     assert drop_reasons(lines, 60.0, 80.0) == {}
