@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -69,6 +70,7 @@ CUDA_STREAM_LEGACY = 1  # FFmpeg queues its output copies on the legacy default 
 NO_ENGINE_SLOT = "no_engine_slot"  # its worker's share of the engine's device ring is in use
 ENGINE_AWAY = "engine_away"  # the engine is restarting
 ENGINE_LOST = "engine_lost"  # sent, unanswered, when the engine died
+RECEIVER_JOIN_S = 2.0  # close(): how long the receiver may take to read its connection's end
 
 
 @dataclass
@@ -91,6 +93,17 @@ class _Link:
     device_ring: DeviceRing | None
     epoch: int
     free_device: deque[int] = field(default_factory=deque)
+
+
+def wake_readers(conn: Any) -> None:
+    """Shut down the socket under ``conn`` (a ``multiprocessing`` connection): a thread
+    blocked in its ``recv()`` reads an end (``EOFError``) instead of waiting on; closing the
+    connection alone neither wakes it nor is safe under it."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, ValueError, AttributeError):
+        pass  # closed already, or not a socket (a test's fake)
 
 
 class RemoteInferStage(Stage[Frame, BatchDetections]):
@@ -213,6 +226,12 @@ class RemoteInferStage(Stage[Frame, BatchDetections]):
                     link.conn.send_bytes(BYE)  # not a death: the engine tells no one
                 except OSError:
                     pass  # the engine is gone
+                # The receiver, maybe inside recv(), must end before the connection closes:
+                # closed under it, it raised (an abort on a new user's run printed its
+                # traceback). Shut down, the socket gives it an end to read.
+                wake_readers(link.conn)
+                if self._receiver is not None and self._receiver is not threading.current_thread():
+                    self._receiver.join(RECEIVER_JOIN_S)
                 link.conn.close()
             if link.device_ring is not None:
                 link.device_ring.close()

@@ -5,6 +5,7 @@ order of sends, waits and reconnects is what is tested."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from types import SimpleNamespace
 
@@ -113,3 +114,31 @@ def test_closing_says_bye_and_the_receiver_does_not_reconnect():
     receiver.start()
     receiver.join(5)
     assert not receiver.is_alive() and connects == [] and stage.engine_losses == 0
+
+
+def test_close_lets_the_receiver_end_before_its_connection_closes(monkeypatch) -> None:
+    """An abort closed the worker's stage while its receiver thread was inside recv(): the
+    thread died with a TypeError traceback. close() now shuts the socket down first, so the
+    receiver reads an end and returns (also when the engine answers BYE with nothing, as
+    here), then closes it."""
+    import multiprocessing
+
+    import stages.remote_infer as remote_infer
+
+    failures: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda hook: failures.append(hook.exc_value))
+    ours, engine = multiprocessing.Pipe()  # a socket pair, as a worker's link to its engine
+    stage = RemoteInferStage("remote_infer", SimpleNamespace(), 0,
+                             SimpleNamespace(release=lambda slots: None), (32, 32),
+                             keep_images=False, stop=threading.Event(),
+                             on_drop=lambda frame, reason: None)
+    stage._link = _Link(ours, FakeDeviceRing(), 0, deque())  # type: ignore[arg-type]
+    stage._receiver = threading.Thread(target=stage._receive, name="remote_infer:results",
+                                       daemon=True)
+    stage._receiver.start()
+    time.sleep(0.1)  # inside recv()
+    started = time.monotonic()
+    stage.close()
+    assert time.monotonic() - started < remote_infer.RECEIVER_JOIN_S  # it did not wait it out
+    assert not stage._receiver.is_alive() and failures == [] and ours.closed
+    assert engine.recv_bytes() == remote_infer.BYE
