@@ -248,17 +248,20 @@ class VideoWriter:
         self._stream = stream
 
     def close(self, complete: bool) -> None:
-        """Flush the encoder and finalise the file; rename it when ``complete``."""
-        if self._container is None:
-            self.closed = True
+        """Flush the encoder and finalise the file; rename it when ``complete``. A write
+        that fails here (a full disk) still closes the file, under its .partial name, and
+        raises."""
+        container, self._container = self._container, None
+        self.closed = True  # from here on, its file grows no more
+        if container is None:
             return  # no frame: no file
         assert self._stream is not None
-        self._container.mux(self._stream.encode(None))
-        self._container.close()
-        self._container = None
+        try:
+            container.mux(self._stream.encode(None))
+        finally:
+            container.close()
         if complete:
             os.replace(partial_path(self.path), self.path)
-        self.closed = True
 
 
 def stopped_text(frames: int, total: int | None) -> str:
@@ -868,11 +871,27 @@ class SinkStage(Stage[BatchDetections, None]):
             return 0
 
     def _close_writers(self, complete: bool) -> None:
+        """Close every writer and say what each left; a writer whose close fails (a full
+        disk) keeps its .partial file, is told as ``output incomplete`` with the error, and
+        does not stop the others closing.
+
+        Raises:
+            OSError: the first writer's close that failed, once all are closed.
+        """
+        failed: OSError | None = None
         for writer in self.writers:
             # what the writer renames when complete: it saw a frame (or kept an earlier run's)
             wrote = bool(writer.frames or getattr(writer, "kept", False))
             replaced = complete and wrote and writer.path.exists()  # an older run's file
-            writer.close(complete)
+            try:
+                writer.close(complete)
+            except OSError as error:
+                failed = failed or error
+                log.warning("output incomplete", sink=self.name,
+                            path=str(partial_path(writer.path)), frames=writer.frames,
+                            resumed_at=self.resume_from,
+                            error=f"closing it failed: {type(error).__name__}: {error}")
+                continue
             if complete and wrote:
                 log.info("output written", sink=self.name, path=str(writer.path),
                          frames=writer.frames, resumed_at=self.resume_from,  # frames: this part's
@@ -889,3 +908,5 @@ class SinkStage(Stage[BatchDetections, None]):
                 log.warning("output incomplete", sink=self.name,
                             path=str(partial_path(writer.path)), frames=writer.frames,
                             resumed_at=self.resume_from)
+        if failed is not None:
+            raise failed

@@ -298,9 +298,14 @@ def test_a_failed_video_write_leaves_records_that_the_summary_counts(
     kept = records(out / "bikes.partial.jsonl")
     assert [r["frame"] for r in kept] == list(range(len(kept)))
     assert 0 < len(kept) < 250, summary  # it failed mid-run
-    incomplete = {e["path"]: e["frames"] for e in events if e["event"] == "output incomplete"}
-    assert incomplete[str(out / "bikes.partial.jsonl")] == summary["frames"] == len(kept), \
-        (incomplete, summary)
+    incomplete = {e["path"]: e for e in events if e["event"] == "output incomplete"}
+    assert incomplete[str(out / "bikes.partial.jsonl")]["frames"] == summary["frames"] \
+        == len(kept), (incomplete, summary)
+    # The video's close failed too (its last write): it is told, not swallowed.
+    video = incomplete[str(out / "bikes.partial.mp4")]
+    assert video["error"].startswith("closing it failed: OSError: [Errno 27] File too large"), \
+        video
+    assert (out / "bikes.partial.mp4").exists()
 
 
 def test_an_output_spelled_as_an_absolute_path_collides(samples, tmp_path: Path,
