@@ -86,7 +86,7 @@ from pipeline.app.measurement import (
     wait_delivering,
     window_numbers,
 )
-from pipeline.app.run_log import drop_reasons, engine_lines, engine_windows
+from pipeline.app.run_log import drop_reasons, engine_lines, engine_windows, model_loaded
 from pipeline.config import (
     ConfigError,
     PipelineConfig,
@@ -604,14 +604,20 @@ def main(options: Options) -> int:
                 notes.append(note)
             return note is None
 
-        def run_row(count: int, pace: float | None, clip: Path, folder: Path) -> RunRow:
+        def run_row(count: int, pace: float | None, plays: Path, folder: Path) -> RunRow:
+            nonlocal header
             progress(f"{plural(count, 'camera')} "
                      + (f"at {pace:g} fps" if pace is not None else "unpaced")
                      + f" (log: {folder / 'run.log'})")
-            row = measure_cameras(options, user, clip, pace, count, folder,
+            row = measure_cameras(options, user, plays, pace, count, folder,
                                   min(START_TIMEOUT_S, max(time_left() - needed, 30.0)),
                                   single.inference.device != "cpu")
             rows.append(row)
+            if not isinstance(ceilings.get("engine"), dict) and "auto" in (
+                    single.inference.backend, single.inference.device):
+                chosen = model_loaded(folder / "run.log")  # what the run's auto chose
+                if chosen:
+                    header = header_text(options, single, clip, played, frames, fps, chosen)
             return row
 
         def measure(count: int) -> bool:

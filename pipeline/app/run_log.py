@@ -80,6 +80,20 @@ def engine_lines(log: Path | Iterable[str]) -> list[LogLine]:
     return [found for found in map(parse_line, lines) if found is not None]
 
 
+def model_loaded(log: Path) -> dict[str, Any]:
+    """The fields of the first "model loaded" line of ``log`` (``stages.infer``: the backend
+    and device an ``auto`` of the configuration chose), or {} when it has none (yet)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    for text in lines:
+        found = parse_line(text, ("model loaded",))
+        if found is not None:
+            return found.fields
+    return {}
+
+
 def drop_reasons(log: Path | Iterable[str], start_s: float, end_s: float) -> dict[str, int]:
     """Frames dropped by why (``pipeline.graph.Graph.report_drops``' counts, summed over the
     processes) in the "live frames dropped" lines of ``log`` whose interval (their

@@ -169,7 +169,7 @@ def test_http_adds_and_removes_a_camera_in_the_window(samples, repo_root, tmp_pa
     config = user_config(samples, tmp_path / "c.yaml",
                          source={"tracker": "bytetrack", "analytics": [WHOLE_FRAME]},
                          output={"events": "{source}.events.jsonl",
-                                 "event_media": {"clip": None}})
+                                 "event_media": {"clip": None}}, backend="auto", device="auto")
     # at 4 fps: past frame 26's events. A 12 s window: the camera added at 20% of it has
     # until 90% to show a frame in /api/sources (8 s left it 5.6 s, and a loaded CI machine
     # once answered the POST in 1.5 s and listed its first frame too late)
@@ -179,6 +179,9 @@ def test_http_adds_and_removes_a_camera_in_the_window(samples, repo_root, tmp_pa
                        "--set", f"runtime.http.port={port}", "--out", str(out))
     stdout, stderr = process.communicate(timeout=180)
     assert process.returncode == 0, stderr
+    # with no ceiling measured, the header says what the run's auto chose (it once read
+    # "inference auto on auto")
+    assert "inference onnxruntime (auto) on cpu (auto), batch 4" in stdout, stdout
     generated = yaml.safe_load((out / "cameras-001" / "config.yaml").read_text())
     assert generated["runtime"]["http"] == {"host": "127.0.0.1", "port": port}  # --set wins
     (camera,) = generated["sources"]

@@ -14,6 +14,7 @@ from pipeline.app.run_log import (
     drop_reasons,
     engine_lines,
     engine_windows,
+    model_loaded,
     parse_line,
 )
 from pipeline.logging import configure_logging
@@ -126,3 +127,17 @@ def test_drops_by_why_are_summed_over_the_lines_that_overlap_the_window(capsys, 
     assert drop_reasons(lines, 30.0, 50.0) == {"no_engine_slot": 12, "sink_behind": 4}
     assert drop_reasons(lines, 60.0, 80.0) == {}
     assert engine_lines(lines) == []  # not engine lines
+
+
+@pytest.mark.parametrize("fmt", ["console", "json"])
+def test_the_model_an_auto_chose_is_read_from_its_first_model_loaded_line(capsys, tmp_path,
+                                                                           fmt):
+    configure_logging(fmt, "info")
+    structlog.get_logger("infer").info("model loaded", backend="torch", device="cuda",
+                                       input="640x640", classes=80, batch=32)
+    log = tmp_path / "run.log"
+    log.write_text("".join(f"{3.5:8.2f} {line}\n"
+                           for line in capsys.readouterr().err.splitlines()))
+    found = model_loaded(log)
+    assert (found["backend"], found["device"], found["batch"]) == ("torch", "cuda", 32)
+    assert model_loaded(tmp_path / "missing.log") == {}
