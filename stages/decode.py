@@ -66,6 +66,9 @@ log = structlog.get_logger("decode")
 MAX_BAD_PACKETS_IN_A_ROW = 50
 DEFAULT_PERIOD_S = 0.04  # a frame period when the stream announces no rate (25 fps)
 SKIP_LOG_INTERVAL_S = 5.0  # at most one "skipped to a keyframe" line per source this often
+# A live source whose keyframes are further apart than this drops as much at each catch-up: a
+# warning says so, once per source (a clip made with one keyframe drops a whole loop a skip).
+LONG_KEYFRAME_INTERVAL_S = 4.0
 
 
 class Dropped:
@@ -184,6 +187,12 @@ class CatchUp:
         self.ended: tuple[float, int, bool] | None = None
         self._since_key: int | None = None  # packets since the latest keyframe
         self._longest_gop = 0  # most packets from one keyframe to the next, 0: unknown yet
+
+    @property
+    def longest_gop(self) -> int:
+        """The most packets seen from one keyframe to the next (the most a skip can take
+        once it is under way), 0 before two keyframes were seen."""
+        return self._longest_gop
 
     def skips(self, keyframe: bool, lag_s: float | None) -> bool:
         """Whether the next packet is skipped (read, not decoded).
@@ -340,6 +349,7 @@ class DecodeStage(SourceStage):
                           if self.live and source.max_lag_ms is not None else None)
         self._skip_logged_at = float("-inf")  # time.monotonic() of the last skip line
         self._skips_unlogged = self._skipped_unlogged = 0  # skips and frames since that line
+        self._long_gop_told = False  # the warning of keyframes far apart was given
         self.thread_type = "SLICE" if self.live else "AUTO"
         self._container: av.container.InputContainer | None = None
         self._opened_at: float | None = None  # this session's open done (time.monotonic())
@@ -583,7 +593,8 @@ class DecodeStage(SourceStage):
                             yield SKIPPED, rate
                             continue
                         if catch_up.ended is not None:
-                            self._log_skip(*catch_up.ended)
+                            self._log_skip(*catch_up.ended, gop_s=catch_up.longest_gop
+                                           / float(rate) if rate else None)
                     try:
                         if self._first_decode_at is None:
                             self._first_decode_at = time.monotonic()
@@ -619,7 +630,8 @@ class DecodeStage(SourceStage):
                 self._next_pass(container, native)
                 log.debug("looped to the file's start", source=self.name, passes=passes + 1)
             if catch_up is not None and catch_up.lag_at_start is not None:  # ended skipping
-                self._log_skip(catch_up.lag_at_start, catch_up.skipped)
+                self._log_skip(catch_up.lag_at_start, catch_up.skipped,
+                               gop_s=catch_up.longest_gop / float(rate) if rate else None)
         except av.FFmpegError as error:
             if isinstance(error, av.ExitError) or (
                     not self.is_file and time.monotonic() - waiting_since >= source.read_timeout_s):
@@ -653,10 +665,19 @@ class DecodeStage(SourceStage):
             return clock.lag_s(None)
         return clock.lag_s(float(stamp * packet.time_base))
 
-    def _log_skip(self, lag_s: float, frames: int, gave_up: bool = False) -> None:
+    def _log_skip(self, lag_s: float, frames: int, gave_up: bool = False,
+                  gop_s: float | None = None) -> None:
         """A skip of ``frames`` frames, begun ``lag_s`` behind, ended (``gave_up``: at a frame
         that is not a keyframe): say so, at most once per ``SKIP_LOG_INTERVAL_S`` (a line
-        covers the skips since the last one)."""
+        covers the skips since the last one). ``gop_s``: the longest keyframe interval seen,
+        seconds (None: unknown); past ``LONG_KEYFRAME_INTERVAL_S`` a warning says, once, that
+        each catch-up drops up to that much."""
+        if gop_s is not None and gop_s > LONG_KEYFRAME_INTERVAL_S and not self._long_gop_told:
+            self._long_gop_told = True
+            log.warning("live source behind, and its keyframes are far apart: each catch-up "
+                        "(max_lag_ms) drops up to keyframe_interval_s of video; a keyframe "
+                        "interval (GOP) of 1-2 s loses less", source=self.name,
+                        keyframe_interval_s=round(gop_s, 1), max_lag_ms=self.source.max_lag_ms)
         self._skips_unlogged += 1
         self._skipped_unlogged += frames
         now = time.monotonic()

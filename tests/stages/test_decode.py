@@ -286,6 +286,23 @@ def test_a_paced_live_source_behind_skips_to_a_keyframe_and_stays_within_its_lag
     assert len(lines) == 1  # at most one a source per 5 s
     # (lag_ms is rounded to the millisecond: a lag of 200.4 ms, past the bound, logs 200)
     assert lines[0]["source"] == "cam" and lines[0]["lag_ms"] >= 200 and lines[0]["frames"] >= 1
+    assert not [e for e in logs if "keyframes are far apart" in e["event"]]  # 0.1 s apart
+
+
+def test_a_live_source_whose_keyframes_are_far_apart_is_warned_of_once(
+        make_clip: ClipFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each catch-up drops up to a keyframe interval (a clip with one keyframe, looped as a
+    camera, drops a whole loop): past ``LONG_KEYFRAME_INTERVAL_S`` (here 0.05 s, the clip's
+    keyframes 0.1 s apart at 100 fps) a warning says so, once."""
+    monkeypatch.setattr("stages.decode.LONG_KEYFRAME_INTERVAL_S", 0.05)
+    clip = make_clip("shapes", 80, SMALL, gop=GOP)
+    source = SourceConfig(name="cam", uri=str(clip), live=True, pace_fps=100, max_lag_ms=200)
+    frames, _, end, logs, stage = read_slowly(source, 0.025,
+                                              lambda f: time.time() - f.capture_time)
+    assert stage.dropped > 0
+    (warning,) = [e for e in logs if "keyframes are far apart" in e["event"]]
+    assert (warning["source"], warning["keyframe_interval_s"], warning["max_lag_ms"]) == (
+        "cam", 0.1, 200)
 
 
 @pytest.mark.parametrize(("live", "max_lag_ms"), [(False, 200), (True, None)],
