@@ -172,14 +172,26 @@ class SourceMonitor:
             self._capacity = {**self._capacity, first: self._capacity[first] + size,
                               self.graph.sinks[source.name].name: size}
 
+    @property
+    def capacities(self) -> dict[str, int]:
+        """Each queue's capacity, items, as the health check compares its depth to it (a
+        queue this full for ``FULL_FOR_S`` is a reason the run is degraded)."""
+        with self._lock:
+            return dict(self._capacity)
+
     def mark_removing(self, name: str) -> None:
         """A source asked to stop (``DELETE``): ``removing`` until ``forget``."""
         with self._lock:
             self.removing = self.removing | {name}
 
     def forget(self, name: str) -> None:
-        """Stop showing a removed source (its outputs are final)."""
+        """Stop showing a removed source (its outputs are final); its lane of the first
+        queue, closed and empty, no longer counts in that queue's capacity."""
         with self._lock:
+            if name in self.names:
+                first = self.graph.chain[0].name
+                self._capacity = {**self._capacity, first: self._capacity[first]
+                                  - self.config.runtime.queue_size}
             self.names = [n for n in self.names if n != name]
             self._sampled = {n: s for n, s in self._sampled.items() if n != name}
             self._shown_since = {n: t for n, t in self._shown_since.items() if n != name}

@@ -111,8 +111,10 @@ def test_only_wanted_sources_get_a_jpeg_and_only_a_newer_one(hosted) -> None:
 
 def test_a_source_added_removed_and_forgotten(hosted, samples) -> None:
     graph, view = hosted
+    before = view.monitor.capacities
     source = graph.control.add({"name": "clip", "uri": str(samples.carphone), "pace_fps": 30})
     view.add(source)
+    assert view.monitor.capacities["batch"] == before["batch"] + graph.queue_size
     assert list(view.report([]).sources) == ["street", "car", "clip"]
     wait_for(lambda: view.report([]).sources["clip"]["frames"] > 0, "frames of the clip", 20)
     graph.control.remove("clip")
@@ -123,6 +125,9 @@ def test_a_source_added_removed_and_forgotten(hosted, samples) -> None:
     assert graph.source_done("clip") and view.names() == ["street", "car"]
     view.forget("clip")  # again: nothing happens
     assert list(view.report(["clip"]).sources) == ["street", "car"]
+    # the first queue's capacity is back where it was (it once only grew: after many adds
+    # and removes it could never read full)
+    assert view.monitor.capacities == before
 
 
 class FakeGraph:
