@@ -11,7 +11,10 @@
 # Steps: tests (pytest -m gpu), nms, preprocess, overlap, nvdecopen, startup, capacity, and livecontrol
 # and failover (not in the default set: each takes a call of its own). Needs CuPy, Numba,
 # torch, torchvision, onnx2torch, PyAV and the assets (python -m samples.fetch, and
-# python -m samples.yolov8 for capacity, livecontrol and failover) on that machine.
+# python -m samples.yolov8 for capacity, livecontrol and failover) on that machine: on the
+# H200, `python -m benchmarks.device_pack build tests` (or `benchmarks`) packs what it lacks
+# into .pack/ here, under the 64 MiB a call carries; the call carries .pack and starts with
+#   python3 -m benchmarks.device_pack unpack && export PYTHONPATH=/tmp/site:$PWD &&
 #
 # Time: the whole script keeps within BUDGET_S seconds (default 570: the device allows 600 s
 # per command). Every step runs under `timeout` with the time left; while capacity is still
