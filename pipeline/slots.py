@@ -20,7 +20,11 @@ own free list of them, and gets them back through its pipe when the pipeline rel
 (pinned: ``cudaHostRegister`` on the shared memory), so the H2D copy of a slot is a true
 asynchronous DMA; on the CPU path it is plain memory. Backpressure lives here: when every slot
 is in flight, a file source waits in ``acquire`` (it loses no frame) and a live source drops
-the frame it just decoded (``try_acquire``), so it never falls behind its camera.
+the frame it just decoded (``try_acquire``), so it never falls behind its camera. A file's
+``acquire`` leaves ``LIVE_RESERVE_SLOTS`` slots free for each live source decoding into the
+same ring (``add_live_source``; at most half the slots this process owns): a file decodes as
+fast as the slots come back, and without the reserve it took each one as it came, so a camera
+beside it found none and dropped nearly every frame.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any
 import numpy as np
 
 WAIT_POLL_S = 0.1
+LIVE_RESERVE_SLOTS = 4  # free slots a file's acquire leaves for each live source of the ring
 
 
 def i420_bytes(width: int, height: int) -> int:
@@ -56,6 +61,9 @@ class SlotRing:
         owner: (slots,) int32 host array: the worker that owns each slot, -1 for this
             process's own free list.
         waited_s: total seconds callers of ``acquire`` spent waiting for a free slot.
+        owned: the slots this process's free list can hold (all of them, less those given
+            to workers; a worker's view: its share).
+        live_sources: the live sources decoding into this process's slots now.
     """
 
     def __init__(self, slots: int, slot_bytes: int, pinned: bool = False,
@@ -92,6 +100,7 @@ class SlotRing:
         self._cond = threading.Condition()
         self._to_worker: Callable[[int, list[int]], None] | None = None
         self.waited_s = 0.0
+        self.owned, self.live_sources = slots, 0
 
     def give_to_workers(self, shares: list[int],
                         to_worker: Callable[[int, list[int]], None]) -> list[list[int]]:
@@ -113,6 +122,7 @@ class SlotRing:
                 slots = [self._free.pop() for _ in range(count)]
                 self.owner[slots] = worker
                 given.append(sorted(slots))
+            self.owned -= sum(shares)
             self._to_worker = to_worker
             return given
 
@@ -135,6 +145,7 @@ class SlotRing:
         ring._cond = threading.Condition()
         ring._to_worker = None
         ring.waited_s = 0.0
+        ring.owned, ring.live_sources = len(free), 0
         return ring
 
     def pin(self) -> None:
@@ -177,19 +188,31 @@ class SlotRing:
         return i420_bytes(width, height) <= self.slot_bytes
 
     def acquire(self, *stop: threading.Event) -> int | None:
-        """A free slot, waiting while none is; None once any of ``stop`` is set."""
+        """A free slot for a file source, waiting while none is beyond the live sources'
+        reserve (module docstring); None once any of ``stop`` is set."""
         with self._cond:
-            if self._free:
+            if len(self._free) > self._reserve():
                 return self._free.popleft()
             started = time.perf_counter()
             try:
-                while not self._free:
+                while len(self._free) <= self._reserve():
                     if any(event.is_set() for event in stop):
                         return None
                     self._cond.wait(WAIT_POLL_S)
                 return self._free.popleft()
             finally:
                 self.waited_s += time.perf_counter() - started
+
+    def _reserve(self) -> int:
+        """The free slots ``acquire`` leaves to the live sources (the caller holds the lock)."""
+        return min(LIVE_RESERVE_SLOTS * self.live_sources, self.owned // 2)
+
+    def add_live_source(self, count: int = 1) -> None:
+        """A live source starts (``count`` 1) or stops (-1) decoding into this process's
+        slots: the reserve a file's ``acquire`` leaves grows or shrinks."""
+        with self._cond:
+            self.live_sources = max(0, self.live_sources + count)
+            self._cond.notify_all()
 
     def try_acquire(self) -> int | None:
         """A free slot, or None at once when every slot is in flight (live sources: they

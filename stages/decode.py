@@ -361,6 +361,17 @@ class DecodeStage(SourceStage):
             self.expected_frames = probe_frame_count(source)
 
     def frames(self, stop_reading: threading.Event) -> Iterator[Frame | EndOfStream]:
+        # a live source has its share of the ring kept from the files beside it (SlotRing)
+        shares = self.live and self.ring is not None
+        if shares:
+            self.ring.add_live_source()
+        try:
+            yield from self._frames(stop_reading)
+        finally:
+            if shares:
+                self.ring.add_live_source(-1)
+
+    def _frames(self, stop_reading: threading.Event) -> Iterator[Frame | EndOfStream]:
         index = 0 if self.is_file and not self.loop else self.first_index
         attempt, lost_at = 0, None
         pace = Pacer(self.source.pace_fps, stop_reading)

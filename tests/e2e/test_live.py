@@ -185,3 +185,32 @@ def test_a_live_camera_s_outputs_rotate_into_complete_segments(
     assert frames[-1] - frames[0] + 1 - len(frames) <= summary["dropped"]  # gaps: drops only
     print(f"\nsegments: {[len(records(j)) for j in jsonls]} frames, "
           f"{summary['dropped']} dropped")
+
+
+def test_a_file_beside_a_camera_leaves_it_its_frame_slots(samples, tmp_path: Path,
+                                                          repo_root: Path) -> None:
+    """A file decodes as fast as slots come back; a paced camera decoding into the same
+    ring (one decode worker holds both) once found none free and dropped 38 of 44 frames
+    (``no_frame_slot``) while the file ran. Now the file leaves it a reserve: nothing of
+    the camera is dropped, and the file still reads all of its frames."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = pipeline_config(
+        samples, tmp_path / "out",
+        [{"name": "cam", "uri": str(samples.carphone), "loop": True, "pace_fps": 2},
+         {"name": "file", "uri": str(samples.bikes)}],
+        runtime={"stop_when": "files_ended", "decode_workers": 1})
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    result = subprocess.run([sys.executable, "run.py", "--config", str(tmp_path / "config.yaml"),
+                             "--no-progress"], cwd=repo_root, capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    summary = {e["source"]: e for e in events if e["event"] == "source summary"}
+    assert summary["file"]["frames"] == 250 and summary["file"]["dropped"] == 0
+    assert summary["cam"]["frames"] > 0 and summary["cam"]["dropped"] == 0, summary["cam"]
+    assert not [e for e in events if e["event"] == "live frames dropped"]

@@ -10,7 +10,7 @@ import av
 import numpy as np
 import pytest
 
-from pipeline.slots import SlotRing, copy_i420_planes, i420_bytes
+from pipeline.slots import LIVE_RESERVE_SLOTS, SlotRing, copy_i420_planes, i420_bytes
 
 
 def test_acquire_hands_out_every_slot_once_and_release_returns_them() -> None:
@@ -68,6 +68,29 @@ def test_acquire_returns_none_once_a_stop_event_is_set(which: int) -> None:
     assert ring.acquire(*events) is None
     assert time.perf_counter() - started < 1.0
     assert ring.waited_s >= 0.1 and ring.free_slots() == 0
+
+
+def test_a_file_leaves_free_slots_for_each_live_source_of_the_ring() -> None:
+    """A file's acquire keeps LIVE_RESERVE_SLOTS free per live source (at most half the
+    ring), so a camera beside a file that decodes as fast as it can still finds a slot."""
+    ring = SlotRing(12, 8)
+    stop = threading.Event()
+    stop.set()  # an acquire that would wait gives None at once
+
+    def file_takes() -> list[int]:
+        return [slot for slot in (ring.acquire(stop) for _ in range(12)) if slot is not None]
+
+    ring.add_live_source()
+    held = file_takes()
+    assert len(held) == 12 - LIVE_RESERVE_SLOTS == 8
+    assert ring.try_acquire() is not None  # the camera's frame finds one (3 left)
+    ring.release(held)  # 11 free
+    ring.add_live_source()  # two cameras: 8 kept, capped at half the ring, 6
+    held = file_takes()
+    assert len(held) == 11 - 6 and ring.free_slots() == 6
+    ring.add_live_source(-1)
+    ring.add_live_source(-1)  # no camera left: a file takes every free slot
+    assert len(file_takes()) == 6 and ring.free_slots() == 0
 
 
 def test_an_already_set_stop_does_not_take_a_free_slot_away() -> None:
