@@ -378,6 +378,13 @@ class SourceConfig:
                       "when it moves a source (runtime.gpus, runtime.workers, --ray): the frame "
                       "after the source's last written record.", min=0),
     )
+    start_pts: float | None = field(
+        default=None,
+        metadata=_doc("Live sources: the pts of the last frame written before this one, so "
+                      "the pts go on after it (seconds; null: the first frame's pts is 0). "
+                      "The supervisor sets it with start_frame when it moves a live source: "
+                      "the pts of its last written record."),
+    )
 
     @property
     def is_live(self) -> bool:

@@ -352,6 +352,18 @@ def resume_point(jsonl_path: Path) -> int:
                          f"{line[:80]!r}") from None
 
 
+def last_record_pts(jsonl_path: Path) -> float | None:
+    """The ``"pts"`` of the last complete record of ``jsonl_path``'s partial twin (as
+    ``resume_point`` reads it), or None when there is none (or it has no pts)."""
+    partial = partial_path(jsonl_path)
+    line = cut_torn_line(partial) if partial.exists() else None
+    try:
+        pts = json.loads(line)["pts"] if line is not None else None
+        return float(pts) if pts is not None else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def next_tracker_id(jsonl_path: Path) -> int:
     """The first tracker id of a tracked source resuming after its records: one past the
     largest ``"tracker_id"`` of the complete lines of its partial JSONL file (``jsonl_path``

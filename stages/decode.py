@@ -338,8 +338,9 @@ class DecodeStage(SourceStage):
         self.reconnects = 0
         self.link: LinkStatus | None = LinkStatus() if self.live else None
         self.on_link: Callable[[LinkStatus], None] | None = None
-        self._last_pts: float | None = None  # the pts of the latest frame (``timestamp``)
-        self._last_pts_at = 0.0  # time.monotonic() of it
+        # the pts of the latest frame (``timestamp``): a moved live source's last record's
+        self._last_pts: float | None = source.start_pts if self.live else None
+        self._last_pts_at = time.monotonic() if self._last_pts is not None else 0.0  # its time
         self._shift: float | None = None  # this session: pts = picture time + shift
         self._session_pts: float | None = None  # this session's first pts, None before it
         self._pass_pts: float | None = None  # a looped file's next pass: its first pts

@@ -52,7 +52,7 @@ from pipeline.config import (
     partial_path,
 )
 from pipeline.graph import Graph, SourceConflict
-from pipeline.resume import next_tracker_id, resume_point
+from pipeline.resume import last_record_pts, next_tracker_id, resume_point
 from pipeline.slots import SlotRing, i420_bytes
 from pipeline.stage import SourceStage, Stage
 from stages.analytics import AnalyticsStage, Region
@@ -177,6 +177,8 @@ class SourceControl:
                 records = sink_config.output_path(sink_config.output.jsonl, source.name)
                 point = resume_point(records)
                 source = dataclasses.replace(source, start_frame=max(source.start_frame, point))
+                if source.is_live and point > 0:  # its pts go on after its last record's
+                    source = dataclasses.replace(source, start_pts=last_record_pts(records))
                 if parts["tracker"] is not None:  # new ids: after those of its records
                     parts["first_tracker_id"] = next_tracker_id(records)
             phase("check")

@@ -249,3 +249,38 @@ def test_a_stop_signal_to_the_whole_group_of_a_ray_local_run_ends_it_in_seconds(
     assert partial.exists() and 5 <= len(records(partial)) < 250
     # the unit's log lines, which Ray prints for it, are in the log without colour codes
     assert "(RayUnit pid=" in run.stderr() and "\x1b[" not in run.stderr()
+
+
+@pytest.mark.slow
+def test_a_moved_simulated_camera_s_pts_go_on_after_its_last_record(samples, tmp_path, clip):
+    """A looped, paced file (a simulated camera) on a killed worker goes on on the spare:
+    its frame numbers and its pts go on after its last record (the pts once started again at
+    0.0 on the spare: they went back in the records)."""
+    out = tmp_path / "out"
+    sources = [{"name": "cam", "uri": str(clip), "loop": True, "pace_fps": 10},
+               {"name": "file", "uri": str(clip), "detect_every": 3}]
+    config = absolute_paths(parse_config(pipeline_config(
+        samples, out, sources, runtime={"decode_workers": 0, "workers": 2,
+                                        "max_restarts": 2})))
+    executor = LocalExecutor(config, [None, None, None], spares={2})
+    supervisor = Supervisor(config, executor, config.runtime.max_restarts)
+    results: dict = {}
+    runner = threading.Thread(target=lambda: results.update(supervisor.run()), daemon=True)
+    runner.start()
+    try:
+        wait_for(lambda: len(records(partial_path(out / "cam.jsonl"))) >= 10,
+                 "the camera's first records", 60)
+        executor.kill(supervisor.placement["cam"])
+        wait_for(lambda: supervisor.moves.get("cam") == 1, "the camera moved", 30)
+        moved_at = len(records(partial_path(out / "cam.jsonl")))
+        wait_for(lambda: len(records(partial_path(out / "cam.jsonl"))) >= moved_at + 10,
+                 "the camera's records after the move", 60)
+    finally:
+        supervisor.request_stop()
+        runner.join(60)
+    assert not runner.is_alive()
+    written = records(out / "cam.jsonl")
+    frames = [record["frame"] for record in written]
+    pts = [record["pts"] for record in written]
+    assert frames == sorted(set(frames)), "frame numbers went back or repeated"
+    assert all(b > a for a, b in zip(pts, pts[1:])), f"pts went back: {pts}"
