@@ -29,6 +29,8 @@ beside it found none and dropped nearly every frame.
 
 from __future__ import annotations
 
+import os
+import secrets
 import threading
 import time
 from collections import deque
@@ -39,6 +41,12 @@ import numpy as np
 
 WAIT_POLL_S = 0.1
 LIVE_RESERVE_SLOTS = 4  # free slots a file's acquire leaves for each live source of the ring
+
+
+def shared_name() -> str:
+    """A name for a shared memory block this process creates: its pid in it, so that the
+    next run removes it if this one is killed whole (``pipeline.app.leftovers``)."""
+    return f"streamdet_{os.getpid()}_{secrets.token_hex(4)}"
 
 
 def i420_bytes(width: int, height: int) -> int:
@@ -79,7 +87,8 @@ class SlotRing:
         if shared:
             from multiprocessing import shared_memory
 
-            self._shm = shared_memory.SharedMemory(create=True, size=slots * slot_bytes)
+            self._shm = shared_memory.SharedMemory(create=True, size=slots * slot_bytes,
+                                                   name=shared_name())
             self.shm_name = self._shm.name
             self.memory = np.ndarray((slots, slot_bytes), np.uint8, buffer=self._shm.buf)
             if pinned:

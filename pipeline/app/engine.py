@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from pipeline.app.leftovers import temp_folder
 from pipeline.app.workers import exit_text, start_shielded
 from pipeline.config import PipelineConfig
 from pipeline.engine_link import BYE, HELLO, READY, SUBMIT_DTYPE, DeviceRing, EngineLink
@@ -538,7 +539,6 @@ class EngineProcess:
     def __init__(self, config: PipelineConfig, device: int | None, workers: int, on_gpu: bool,
                  context: Any, spares: int = 0, standby: bool = False, units: int = 1) -> None:
         import secrets
-        import tempfile
 
         from pipeline.app.build import DEFAULT_FRAME_SIZE, host_outputs_reason, probe_file_sources
         from pipeline.slots import i420_bytes
@@ -553,7 +553,7 @@ class EngineProcess:
         host, gpu = ring_shares(-(-len(config.sources) // units), workers - spares,
                                 -(-cpu_sources // units), keep_images)
         self.ring = SlotRing(host * workers, slot_bytes, shared=True)
-        self._folder = tempfile.mkdtemp(prefix="streamdet-engine-")
+        self._folder = str(temp_folder("engine"))  # its creator's pid in its name (leftovers)
         visible = 0 if device is not None else config.inference.gpu_id
         self.link = EngineLink(
             address=os.path.join(self._folder, "engine.sock"), authkey=secrets.token_bytes(16),

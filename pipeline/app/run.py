@@ -39,13 +39,16 @@ def prepare(config: PipelineConfig, restart: bool = False) -> tuple[str, ...]:
     feature needs, the model and its classes, every file's first frame, the sources' classes
     and zones against the model, the live view's settings. Returns the file sources an
     earlier run left cut short (they resume after their last record), none with ``restart``.
+    First, what runs killed whole left behind is removed (``pipeline.leftovers``).
 
     Raises:
         ConfigError: the one-line message for the user (exit status 2).
     """
     from pipeline.app.build import check_extras, check_sources, model_setup, probe_file_sources
+    from pipeline.app.leftovers import sweep
     from pipeline.resume import cut_files
 
+    sweep()
     check_extras(config)
     model = model_setup(config)
     check_sources(config, model, probe_file_sources(config))

@@ -66,12 +66,12 @@ def decode_workers(pid: int) -> list[int]:
 
 
 def shm_segments(pid: int) -> set[str]:
-    """The ``/dev/shm/psm_*`` segments that process ``pid`` has mapped."""
+    """The ``/dev/shm/streamdet_*`` segments that process ``pid`` has mapped."""
     try:
         maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return set()
-    return {line.split()[-1] for line in maps.splitlines() if "/dev/shm/psm_" in line}
+    return {line.split()[-1] for line in maps.splitlines() if "/dev/shm/streamdet_" in line}
 
 
 def start_two_files(samples, clip: Path, tmp_path: Path, run_pipeline,
