@@ -154,6 +154,8 @@ def run_command(args: argparse.Namespace, config: PipelineConfig, made: list[Pat
     if args.command == "build-engine":
         return one_line_errors(lambda: build_engine(config))
     status = one_line_errors(lambda: run(config, args.ray, restart=args.restart))
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the status is decided: the process ends
+        signal.signal(signum, signal.SIG_IGN)  # (a Ctrl-C now made a finished run exit 130)
     if status == EXIT_USAGE:  # refused before it began (a model that is not one): as made
         remove_made(made)
     return status

@@ -221,10 +221,13 @@ def run(config: PipelineConfig, ray_address: str | None = None, restart: bool = 
     except ConnectionError as error:  # --ray: no cluster there
         print(f"error: failed to start: {error}", file=sys.stderr)
         return EXIT_FAILED
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         return supervise(config, executor, resume)
     finally:  # (already closed when the supervisor ran: a run that never began closes it
         executor.close()  # here, its engines' rings and folders with it)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 
 def supervise(config: PipelineConfig, executor: Any, resume: tuple[str, ...]) -> int:
@@ -269,13 +272,12 @@ def supervise(config: PipelineConfig, executor: Any, resume: tuple[str, ...]) ->
         log.info("sources placed by load", sources=len(config.sources),
                  workers=[n for h, n in enumerate(executor.names) if h not in executor.spares],
                  spares=[executor.names[h] for h in sorted(executor.spares)])
-        interrupts, previous = install_signal_handlers(supervisor)
+        interrupts = install_signal_handlers(supervisor)
         started = time.monotonic()
         try:
             results = supervisor.run()
         finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            ignore_signals_while_closing()  # (``run`` restores the handlers at the very end)
             if exporter is not None:
                 exporter.stop()
             if server is not None:
@@ -364,13 +366,27 @@ def finish(supervisor: Any, results: dict[str, str | None], interrupts: int,
             log.warning("stopped early: outputs kept as .partial (a source added while "
                         "running: add it to the config file to resume it)", source=name,
                         at=where)
+    if cut and interrupts and not any(run.frames for run, _ in cut):
+        return EXIT_INTERRUPTED  # stopped while starting: nothing written, nothing to resume
     return EXIT_STOPPED if cut else EXIT_OK
 
 
-def install_signal_handlers(target: Any) -> tuple[dict[str, int], dict[int, Any]]:
+def ignore_signals_while_closing() -> None:
+    """Once the supervisor's run is over (every output final or kept), SIGINT and SIGTERM
+    are said and ignored while the summary is logged and the processes close (a bounded
+    wait): a second Ctrl-C just after the first run's end once turned its exit status 0
+    into 130."""
+    def handle(signum: int, _frame: object) -> None:
+        log.info("signal ignored: the run has ended; closing its processes",
+                 signal=signal.Signals(signum).name)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handle)
+
+
+def install_signal_handlers(target: Any) -> dict[str, int]:
     """First SIGINT/SIGTERM: ``target.request_stop()`` (a graceful stop); second:
-    ``target.abort()``. Returns the count and the handlers replaced (restored after the
-    run)."""
+    ``target.abort()``. Returns the count (``run`` restores the handlers it replaced)."""
     interrupts = {"count": 0}
 
     def handle(signum: int, _frame: object) -> None:
@@ -383,5 +399,6 @@ def install_signal_handlers(target: Any) -> tuple[dict[str, int], dict[int, Any]
             log.warning("aborting", signal=signal.Signals(signum).name)
             target.abort()
 
-    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM)}
-    return interrupts, previous
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handle)
+    return interrupts

@@ -4,14 +4,19 @@ the warning of files read live without a pace), and what its end says of each so
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from types import SimpleNamespace
 
 from structlog.testing import capture_logs
 
 from pipeline.app.run import (
+    EXIT_INTERRUPTED,
     EXIT_STOPPED,
     UNPACED_FILES,
     finish,
+    ignore_signals_while_closing,
     place_decoders,
     prepare,
     warn_unpaced_files,
@@ -82,6 +87,39 @@ def test_each_source_stopped_early_is_told_what_was_kept_and_what_resumes_it():
               "running under a name used before: no rerun resumes these)")]
     numbers = [e.get("output_number") for e in logs if e["event"] == "source summary"]
     assert numbers == [None, None, None, 2]
+
+
+def test_a_ctrl_c_before_any_file_wrote_a_frame_is_an_interrupted_run():
+    """Stopped while starting (a new user's Ctrl-C 3 s in): no file wrote a frame, so there
+    is nothing to resume; the run once exited 3, whose meaning is "outputs are .partial"."""
+    runs = [SourceRun(SourceConfig(name=name, uri=f"{name}.mp4"), "sources[0]", frames=0,
+                      unended="stopped at frame 0") for name in ("a", "b")]
+    supervisor = SimpleNamespace(every_source=lambda: [(run, None) for run in runs],
+                                 failure=None)
+    with capture_logs() as logs:
+        assert finish(supervisor, {}, 1, 1.0) == EXIT_INTERRUPTED
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == [
+        "stopped before its first frame: nothing was written"] * 2
+    runs[1].frames = 3  # one wrote frames: those resume
+    assert finish(supervisor, {}, 1, 1.0) == EXIT_STOPPED
+
+
+def test_a_signal_once_the_run_has_ended_is_said_and_ignored():
+    """A second Ctrl-C just after "run finished" (the processes closing) once made a run
+    whose outputs were all final exit 130."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        ignore_signals_while_closing()
+        with capture_logs() as logs:
+            os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)  # and no exit
+            time.sleep(0.05)
+        assert [(e["event"], e["signal"]) for e in logs] == [
+            ("signal ignored: the run has ended; closing its processes", "SIGINT"),
+            ("signal ignored: the run has ended; closing its processes", "SIGTERM")]
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 
 def test_a_file_read_live_without_pace_fps_is_warned_once_at_start(samples, tmp_path):
