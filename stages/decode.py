@@ -375,6 +375,7 @@ class DecodeStage(SourceStage):
     def _frames(self, stop_reading: threading.Event) -> Iterator[Frame | EndOfStream]:
         index = 0 if self.is_file and not self.loop else self.first_index
         attempt, lost_at = 0, None
+        connected = False  # a session delivered a frame
         pace = Pacer(self.source.pace_fps, stop_reading)
         while True:
             first = index
@@ -410,7 +411,7 @@ class DecodeStage(SourceStage):
                         index -= 1
                         break
                     if not delivered:  # how long an open, a reconnect or a move takes
-                        delivered = True
+                        delivered = connected = True
                         log.info("source first frame", source=self.name, index=frame.index,
                                  since_open_s=round(time.monotonic() - session_started, 3),
                                  phases_s=self._first_frame_phases(session_started))
@@ -435,7 +436,9 @@ class DecodeStage(SourceStage):
             self.reconnects += 1
             self._report(LinkStatus("reconnecting", attempt, time.monotonic() + delay,
                                     error or "the stream ended"))
-            log.warning("source lost, reconnecting", source=self.name,
+            # a source that never delivered a frame was not lost: it cannot connect (yet)
+            log.warning("source lost, reconnecting" if connected else
+                        "source not reached, retrying", source=self.name,
                         reason=error or "the stream ended", frames=index,
                         retry_in_s=round(delay, 2), reconnects=self.reconnects)
             if stop_reading.wait(delay):

@@ -475,7 +475,9 @@ def test_live_source_retries_with_growing_jittered_delays_until_stopped() -> Non
     got, end, logs = read_all(source, stop_after_s=1.5)
     assert time.monotonic() - started < 2.5  # the stop also cuts a backoff wait short
     assert not got and end == EndOfStream("door", 0)  # stopped on request: no error
-    retries = [e for e in logs if e["event"] == "source lost, reconnecting"]
+    # never connected: not reached (a new user read "lost" of a camera never seen)
+    assert not [e for e in logs if e["event"] == "source lost, reconnecting"]
+    retries = [e for e in logs if e["event"] == "source not reached, retrying"]
     assert len(retries) >= 5 and retries[-1]["reconnects"] == len(retries)
     assert all("Connection refused" in e["reason"] for e in retries)
     for n, entry in enumerate(retries):
