@@ -428,15 +428,15 @@ class SourceConfig:
                 raise ConfigError(f"{key}.live: a looped file never ends, so it is live; drop "
                                   "live: false (or loop: true)")
             return
-        if self.loop:
-            raise ConfigError(f"{key}.loop: only a file loops; {redact_url(self.uri)!r} is a "
-                              "stream URL (it reconnects instead: reconnect)")
         shown = redact_url(self.uri)
         parts = urlsplit(self.uri)
         if parts.scheme not in STREAM_SCHEMES:
             allowed = ", ".join(sorted(STREAM_SCHEMES))
             raise ConfigError(f"{where}: unsupported URL scheme {parts.scheme!r} in {shown!r}; "
                               f"allowed: {allowed}")
+        if self.loop:
+            raise ConfigError(f"{key}.loop: only a file loops; {shown!r} is a stream URL (it "
+                              "reconnects instead: reconnect)")
         try:
             port = parts.port
         except ValueError:

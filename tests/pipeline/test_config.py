@@ -260,6 +260,9 @@ def test_schema_documents_every_section() -> None:
      "sources[0].loop: only a file loops; 'rtsp://***@cam/x' is a stream URL (it reconnects "
      "instead: reconnect)"),
     ({"loop": True, "uri": "udp://cam:5000"}, None, "sources[0].loop: only a file loops"),
+    # a scheme that is no stream's is said first (a new user read "only a file loops" of it)
+    ({"loop": True, "uri": "nope://x"}, None,
+     "sources[0].uri (source 'cam1'): unsupported URL scheme 'nope'"),
     ({"loop": True, "reconnect": True}, None, "sources[0].reconnect: files never reconnect"),
 ])
 def test_a_looped_file_is_live_and_only_files_loop(files: Path, source: dict, live: bool | None,
