@@ -549,7 +549,7 @@ class AnalyticsEvent:
         record: dict[str, Any] = {
             "source": self.source,
             "capture_time": round(self.capture_time, 6),
-            "pts": self.pts,
+            "pts": None if self.pts is None else round(self.pts, 6),
             "frame": self.frame,
             "kind": self.kind,
             self.region_type: self.region,

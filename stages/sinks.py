@@ -122,7 +122,7 @@ def detection_records(xyxy: np.ndarray, confidence: np.ndarray, class_id: np.nda
 def frame_records(item: BatchDetections, class_names: list[str] | None = None,
                   tracked: bool = False) -> list[dict[str, Any]]:
     """One JSON-ready dict per frame of ``item``, in batch order: ``{"source", "frame",
-    "pts" (None when unknown), "capture_time" (rounded to 6 digits), "detections"}`` with
+    "pts" (None when unknown), "capture_time" (both rounded to 6 digits), "detections"}`` with
     the detections as ``detection_records`` makes them (``[]`` for a frame without any; with
     their ``tracker_id`` when ``tracked`` and the batch has track ids), and ``"detected":
     false`` on a frame the detector skipped (``detect_every``/``detect_fps``: with tracking,
@@ -139,7 +139,7 @@ def frame_records(item: BatchDetections, class_names: list[str] | None = None,
         records.append({
             "source": names[source],
             "frame": index,
-            "pts": None if pts != pts else pts,  # NaN: the stream has no pts
+            "pts": None if pts != pts else round(pts, 6),  # NaN: the stream has no pts
             "capture_time": round(capture_time, 6),
             "detections": detections[offsets[row]:offsets[row + 1]],
         })

@@ -277,6 +277,7 @@ def test_analytics_event_json_and_validation() -> None:
         "source": "cam", "capture_time": 1000.123457, "pts": None, "frame": 12, "kind": "exit",
         "zone": "dock", "tracker_id": 4, "class_id": 0, "class_name": None,
         "confidence": 0.8765, "xyxy": [1.23, 2.0, 3.0, 4.0], "dwell_s": 1.5}
+    assert replace(exit_event, pts=5.305299999999999).to_json()["pts"] == 5.3053  # rounded
     crossing = event("cam", 3).to_json()
     assert crossing["line"] == "gate" and "zone" not in crossing and "dwell_s" not in crossing
     for change, message in [({"kind": "entered"}, "kind must be one of enter, exit"),

@@ -199,7 +199,7 @@ class CountingFile:
 PART: list[tuple[float | None, list[Box]]] = [
     (None, []),
     (0.04, [(1, 2, 30, 40, 0.9, 0), (10.25, 33.333, 50.5, 60.126, 0.12345, 5)]),
-    (0.08, [(0, 0, 175.999, 143, 0.5, 0)]),
+    (5.305299999999999, [(0, 0, 175.999, 143, 0.5, 0)]),  # a looped pass's sum: rounded
 ]
 EXPECTED = [
     {"source": "cam", "frame": 10, "pts": None, "capture_time": 1_700_000_000.123457,
@@ -208,7 +208,7 @@ EXPECTED = [
      "detections": [
          {"class_id": 0, "class_name": "person", "confidence": 0.9, "xyxy": [1.0, 2.0, 30.0, 40.0]},
          {"class_id": 5, "confidence": 0.1235, "xyxy": [10.25, 33.33, 50.5, 60.13]}]},
-    {"source": "cam", "frame": 12, "pts": 0.08, "capture_time": 1_700_000_002.123457,
+    {"source": "cam", "frame": 12, "pts": 5.3053, "capture_time": 1_700_000_002.123457,
      "detections": [
          {"class_id": 0, "class_name": "person", "confidence": 0.5, "xyxy": [0.0, 0.0, 176.0, 143.0]}]},
 ]
