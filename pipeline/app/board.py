@@ -26,7 +26,8 @@ its sources that had not ended shows as ``reconnecting`` with the error ``its ho
 stopped: being placed again`` (a health reason) until the host it is placed on next
 (``added``) reports it; one that ended or failed stays as it was until it is removed
 (``forget``), also once the host is back (a host that comes back starts empty and reports
-afresh). Counters are the current host's: they start afresh when a source moves.
+afresh). ``frames`` and ``dropped`` count over the source's hosts (each earlier host's last
+report of it added: ``CARRIED``); the other counters are its current host's.
 
 **Ordering**: reports of a host must reach ``update`` in the order the host made them, and
 ``added``/``forget`` must follow the host's own ``HostView.add``/``forget`` (the supervisor
@@ -56,6 +57,7 @@ from pipeline.graph import SourceConflict
 __all__ = ["SourceBoard", "SourceConflict", "ViewReport"]
 
 WANT_WINDOW_S = 5.0  # a snapshot request keeps its source's pictures coming this long
+CARRIED = ("frames", "dropped")  # counters a moved source carries over from its earlier hosts
 SILENT_AFTER_S = 3.0  # a host that has not reported this long is a health reason
 FINAL_STATES = ("ended", "failed")
 
@@ -162,6 +164,7 @@ class SourceBoard:
         self._pictures: dict[str, tuple[int, bytes]] = {}  # board's number, JPEG
         self._viewers: dict[str, int] = {}
         self._wanted_until: dict[str, float] = {}
+        self._carried: dict[str, dict[str, int]] = {}  # source -> its earlier hosts' counts
 
     # -- changes, through the supervisor -----------------------------------------------------
     @property
@@ -267,9 +270,15 @@ class SourceBoard:
             self._removing.discard(name)
             self._placed[name] = host
             if moving:
-                data = {**self._shown[name].data, "state": "starting", "fps": 0.0,
+                shown = self._shown[name]
+                carried = self._carried.setdefault(name, dict.fromkeys(CARRIED, 0))
+                for key in CARRIED:  # its gone host's counts, carried once (told again: 0)
+                    carried[key] += shown.data.get(key) or 0
+                shown.data = {**shown.data, **dict.fromkeys(CARRIED, 0)}
+                data = {**shown.data, "state": "starting", "fps": 0.0,
                         "reconnect": None, "error": None}
             else:
+                self._carried.pop(name, None)
                 data = starting_json(source)
                 self._pictures.pop(name, None)
                 self._shown.pop(name, None)
@@ -296,6 +305,7 @@ class SourceBoard:
         self._removing.discard(name)
         self._pictures.pop(name, None)
         self._wanted_until.pop(name, None)
+        self._carried.pop(name, None)
         self._order = [n for n in self._order if n != name]
 
     # -- what the server reads -------------------------------------------------------------
@@ -340,6 +350,8 @@ class SourceBoard:
             if name in self._orphaned and data["state"] not in (*FINAL_STATES, "removing"):
                 data.update(state="reconnecting", fps=0.0, reconnect=None,
                             error=f"its host {host} stopped: being placed again")
+        for key, count in self._carried.get(name, {}).items():
+            data[key] = (data.get(key) or 0) + count
         if name in self._removing and data["state"] != "failed":
             data["state"] = "removing"
         data["host"] = host

@@ -295,9 +295,12 @@ def test_a_moved_source_is_shown_from_its_new_host_only_and_its_pictures_keep_ri
     board.added(moved, "h1")
     a = board.source("a")
     assert (a["state"], a["host"], a["frames"]) == ("starting", "h1", 50)  # last counters
+    board.added(moved, "h1")  # told again (placed, then its host's answer): counted once
+    assert board.source("a")["frames"] == 50
     board.update(report("h1", shown("a", frames=2), pictures={"a": (1, b"jpeg-h1-1")}))
     board.update(report("h0", shown("a", "removing", 51), pictures={"a": (8, b"old")}))
-    assert (board.source("a")["host"], board.source("a")["frames"]) == ("h1", 2)
+    # its frames count on over both hosts (they once fell back to the new host's 2)
+    assert (board.source("a")["host"], board.source("a")["frames"]) == ("h1", 52)
     assert board.picture("a") == (2, b"jpeg-h1-1")
     # h0 came back without b, which had ended there: still shown, ended, until removed
     assert board.names() == ["a", "b"] and board.state("b") == "ended"
