@@ -751,7 +751,11 @@ class SinkStage(Stage[BatchDetections, None]):
         return ()
 
     def close(self) -> None:
-        self._close_writers(self.complete)
+        try:
+            self._close_writers(self.complete)
+        except BaseException:
+            self.complete = False  # its outputs are not final: the source failed with them
+            raise
         if not self.complete or self.segment_s is not None or self.video_path is None:
             return
         if self.resume_from is None:

@@ -742,3 +742,23 @@ def test_a_file_started_over_deletes_the_parts_earlier_resumed_runs_cut_short(
     deleted = [e["path"] for e in events(logs, "an earlier run's unfinished output deleted: "
                                                "this run writes it anew")]
     assert deleted == [str(tmp_path / "cam.from-12.partial.mp4")]
+
+
+def test_a_close_that_fails_leaves_the_sink_incomplete_and_says_so(tmp_path: Path) -> None:
+    """A camera's outputs are complete when it stops, but their rename failed (a new user
+    deleted the output folder mid-run): the sink is not complete (its source fails with the
+    error; its summary once said error=None beside the run's error) and the error is told."""
+    out = tmp_path / "out"
+    sink = SinkStage("sink:cam", None, out / "cam.jsonl", ["person"], live=True)
+    sink.open()
+    sink.process(batch_detections([(make_frame("cam", 0, grey_image(176, 144)), [])]))
+    sink.end_of_stream(EndOfStream("cam", 1))
+    assert sink.complete
+    for path in out.iterdir():
+        path.unlink()
+    out.rmdir()
+    with capture_logs() as logs, pytest.raises(FileNotFoundError):
+        sink.close()
+    assert not sink.complete
+    (told,) = [e for e in logs if e["event"] == "output incomplete"]
+    assert told["error"].startswith("closing it failed: FileNotFoundError")
