@@ -97,7 +97,10 @@ CAPACITY_OPTIONS = ("clip", "fps", "cameras", "budget_s", "warmup_s", "seconds",
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (``argv``, else this process's own: then the process ends with it,
+    and a run's end leaves SIGINT and SIGTERM ignored: ``run_command``)."""
     args = parse_args(argv)
+    args.exiting = argv is None
     if args.help_config:
         print("\n".join(describe_schema()))
         return EXIT_OK
@@ -154,8 +157,9 @@ def run_command(args: argparse.Namespace, config: PipelineConfig, made: list[Pat
     if args.command == "build-engine":
         return one_line_errors(lambda: build_engine(config))
     status = one_line_errors(lambda: run(config, args.ray, restart=args.restart))
-    for signum in (signal.SIGINT, signal.SIGTERM):  # the status is decided: the process ends
-        signal.signal(signum, signal.SIG_IGN)  # (a Ctrl-C now made a finished run exit 130)
+    if args.exiting:  # the status is decided and the process ends: a Ctrl-C from here on
+        for signum in (signal.SIGINT, signal.SIGTERM):  # (its exit's cleanup included) once
+            signal.signal(signum, signal.SIG_IGN)  # made a finished run exit 130
     if status == EXIT_USAGE:  # refused before it began (a model that is not one): as made
         remove_made(made)
     return status

@@ -723,6 +723,8 @@ def test_a_host_lost_while_the_run_stops_leaves_its_sources_cut_short_not_finish
     assert lost and all(supervisor.sources[name].unended == "stopped at frame 0 (its worker "
                         "was lost while the run was stopping)" for name in lost)
     assert all(supervisor.sources[name].unended is None for name in "abcd" if name not in lost)
+    for name in lost:  # they had written frames (this executor reports none): .partial
+        supervisor.sources[name].frames = 5
     assert finish(supervisor, results, 1, 1.0) == EXIT_STOPPED
 
 
@@ -730,8 +732,9 @@ def test_sources_a_stopping_run_never_started_are_cut_short_not_finished(config)
     """Ctrl-C before the workers took their sources (a new user's runtime.workers: 2 run,
     interrupted 3.5-5.5 s after its launch, exited 0 with nothing written): each worker
     refuses its adds as its run is stopping, and the run says they were stopped before
-    their first frame (exit 3), not finished (exit 0)."""
-    from pipeline.app.run import EXIT_STOPPED, finish
+    their first frame, not finished (exit 0): nothing was written, so the Ctrl-C's 130 (a
+    later new user read its earlier exit 3, "outputs are .partial", of no file)."""
+    from pipeline.app.run import EXIT_INTERRUPTED, finish
 
     class StartsNothing(ScriptedExecutor):
         def __init__(self, hosts: int) -> None:
@@ -758,7 +761,7 @@ def test_sources_a_stopping_run_never_started_are_cut_short_not_finished(config)
     assert all(supervisor.sources[name].unended == "stopped at frame 0 (the run was stopping "
                                                    "before it started on its worker)"
                for name in "abcd")
-    assert finish(supervisor, results, 1, 1.0) == EXIT_STOPPED
+    assert finish(supervisor, results, 1, 1.0) == EXIT_INTERRUPTED
 
 
 def test_every_source_the_run_had_gets_a_summary_also_those_whose_name_was_added_again(
