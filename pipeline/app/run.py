@@ -39,7 +39,7 @@ def prepare(config: PipelineConfig, restart: bool = False) -> tuple[str, ...]:
     feature needs, the model and its classes, every file's first frame, the sources' classes
     and zones against the model, the live view's settings. Returns the file sources an
     earlier run left cut short (they resume after their last record), none with ``restart``.
-    First, what runs killed whole left behind is removed (``pipeline.leftovers``).
+    First, what runs killed whole left behind is removed (``pipeline.app.leftovers``).
 
     Raises:
         ConfigError: the one-line message for the user (exit status 2).
