@@ -187,7 +187,7 @@ def test_a_live_camera_s_outputs_rotate_into_complete_segments(
           f"{summary['dropped']} dropped")
 
 
-def test_a_file_beside_a_camera_leaves_it_its_frame_slots(samples, tmp_path: Path,
+def test_a_file_beside_a_camera_leaves_it_its_frame_slots(samples, make_clip, tmp_path: Path,
                                                           repo_root: Path) -> None:
     """A file decodes as fast as slots come back; a paced camera decoding into the same
     ring (one decode worker holds both) once found none free and dropped 38 of 44 frames
@@ -202,7 +202,7 @@ def test_a_file_beside_a_camera_leaves_it_its_frame_slots(samples, tmp_path: Pat
     config = pipeline_config(
         samples, tmp_path / "out",
         [{"name": "cam", "uri": str(samples.carphone), "loop": True, "pace_fps": 2},
-         {"name": "file", "uri": str(samples.bikes)}],
+         {"name": "file", "uri": str(make_clip("bikes", 100, (640, 272)))}],
         runtime={"stop_when": "files_ended", "decode_workers": 1})
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     result = subprocess.run([sys.executable, "run.py", "--config", str(tmp_path / "config.yaml"),
@@ -211,6 +211,6 @@ def test_a_file_beside_a_camera_leaves_it_its_frame_slots(samples, tmp_path: Pat
     assert result.returncode == 0, result.stderr[-3000:]
     events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     summary = {e["source"]: e for e in events if e["event"] == "source summary"}
-    assert summary["file"]["frames"] == 250 and summary["file"]["dropped"] == 0
+    assert summary["file"]["frames"] == 100 and summary["file"]["dropped"] == 0
     assert summary["cam"]["frames"] > 0 and summary["cam"]["dropped"] == 0, summary["cam"]
     assert not [e for e in events if e["event"] == "live frames dropped"]
