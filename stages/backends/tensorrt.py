@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from pipeline.config import install_hint
 from stages.backends.base import InferenceBackend, read_model_info
 from stages.backends.precision import CalibrationSettings, convert_fp16, quantize_int8
 
@@ -97,7 +98,7 @@ def import_tensorrt(names: tuple[str, ...] = ("tensorrt", "tensorrt_rtx")) -> Te
         log.info("using TensorRT", flavour=name, version=module.__version__)
         return TensorRt(module, name, module.__version__)
     raise ImportError("the tensorrt backend needs TensorRT 10/11 (pip install tensorrt) or "
-                      "TensorRT-RTX (pip install tensorrt-rtx-cu13); " + "; ".join(errors))
+                      f"TensorRT-RTX ({install_hint('tensorrt')}); " + "; ".join(errors))
 
 
 def gpu_target(device_id: int = 0) -> str:
