@@ -159,7 +159,9 @@ class SourceRun:
         output_number: the number of its outputs (None: its own).
         renumber: its name was used before in this run: its first start takes new numbers.
         moving: it is being cut short to move to another host.
-        removing: ``remove_source`` asked for it.
+        removing: ``remove_source`` asked for it while it ran (it is stopped: ``removed`` in
+            its summary).
+        forgotten: ``remove_source`` asked for it once it had ended (only its card goes).
         ended: what its last host reported when it ended (the latest segment).
         frames: frames done, summed over the hosts it ran on.
         hosts: the hosts it ran on, in order.
@@ -180,6 +182,7 @@ class SourceRun:
     renumber: bool = False
     moving: bool = False
     removing: bool = False
+    forgotten: bool = False
     ended: SourceEnded | None = None
     frames: int = 0
     hosts: list[str] = field(default_factory=list)
@@ -346,11 +349,12 @@ class Supervisor:
         """
         with self._lock:
             run = self.sources.get(name)
-            if run is None or run.removing:
+            if run is None or run.removing or run.forgotten:
                 raise SourceConflict(f"no source named {name!r}")
-            run.removing = True
-            if name in self.results:
+            if name in self.results:  # it had ended: not removed, only forgotten
+                run.forgotten = True
                 return
+            run.removing = True
             host = run.host
             self.placement.pop(name, None)
             self.loads.pop(name, None)

@@ -779,6 +779,9 @@ def test_every_source_the_run_had_gets_a_summary_also_those_whose_name_was_added
     wait_for(lambda: supervisor.source_done("c"), "c removed")
     executor.finish("a")  # ended by itself
     wait_for(lambda: supervisor.source_done("a"), "a ended")
+    supervisor.remove_source("a")  # a DELETE of it now only forgets it: not removed (a new
+    with pytest.raises(SourceConflict):  # user's file that had ended read removed=True)
+        supervisor.remove_source("a")
     for name in ("c", "a", "e"):
         supervisor.add_source({"name": name, "uri": str(samples.bikes)},
                               SourceLoad(name, 100, 100, 1))
