@@ -128,9 +128,10 @@ def start_for_run(setting: bool | str, on_gpu: bool) -> CudaMps | None:
 
     ``true``: started, or ``ConfigError`` (no control program, or it failed); ignored with a
     warning on the CPU path. ``"auto"`` (the default): started on the GPU path unless the
-    control program is missing or a daemon of the machine's is already there
-    (``CUDA_MPS_PIPE_DIRECTORY`` set, or ``/tmp/nvidia-mps/control``: its clients must not
-    be taken from it), each said in one info line; a daemon that fails to start is a warning
+    control program is missing or a daemon of the machine's is already there (its control
+    pipe in ``CUDA_MPS_PIPE_DIRECTORY``, else ``/tmp/nvidia-mps``: its clients must not be
+    taken from it; a variable naming a folder without one is left from a daemon that quit,
+    and is said and not followed), each said in one info line; a daemon that fails to start is a warning
     and the run goes on without. ``false``: none."""
     if setting is False or (not on_gpu and setting == "auto"):
         return None
@@ -142,11 +143,14 @@ def start_for_run(setting: bool | str, on_gpu: bool) -> CudaMps | None:
             log.info("no CUDA MPS daemon: nvidia-cuda-mps-control is not on PATH; the "
                      "processes time-slice the GPU (runtime.cuda_mps: auto)")
             return None
-        if os.environ.get(PIPE_VARIABLE) or (MACHINE_PIPE / "control").exists():
+        pipe = Path(os.environ.get(PIPE_VARIABLE) or MACHINE_PIPE)
+        if (pipe / "control").exists():
             log.info("no CUDA MPS daemon of the run's own: the machine's is running; the "
-                     "processes are its clients (runtime.cuda_mps: auto)",
-                     pipe=os.environ.get(PIPE_VARIABLE) or str(MACHINE_PIPE))
+                     "processes are its clients (runtime.cuda_mps: auto)", pipe=str(pipe))
             return None
+        if os.environ.get(PIPE_VARIABLE):  # left from a daemon that has quit: not followed
+            log.info("CUDA_MPS_PIPE_DIRECTORY names no running daemon (no control pipe in "
+                     "it): the run starts its own", pipe=str(pipe))
     try:
         return CudaMps.start()
     except ConfigError as error:

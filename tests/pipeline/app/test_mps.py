@@ -99,7 +99,9 @@ def test_auto_runs_on_without_a_daemon_and_says_why(tmp_path, monkeypatch, why):
     calls = fake_control(tmp_path, monkeypatch, fail=why == "fails")
     if why == "missing":
         monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
-    elif why == "machine's daemon":
+    elif why == "machine's daemon":  # its control pipe is there
+        (tmp_path / "machine-pipe").mkdir()
+        (tmp_path / "machine-pipe" / "control").write_text("")
         monkeypatch.setenv(PIPE_VARIABLE, str(tmp_path / "machine-pipe"))
     with capture_logs() as logs:
         assert start_for_run("auto", on_gpu=True) is None
@@ -110,6 +112,21 @@ def test_auto_runs_on_without_a_daemon_and_says_why(tmp_path, monkeypatch, why):
     assert calls.exists() == (why == "fails")  # the machine's daemon is not even asked
     assert os.environ.get(PIPE_VARIABLE) == (str(tmp_path / "machine-pipe")
                                              if why == "machine's daemon" else None)
+
+
+def test_auto_does_not_follow_a_variable_left_from_a_daemon_that_quit(tmp_path, monkeypatch):
+    """CUDA_MPS_PIPE_DIRECTORY naming a folder without a control pipe (a daemon started by
+    hand, then quit): the run once took it for the machine's daemon and started none."""
+    calls = fake_control(tmp_path, monkeypatch)
+    (tmp_path / "stale").mkdir()
+    monkeypatch.setenv(PIPE_VARIABLE, str(tmp_path / "stale"))
+    with capture_logs() as logs:
+        mps = start_for_run("auto", on_gpu=True)
+    assert mps is not None and os.environ[PIPE_VARIABLE] == str(mps.folder / "pipe")
+    assert [e["event"] for e in logs][0].startswith("CUDA_MPS_PIPE_DIRECTORY names no running")
+    mps.quit()
+    assert calls.read_text().splitlines()[0] == f"start {mps.folder / 'pipe'}"
+    assert os.environ[PIPE_VARIABLE] == str(tmp_path / "stale")  # put back as it was
 
 
 def test_true_needs_the_daemon_and_warns_on_the_cpu_path(tmp_path, monkeypatch):
