@@ -902,6 +902,8 @@ class LocalExecutor:
                 conn.close()
 
     def call(self, host: int, method: str, *args: Any) -> None:
+        if method == "stop":  # the run is stopping: its engine needs no standby any more
+            self.engines[self.devices[host]].standby_enabled = False
         try:
             with self._send_lock:  # the loop and the live view's threads both call
                 self.conns[host].send((method, *args))

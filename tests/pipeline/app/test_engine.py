@@ -118,3 +118,29 @@ def test_an_engine_of_one_ray_unit_of_several_sizes_its_ring_for_its_share(sampl
     # 2 workers: 8 sources are 4 per worker, 2 sources (a quarter) 1 per worker; 6 slots a
     # source (4, and 2 more where the outputs keep the images), and 16 a worker
     assert slots == {1: 2 * (6 * 4 + 16), 4: 2 * (6 * 1 + 16)}
+
+
+def test_a_stopping_run_starts_no_standby(samples):
+    """Ctrl-C while the engine was still starting: its standby started all the same once the
+    engine was ready (a new user's trial). The executor's stop now turns the standby off."""
+    from pipeline.app.supervisor import LocalExecutor
+
+    config = parse_config({"sources": [{"name": "cam", "uri": "rtsp://127.0.0.1/x"}],
+                           "model": {"path": str(samples.model)},
+                           "runtime": {"standby_engine": True}})
+    executor = LocalExecutor(config, [None])
+    engine = executor.engines[None]
+    try:
+        executor.conns[0], _ = Pipe()  # (the worker's end: what "stop" is sent on)
+        engine.start()
+        executor.call(0, "stop")
+        deadline = time.monotonic() + 60
+        while engine.ready_in_s is None:
+            assert engine.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        for _ in range(10):  # ready: a standby would start at its next poll
+            assert engine.poll() is None
+            time.sleep(0.05)
+        assert engine.standby is None
+    finally:
+        executor.close()
