@@ -37,6 +37,7 @@ killed.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import queue
@@ -353,6 +354,7 @@ class DecodeWorkerPool:
         self.stages = {source_id: WorkerSource(source_id, cfg, self, probe_frame_count(cfg))
                        for source_id, cfg in sources}
         self.next_index = {source_id: 0 for source_id, _ in sources}
+        self.last_pts: dict[int, float] = {}  # a source's latest frame's pts (a restart's)
         self.ended: set[int] = set()
         self._ending: set[int] = set()  # asked to stop (``stop_source``)
         self.aborted = threading.Event()
@@ -479,7 +481,7 @@ class DecodeWorkerPool:
         with worker.send_lock:
             with self._lock:
                 free = [slot for slot in worker.slots if slot not in worker.in_pipeline]
-                sources = [(sid, self.configs[sid], self.next_index[sid])
+                sources = [(sid, self._restart_config(sid), self.next_index[sid])
                            for sid in worker.sources
                            if sid not in self.ended and sid not in self._ending]
                 worker.added = set()
@@ -552,6 +554,16 @@ class DecodeWorkerPool:
                     else:
                         self._spawn(worker)
 
+    def _restart_config(self, source_id: int) -> SourceConfig:
+        """Source ``source_id``'s configuration for its (re)start in a worker process: a live
+        source's pts go on after its latest frame's (``SourceConfig.start_pts``; a restarted
+        worker's looped camera once wrote pts from 0.0 again). The caller holds the lock."""
+        config = self.configs[source_id]
+        last = self.last_pts.get(source_id)
+        if not config.is_live or last is None:
+            return config
+        return dataclasses.replace(config, start_pts=last)
+
     def _drain(self, worker: _Worker) -> None:
         conn = worker.conn
         try:
@@ -571,6 +583,8 @@ class DecodeWorkerPool:
             with self._lock:
                 worker.in_pipeline.add(slot)
                 self.next_index[source_id] = index + 1
+                if pts == pts:  # not NaN
+                    self.last_pts[source_id] = pts
             if stage.link is not None and stage.link.state != "connected":
                 stage.link = LinkStatus("connected", error=stage.link.error)  # after a restart
             stage.inbox.put(Frame(

@@ -281,6 +281,36 @@ def test_a_killed_worker_is_restarted_and_its_file_resumes_at_the_next_frame(
     assert not Path("/dev/shm", graph.ring.shm_name).exists()
 
 
+def test_a_restarted_worker_s_looped_camera_goes_on_with_its_pts(samples, clips,
+                                                                  tmp_path) -> None:
+    """A looped paced file (a simulated camera) in a decode worker killed mid-run: after the
+    restart its frame numbers and its pts go on (the pts once started again at 0.0)."""
+    killed: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def on_batch_done(source: str, part: BatchDetections) -> None:
+        last = int(part.frames.index.max())
+        with lock:
+            if "at" not in killed and last >= 5:
+                killed["at"] = last
+                pool.kill_worker(pool.workers[0].number)
+            elif "at" in killed and last >= killed["at"] + 20:
+                graph.request_stop()
+
+    sources = [{"name": "cam", "uri": str(clips["long"]), "loop": True, "pace_fps": 25}]
+    graph = build(samples, tmp_path, sources, 1, on_batch_done)
+    pool = pool_of(graph)
+    graph.run()
+
+    assert killed, "the kill never happened"
+    lines = records(tmp_path / "cam.jsonl")
+    frames, pts = [r["frame"] for r in lines], [r["pts"] for r in lines]
+    assert frames == sorted(set(frames)) and frames[-1] >= killed["at"] + 20
+    assert graph.source_metrics["cam"].reconnects == 1  # its worker was restarted once
+    assert all(b > a for a, b in zip(pts, pts[1:])), pts
+    assert not worker_processes_left()
+
+
 def test_a_frame_too_large_for_its_slot_ends_that_source_alone(samples, clips, tmp_path) -> None:
     # Slots are sized for the largest FILE source (at least 1920x1080): a live source bigger
     # than that cannot fit. Both sources are decoded by the same worker process.
