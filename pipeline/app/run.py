@@ -97,6 +97,9 @@ def gpu_settings(config: PipelineConfig) -> list[tuple[str, str, str, str]]:
     asked += [(f"sources[{i}].decode", "gpu", " decodes on the GPU (NVDEC)",
                "leave it at auto or set cpu")
               for i, source in enumerate(config.sources) if source.decode == "gpu"]
+    if isinstance(config.runtime.gpus, list):  # ('all' asks the machine and says so itself)
+        asked.append(("runtime.gpus", config.runtime.gpus, " places an engine on each",
+                      "leave runtime.gpus out to run on the CPU"))
     return asked
 
 
@@ -120,6 +123,10 @@ def check_gpu_settings(config: PipelineConfig, probe: Callable[[], tuple[int, st
     count, reason = probe()
     if count < 1:
         raise ConfigError(f"{key}: {value!r}{does}: no usable GPU here ({reason}): {instead}")
+    if isinstance(config.runtime.gpus, list) and max(config.runtime.gpus) >= count:
+        raise ConfigError(f"runtime.gpus: {config.runtime.gpus!r} names GPU "
+                          f"{max(config.runtime.gpus)}; this machine has {count} "
+                          f"(0 to {count - 1})")
     return count
 
 

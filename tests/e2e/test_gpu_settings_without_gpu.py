@@ -1,8 +1,9 @@
 """Settings that run on the GPU only (``inference.device: cuda``, ``inference.backend: torch``
-or ``tensorrt``, a source's ``decode: gpu``), given on a machine with no usable GPU, through
-the command line as users run it: the run stops before anything starts, exit status 2, one
-``error: ...`` line that names the key and says why there is no GPU, and no other line (no
-source placed, no ``pipeline failed``, no summary), with any number of workers.
+or ``tensorrt``, a source's ``decode: gpu``, a list of ``runtime.gpus``), given on a machine
+with no usable GPU, through the command line as users run it: the run stops before anything
+starts, exit status 2, one ``error: ...`` line that names the key and says why there is no
+GPU, and no other line (no source placed, no ``pipeline failed``, no summary), with any
+number of workers.
 
 Skipped where a GPU is usable (the settings run there)."""
 
@@ -71,7 +72,11 @@ def assert_one_error_line(result: subprocess.CompletedProcess, tmp_path: Path,
      "leave it at auto or set cpu"),
     (["inference.device=cuda", "runtime.workers=2"],  # source workers and an engine process
      "inference.device: 'cuda': no usable GPU here (", "leave it at auto or set cpu"),
-], ids=["device-cuda", "backend-torch", "backend-tensorrt", "decode-gpu", "device-cuda-2-workers"])
+    # a list of GPUs once ran on the CPU, its engine said to be on device 0 (a new user)
+    (["runtime.gpus=[0,1]"], "runtime.gpus: [0, 1] places an engine on each: no usable GPU "
+     "here (", "leave runtime.gpus out to run on the CPU"),
+], ids=["device-cuda", "backend-torch", "backend-tensorrt", "decode-gpu", "device-cuda-2-workers",
+        "gpus-list"])
 def test_a_gpu_only_setting_without_a_gpu_is_one_line_before_anything_starts(
         repo_root, samples, tmp_path, no_gpu_reason, settings, starts, instead):
     result = run_cli(repo_root, samples, tmp_path, *settings)

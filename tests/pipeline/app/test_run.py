@@ -15,6 +15,7 @@ from pipeline.app.run import (
     EXIT_INTERRUPTED,
     EXIT_STOPPED,
     UNPACED_FILES,
+    check_gpu_settings,
     finish,
     ignore_signals_while_closing,
     place_decoders,
@@ -22,7 +23,7 @@ from pipeline.app.run import (
     warn_unpaced_files,
 )
 from pipeline.app.supervisor import SourceRun
-from pipeline.config import PipelineConfig, SourceConfig, parse_config
+from pipeline.config import ConfigError, PipelineConfig, SourceConfig, parse_config
 
 
 def cameras_config(samples, tmp_path, **sections):
@@ -158,3 +159,17 @@ def test_a_file_read_live_without_pace_fps_is_warned_once_at_start(samples, tmp_
                                "key": "sources[].pace_fps"}]
     assert warnings(config({"name": "a", "live": True}, {"name": "b", "loop": True}))[0][
         "names"] == "a, b"
+
+
+def test_runtime_gpus_may_name_only_the_gpus_this_machine_has(samples):
+    """A new user's runtime.gpus: [3] said 'engine started device=3' (here on the CPU)."""
+    import pytest
+
+    config = parse_config({"model": {"path": str(samples.model)},
+                           "sources": [{"name": "a", "uri": str(samples.bikes)}],
+                           "runtime": {"gpus": [0, 3]}})
+    with pytest.raises(ConfigError, match=r"^runtime\.gpus: \[0, 3\] names GPU 3; this "
+                                          r"machine has 2 \(0 to 1\)$"):
+        check_gpu_settings(config, lambda: (2, None))
+    config.runtime.gpus = [0, 1]
+    assert check_gpu_settings(config, lambda: (2, None)) == 2
