@@ -175,8 +175,11 @@ class SourceMetrics:
         return round(1000 * float(np.partition(window, index)[index]), 1)
 
     def summary(self, elapsed_s: float) -> dict[str, float | int | str | None]:
-        """Frames, rate over ``elapsed_s``, drops, reconnections, latency p50/p99 (ms), error."""
-        return {
+        """Frames, rate over ``elapsed_s``, drops, reconnections, latency p50/p99 (ms), error;
+        and ``last_error`` for a live source that was not connected when it ended (its last
+        attempt's reason: a camera that never connected once ended with ``error=None``
+        alone)."""
+        summary: dict[str, float | int | str | None] = {
             "source": self.name,
             "frames": self.frames_out,
             "fps": round(self.frames_out / elapsed_s, 1) if elapsed_s > 0 else 0.0,
@@ -186,6 +189,10 @@ class SourceMetrics:
             "latency_p99_ms": self.latency_percentile(99),
             "error": self.error,
         }
+        link = self.link
+        if self.error is None and link is not None and link.state != "connected" and link.error:
+            summary["last_error"] = link.error
+        return summary
 
 
 def source_state(metrics: SourceMetrics, live: bool, done: bool, removing: bool,

@@ -334,6 +334,8 @@ def finish(supervisor: Any, results: dict[str, str | None], interrupts: int,
                        pipelines=list(dict.fromkeys(run.hosts)), moves=run.moves)
         if run.output_number is not None:  # a name added again: its outputs NAME.N.*
             summary["output_number"] = run.output_number
+        if run.first_frame:  # resumed after an earlier run's records: frames are this run's
+            summary["resumed_at"] = run.first_frame
         where = ended.cut_short if ended is not None and ended.cut_short else run.unended
         if where and error is None:
             summary["cut_short"] = where

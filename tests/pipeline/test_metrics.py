@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline import metrics
-from pipeline.metrics import LATENCY_WINDOW, SourceMetrics, StageMetrics
+from pipeline.metrics import LATENCY_WINDOW, LinkStatus, SourceMetrics, StageMetrics
 
 # ---------------------------------------------------------------------------------------------
 # StageMetrics
@@ -140,3 +140,15 @@ def test_source_frames_done_is_per_batch_cheap() -> None:
         source.frames_done(batch)
     assert time.perf_counter() - began < 1.0
     assert source.frames_out == 80_000
+
+
+def test_a_live_source_not_connected_at_its_end_gives_its_last_error_in_its_summary():
+    """A camera that never connected (a new user's Ctrl-C after 9 refused attempts) ended with
+    ``error=None`` alone in its summary; its last attempt's reason now comes with it."""
+    metrics = SourceMetrics("door")
+    metrics.link = LinkStatus("reconnecting", 9, None, "cannot open rtsp://h/x: Connection refused")
+    summary = metrics.summary(10.0)
+    assert (summary["error"], summary["last_error"]) == (
+        None, "cannot open rtsp://h/x: Connection refused")
+    metrics.link = LinkStatus("connected", error="cannot open rtsp://h/x: Connection refused")
+    assert "last_error" not in metrics.summary(10.0)  # it connected again: it ended well

@@ -173,3 +173,19 @@ def test_runtime_gpus_may_name_only_the_gpus_this_machine_has(samples):
         check_gpu_settings(config, lambda: (2, None))
     config.runtime.gpus = [0, 1]
     assert check_gpu_settings(config, lambda: (2, None)) == 2
+
+
+def test_a_resumed_source_s_summary_says_where_this_run_began():
+    """A new user read ``frames=56`` for a resumed file whose records held 250: the summary
+    counts this run's frames, and now says it resumed at 194."""
+    run = SourceRun(SourceConfig(name="f", uri="f.mp4"), "sources[0]", frames=56,
+                    first_frame=194)
+    fresh = SourceRun(SourceConfig(name="g", uri="g.mp4"), "sources[1]", frames=250,
+                      first_frame=0)
+    supervisor = SimpleNamespace(every_source=lambda: [(run, None), (fresh, None)],
+                                 failure=None)
+    with capture_logs() as logs:
+        finish(supervisor, {}, 0, 1.0)
+    summaries = {e["source"]: e for e in logs if e["event"] == "source summary"}
+    assert (summaries["f"]["frames"], summaries["f"]["resumed_at"]) == (56, 194)
+    assert "resumed_at" not in summaries["g"]
