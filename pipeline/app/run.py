@@ -274,7 +274,8 @@ def supervise(config: PipelineConfig, executor: Any, resume: tuple[str, ...]) ->
         except (OSError, RuntimeError) as error:
             if exporter is not None:
                 exporter.stop()
-            print(f"error: failed to start: {error}", file=sys.stderr)
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+            print(f"error: failed to start: {reason}", file=sys.stderr)  # (no "[Errno 98]")
             return EXIT_FAILED
         log.info("sources placed by load", sources=len(config.sources),
                  workers=[n for h, n in enumerate(executor.names) if h not in executor.spares],

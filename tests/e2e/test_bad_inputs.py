@@ -304,7 +304,8 @@ def test_a_live_view_port_in_use_ends_the_run_before_it_begins_and_frees_its_eng
     finally:
         taken.close()
     errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith("error: failed to start: "), errors
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: failed to start: runtime.http: cannot serve on 127.0.0.1:{port}: "), errors
     assert list((tmp_path / "tmp").iterdir()) == []  # no streamdet-engine-* folder left
 
 
