@@ -252,16 +252,19 @@ class VideoWriter:
         that fails here (a full disk) still closes the file, under its .partial name, and
         raises."""
         container, self._container = self._container, None
-        self.closed = True  # from here on, its file grows no more
         if container is None:
+            self.closed = True
             return  # no frame: no file
         assert self._stream is not None
         try:
-            container.mux(self._stream.encode(None))
-        finally:
-            container.close()
-        if complete:
-            os.replace(partial_path(self.path), self.path)
+            try:
+                container.mux(self._stream.encode(None))  # the encoder's last frames
+            finally:
+                container.close()
+            if complete:
+                os.replace(partial_path(self.path), self.path)
+        finally:  # only now: event media cut a closed recording as it is (a clip cut while
+            self.closed = True  # the encoder's last frames were still coming fell short)
 
 
 def stopped_text(frames: int, total: int | None) -> str:
