@@ -146,7 +146,10 @@ def test_a_killed_pipeline_leaves_a_live_camera_s_video_playable(
     run.kill()  # SIGKILL: nothing is finalised
     decoded = check_killed_recording(partial, tmp_path / "cam.partial.jsonl", 25,
                                      config["inference"]["batch_size"])
-    assert decoded >= 25  # a fragment at least (x264 may cut one short at a scene change)
+    # At least one fragment decodes (a plain MP4 would decode none). Its length is not fixed:
+    # x264 starts a fragment early at a scene cut (a CI run's first fragment held 24 frames);
+    # check_killed_recording bounds how many may be missing.
+    assert decoded > 0
 
 
 def test_a_live_camera_s_outputs_rotate_into_complete_segments(
