@@ -149,9 +149,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_command(args: argparse.Namespace, config: PipelineConfig, made: list[Path]) -> int:
     """``run`` or ``build-engine`` with a valid config (``made``: the output folders this run
-    created, removed again when it is refused before it begins)."""
+    created, removed again if it leaves them empty: refused, or failed to start)."""
     runtime = config.runtime
-    configure_logging(args.log_format or runtime.log_format, args.log_level or runtime.log_level)
+    # Into the config, which every process of the run logs by (the engine's and the workers'
+    # lines once ignored --log-format and --log-level: console lines among the JSON).
+    runtime.log_format = args.log_format or runtime.log_format
+    runtime.log_level = args.log_level or runtime.log_level
+    configure_logging(runtime.log_format, runtime.log_level)
     if args.no_progress:
         runtime.progress = False
     if args.command == "build-engine":
@@ -160,9 +164,8 @@ def run_command(args: argparse.Namespace, config: PipelineConfig, made: list[Pat
     if args.exiting:  # the status is decided and the process ends: a Ctrl-C from here on
         for signum in (signal.SIGINT, signal.SIGTERM):  # (its exit's cleanup included) once
             signal.signal(signum, signal.SIG_IGN)  # made a finished run exit 130
-    if status == EXIT_USAGE:  # refused before it began (a model that is not one): as made
-        remove_made(made)
-    return status
+    remove_made(made)  # those still empty: refused (a model that is not one) or failed to
+    return status  # start (the live view's port in use) before anything was written
 
 
 def make_output_dir(folder: Path) -> list[Path]:

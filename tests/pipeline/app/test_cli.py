@@ -83,3 +83,55 @@ def test_capacity_s_empty_out_is_refused_not_taken_for_the_current_folder(
     assert capsys.readouterr().err == ("error: --out: an empty path (give a folder, or leave "
                                        "--out out for a new temporary folder)\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_that_fails_to_start_leaves_no_output_folder(samples, tmp_path: Path,
+                                                           monkeypatch, capsys) -> None:
+    """The live view's port is taken: exit 1 with its reason, and the output folder made for
+    the run goes again (a new user found an empty one left)."""
+    import socket
+
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = {"sources": [{"name": "bikes", "uri": str(samples.bikes)}],
+                  "model": {"path": str(samples.model), "class_names": str(samples.names)},
+                  "output": {"dir": "out/run1"},
+                  "runtime": {"http": {"port": taken.getsockname()[1]}, "progress": False}}
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+        assert main(["--config", "c.yaml"]) == 1
+    assert "error: failed to start: runtime.http: cannot serve on 127.0.0.1:" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_log_options_reach_the_engine_and_the_source_workers(samples, tmp_path: Path,
+                                                                 repo_root: Path) -> None:
+    """``--log-format json --log-level info`` over a config's console at debug: every
+    process's lines are JSON at info and above (the engine's and two source workers' were
+    console lines at the config's level)."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = {"sources": [{"name": "bikes", "uri": str(samples.bikes)},
+                          {"name": "car", "uri": str(samples.carphone)}],
+              "model": {"path": str(samples.model), "class_names": str(samples.names)},
+              "output": {"dir": str(tmp_path / "out"), "video": None},
+              "runtime": {"workers": 2, "log_format": "console", "log_level": "debug"}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    result = subprocess.run([sys.executable, "run.py", "--config", str(tmp_path / "c.yaml"),
+                             "--no-progress", "--log-format", "json", "--log-level", "info"],
+                            cwd=repo_root, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    not_json = [line for line in result.stderr.splitlines() if not line.startswith("{")]
+    assert not_json == [], not_json[:5]
+    events = [json.loads(line) for line in result.stderr.splitlines()]
+    names = {event["event"] for event in events}
+    assert {"engine ready", "output written", "run finished"} <= names, sorted(names)
+    assert {event["level"] for event in events} <= {"info", "warning", "error"}
