@@ -1281,13 +1281,39 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f"{path.stem}.partial{path.suffix}")
 
 
+# The names a source's sink gives files beside its output ``NAME.EXT`` besides
+# ``NAME.partial.EXT`` (``stages.sinks``): a resumed file's video parts
+# (``resumed_video_path``: ``NAME.from-1200.mp4``) and an earlier run's video set aside
+# (``older_video_path``: ``NAME.older.mp4``), each also ``.partial``; a live source's segments
+# (``segment_path``: ``NAME.20261130T231500Z.EXT``). The sink renames and deletes files of
+# those names as its own.
+_DERIVED_NAME = re.compile(r"(?P<stem>.+)\.(?:(?P<part>from-\d+)|(?P<older>older)|"
+                           r"(?P<segment>\d{8}T\d{6}Z))(?:\.partial)?")
+_DERIVED_WHAT = {"part": ("video", "a resumed run's part of its video, NAME.from-FRAME.EXT"),
+                 "older": ("video", "its earlier run's video set aside, NAME.older.EXT"),
+                 "segment": (None, "its segment, NAME.YYYYMMDDTHHMMSSZ.EXT")}
+
+
+def derived_output(path: Path) -> tuple[Path, str] | None:
+    """``(output, kind)`` when ``path``'s name is one the sink of the output file ``output``
+    would make beside it (``_DERIVED_NAME``: ``cam.from-0.mp4`` -> ``(cam.mp4, "part")``),
+    else None."""
+    match = _DERIVED_NAME.fullmatch(path.stem)
+    if match is None:
+        return None
+    kind = next(k for k in _DERIVED_WHAT if match.group(k) is not None)
+    return path.with_name(match.group("stem") + path.suffix), kind
+
+
 def _check_output_paths(config: PipelineConfig, base_dir: Path, added_key: str | None) -> None:
     """The output folder is not a file, and no two of the files a run reads or writes are one
     file: each output, its temporary ``.partial`` name, every file source and the model (and
-    its class names). Paths are compared as the file system finds them (``same_file_key``):
-    absolute, symlinks resolved, case folded where the file system folds it, so a file reached
-    by another spelling is caught too. Two writers of one file would lose one of them; an
-    output over an input would destroy the input."""
+    its class names); nor is an output a name another source's sink makes beside its own
+    (``derived_output``: a source ``bikes.older`` beside ``bikes`` once had its finished
+    video deleted as ``bikes``'s earlier one). Paths are compared as the file system finds
+    them (``same_file_key``): absolute, symlinks resolved, case folded where the file system
+    folds it, so a file reached by another spelling is caught too. Two writers of one file
+    would lose one of them; an output over an input would destroy the input."""
     folder = base_dir / config.output.dir
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"output.dir: {config.output.dir!r} exists and is not a folder")
@@ -1317,6 +1343,19 @@ def _check_output_paths(config: PipelineConfig, base_dir: Path, added_key: str |
         claim(f"output.{key}", final, f"output.{key} of source {name!r}")
         claim(f"output.{key}", partial_path(final),
               f"the temporary file of output.{key} of source {name!r}")
+    outputs = {same_file_key(final, folds): (key, name)
+               for key, name, final in output_files(config, base_dir)}
+    for key, name, final in output_files(config, base_dir):
+        if (derived := derived_output(final)) is None:
+            continue
+        base, kind = derived
+        other_key, other = outputs.get(same_file_key(base, folds), (None, name))
+        only_key, what = _DERIVED_WHAT[kind]
+        if other != name and only_key in (None, other_key) and (
+                kind != "segment" or config.output.segment_s is not None):
+            raise ConfigError(f"output.{key}: output.{key} of source {name!r} would be "
+                              f"{str(final)!r}, a name output.{other_key} of source {other!r} "
+                              f"uses for {what}: rename source {name!r}")
 
 
 def output_files(config: PipelineConfig, base_dir: Path) -> Iterator[tuple[str, str, Path]]:

@@ -189,6 +189,32 @@ def test_duplicate_source_names(files: Path) -> None:
         parse_config(data)
 
 
+@pytest.mark.parametrize(("name", "output", "what"), [
+    ("cam1.from-0", {}, "a resumed run's part of its video, NAME.from-FRAME.EXT"),
+    ("cam1.from-0.partial", {}, "a resumed run's part of its video, NAME.from-FRAME.EXT"),
+    ("cam1.older", {}, "its earlier run's video set aside, NAME.older.EXT"),
+    ("cam1.20261130T231500Z", {"segment_s": 60},
+     "its segment, NAME.YYYYMMDDTHHMMSSZ.EXT"),
+    ("cam1.older", {"video": None}, None),  # no video: no video of cam1's set aside
+    ("cam1.20261130T231500Z", {}, None),  # no segments
+    ("cam1.from-x", {}, None),
+])
+def test_a_source_named_like_a_file_another_s_sink_makes_beside_its_output(
+        files: Path, name: str, output: dict, what: str | None) -> None:
+    """A source named ``cam1.older`` beside ``cam1`` had its finished video deleted as
+    ``cam1``'s earlier one, and the run exited 0 (a new user's trial)."""
+    data = {**base(), "output": output}
+    data["sources"].append({"name": name, "uri": "clip.mp4"})
+    if what is None:
+        parse_config(data)
+        return
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert str(info.value) == (f"output.video: output.video of source {name!r} would be "
+                               f"'output/{name}.mp4', a name output.video of source 'cam1' "
+                               f"uses for {what}: rename source {name!r}")
+
+
 @pytest.mark.parametrize("name", ["..", "."])
 def test_a_source_added_to_a_running_run_may_not_be_named_dot(files: Path, name: str) -> None:
     """An added source (the HTTP API's POST /api/sources) is checked as the file's are: '..'

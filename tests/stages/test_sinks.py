@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
+from pipeline.config import derived_output
 from pipeline.records import AnalyticsEvent, BatchDetections, EndOfStream, Frame
 from pipeline.resume import SETTINGS_ATTRIBUTE, RecordsSettings, read_origin, stamp_origin
 from stages.sinks import (
@@ -27,7 +28,9 @@ from stages.sinks import (
     frame_ranges_text,
     frame_records,
     frames_without_video,
+    older_video_path,
     partial_path,
+    resumed_video_path,
     segment_path,
     video_span,
 )
@@ -334,6 +337,19 @@ def test_segment_path_inserts_the_utc_time_of_the_first_frame() -> None:
         Path("cam.events.20231114T221419Z.jsonl")
     assert partial_path(segment_path(Path("cam.mp4"), CAPTURE)).name == \
         "cam.20231114T221320Z.partial.mp4"
+
+
+def test_every_name_a_sink_makes_beside_its_output_is_one_the_config_keeps_for_it() -> None:
+    """The config refuses another source's output under these names
+    (``pipeline.config.derived_output``): a sink renames and deletes them as its own."""
+    path = Path("out/cam.events.mp4")
+    for made, kind in [(resumed_video_path(path, 1200), "part"),
+                       (partial_path(resumed_video_path(path, 0)), "part"),
+                       (older_video_path(path), "older"),
+                       (segment_path(path, CAPTURE), "segment"),
+                       (partial_path(segment_path(path, CAPTURE)), "segment")]:
+        assert derived_output(made) == (path, kind), made
+    assert derived_output(path) is None and derived_output(partial_path(path)) is None
 
 
 def test_a_live_source_s_outputs_rotate_together_and_each_finished_segment_is_complete(
