@@ -17,8 +17,9 @@ that holds nothing is removed, and a source that delivered no frame leaves no fi
 A resumed source's video comes in parts (``NAME.from-FRAME.mp4``): when it completes, its
 parts get final names, it warns of the frames of its records that no part holds (a killed
 run's part lacks its last fragment) and moves an earlier run's ``NAME.mp4``, which belongs to
-the records just replaced, to ``NAME.older.mp4``; a later run that writes the whole video
-replaces (deletes) the parts and that file. Every file so deleted is logged.
+the records just replaced, to ``NAME.older.mp4`` (a resumed file source that writes no video
+does that too); a later run that writes the whole video replaces (deletes) the parts and that
+file. Every file so deleted is logged.
 
 Crash safety: every MP4 is fragmented (a fragment per keyframe, every ``FRAGMENT_S`` of
 video) and every JSONL part is flushed, so a killed process leaves ``.partial`` files that
@@ -358,6 +359,17 @@ def older_video_path(path: Path) -> Path:
     return path.with_name(f"{path.stem}.older{path.suffix}")
 
 
+def set_aside(video: Path) -> tuple[Path | None, bool]:
+    """Move an earlier run's whole ``video`` to ``older_video_path``, replacing a file there:
+    (where it went, whether it replaced one); (None, False) when there is no such file."""
+    if not video.is_file():
+        return None, False
+    older = older_video_path(video)
+    replaced = older.exists()
+    os.replace(video, older)
+    return older, replaced
+
+
 @dataclass(frozen=True)
 class VideoPart:
     """One file of a resumed source's video: it holds frames ``first`` to ``last`` of the
@@ -535,6 +547,10 @@ class SinkStage(Stage[BatchDetections, None]):
         origin: a file source's identity, stamped on its new records file (``JsonlWriter``).
         settings: what makes a file source's records, stamped on its new records file
             (``JsonlWriter``).
+        earlier_video: with no video of its own (``video_path`` None), the final name an
+            earlier run's video of this file source had (``NAME.mp4``): a resumed run that
+            completes moves it to ``NAME.older.mp4``, as one that writes video does (a new
+            user's resumed records once sat beside an older run's video of that name).
     """
 
     def __init__(self, name: str, video_path: Path | None, jsonl_path: Path | None,
@@ -546,8 +562,10 @@ class SinkStage(Stage[BatchDetections, None]):
                  keep_hours: float | None = None,
                  clock: Callable[[], float] = time.time,
                  origin: dict[str, object] | None = None,
-                 settings: RecordsSettings | None = None) -> None:
+                 settings: RecordsSettings | None = None,
+                 earlier_video: Path | None = None) -> None:
         super().__init__(name)
+        self.earlier_video = earlier_video if video_path is None and not live else None
         self.origin, self.settings = origin, settings
         self.segment_s = segment_s if live else None
         self.keep_s = keep_hours * 3600 if keep_hours is not None and self.segment_s else None
@@ -759,7 +777,11 @@ class SinkStage(Stage[BatchDetections, None]):
         except BaseException:
             self.complete = False  # its outputs are not final: the source failed with them
             raise
-        if not self.complete or self.segment_s is not None or self.video_path is None:
+        if not self.complete or self.segment_s is not None:
+            return
+        if self.video_path is None:
+            if self.resume_from is not None and self.earlier_video is not None:
+                self._set_aside_earlier_video()
             return
         if self.resume_from is None:
             self._delete_replaced_video()
@@ -848,10 +870,7 @@ class SinkStage(Stage[BatchDetections, None]):
             last_recorded = (records.last_frame if records is not None
                              and records.last_frame is not None else self.resume_from - 1)
             missing = frames_without_video(first_recorded, last_recorded, parts)
-        older = older_video_path(base) if base.is_file() else None
-        replaced = older is not None and older.exists()
-        if older is not None:
-            os.replace(base, older)
+        older, replaced = set_aside(base)
         if not missing and older is None:
             return
         names = ", ".join(part.path.name for part in parts) or "none holds a frame"
@@ -868,6 +887,19 @@ class SinkStage(Stage[BatchDetections, None]):
                     parts=[str(part.path) for part in parts],
                     frames_without_video=frame_ranges_text(missing) or None,
                     earlier_video=None if older is None else str(older))
+
+    def _set_aside_earlier_video(self) -> None:
+        """A resumed file source without video completed: an earlier run's ``NAME.mp4``
+        (``earlier_video``), whose records these just replaced, is moved to
+        ``NAME.older.mp4``, warned of."""
+        assert self.earlier_video is not None
+        older, replaced = set_aside(self.earlier_video)
+        if older is not None:
+            log.warning(f"{self.earlier_video.name} is an earlier run's video, which does not "
+                        f"match this resumed source's records: moved to {older.name}"
+                        + (f" (replacing the {older.name} there)" if replaced else ""),
+                        sink=self.name, records=str(self.jsonl_path),
+                        earlier_video=str(older))
 
     def _first_recorded_frame(self) -> int:
         """The ``frame`` of the first record of the (final) JSONL file, or 0 without one."""

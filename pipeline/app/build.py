@@ -28,7 +28,7 @@ from pipeline.engine_link import EngineLink
 from pipeline.gpu import GpuContext, gpu_unavailable_reason
 from pipeline.graph import Graph
 from pipeline.records import BatchDetections
-from pipeline.resume import RecordsSettings, file_origin
+from pipeline.resume import EARLIER_VIDEO, RecordsSettings, file_origin
 from pipeline.slots import SlotRing, i420_bytes
 from pipeline.stage import SourceStage, Stage
 from stages.analytics import AnalyticsStage, Region
@@ -451,6 +451,8 @@ def build_sink(config: PipelineConfig, source: SourceConfig, class_names: list[s
         keep_hours=output.keep_hours,
         origin=None if source.is_live else file_origin(source.uri),  # checked on resume
         settings=None if source.is_live else RecordsSettings.of(config, source),  # and these
+        earlier_video=(config.output_path(EARLIER_VIDEO, source.name)
+                       if output.video is None else None),
     )
 
 

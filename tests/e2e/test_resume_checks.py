@@ -143,10 +143,14 @@ def test_a_resume_without_video_keeps_the_earlier_video_and_says_so(
         samples, clip: Path, copied: Path, repo_root: Path, tmp_path: Path) -> None:
     """A user resumed a stopped run with ``output.video: null``: its ``bikes.partial.mp4``
     stayed beside the finished records, unmentioned. Now the run warns at its start, naming
-    it, and leaves it as it was (the records are resumed and finished as always)."""
+    it, and leaves it as it was (the records are resumed and finished as always). The whole
+    ``bikes.mp4`` of a complete run before the stopped one, whose records these replace, is
+    moved to ``bikes.older.mp4`` as it is when the resume writes video (a new user found it
+    beside the new ``bikes.jsonl``)."""
     cut = copied
     video = cut / "bikes.partial.mp4"
     before = video.read_bytes()
+    shutil.copyfile(clip, cut / "bikes.mp4")  # the earlier complete run's video
     run = Run(repo_root, bikes(samples, cut, clip, video=None), tmp_path / "again")
     assert run.wait(120) == 0, run.stderr()[-3000:]
     lines = [json.loads(line) for line in run.stderr().splitlines() if line.startswith("{")]
@@ -158,4 +162,8 @@ def test_a_resume_without_video_keeps_the_earlier_video_and_says_so(
         assert not [name for name in names if name.startswith(UNCHECKED)]
     assert video.read_bytes() == before
     assert [r["frame"] for r in records(cut / "bikes.jsonl")] == list(range(CLIP_FRAMES))
-    assert {p.name for p in cut.glob("bikes*")} == {"bikes.jsonl", "bikes.partial.mp4"}
+    assert {p.name for p in cut.glob("bikes*")} == {"bikes.jsonl", "bikes.partial.mp4",
+                                                   "bikes.older.mp4"}
+    assert (cut / "bikes.older.mp4").read_bytes() == clip.read_bytes()
+    (moved,) = [line for line in lines if line["event"].startswith("bikes.mp4 is an earlier")]
+    assert moved["earlier_video"] == str(cut / "bikes.older.mp4"), moved
