@@ -444,9 +444,10 @@ class DecodeStage(SourceStage):
             if stop_reading.wait(delay):
                 error = None
                 break
-        if error is not None:
-            log.error("source failed", source=self.name, reason=error)
-        log.info("source ended", source=self.name, frames=index, reconnects=self.reconnects)
+        # A failure is logged once, as "source failed", by the supervisor (which its
+        # EndOfStream reaches through the sink), not here too (a new user read it twice).
+        log.info("source ended", source=self.name, frames=index, reconnects=self.reconnects,
+                 **({"error": error} if error is not None else {}))
         yield EndOfStream(self.name, index, error=error)
 
     def _report(self, link: LinkStatus) -> None:

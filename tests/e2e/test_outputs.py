@@ -63,6 +63,10 @@ def test_an_older_output_survives_a_failed_source(samples, tmp_path: Path, run_p
     assert run.wait(90) == 1, run.stderr()[-3000:]
     assert "Traceback" not in run.stderr()
     assert (tmp_path / "cam.jsonl").read_text() == OLDER
+    # Its failure is told once (the source worker's decode and the supervisor each told it).
+    (failed,) = run.events("source failed")
+    assert failed["source"] == "cam" and failed["reason"].startswith(
+        f"cannot open {camera['uri']}"), failed
 
 
 @pytest.mark.slow  # the detector over a 100-frame video on the CPU, twice

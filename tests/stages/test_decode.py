@@ -107,7 +107,7 @@ def test_a_frame_larger_than_the_slots_ends_the_source_with_its_size(
     assert items[0].error == (f"a 320x136 frame does not fit the frame slots of "
                               f"{i420_bytes(*SMALL)} bytes (sized for the largest file source, "
                               "at least 1920x1080)")
-    assert "source failed" in events(logs, "error")
+    assert [e["error"] for e in logs if e["event"] == "source ended"] == [items[0].error]
     assert not [e for e in logs if e["event"] == "source lost, reconnecting"]
     assert ring.free_slots() == 2  # no slot was taken for it
 
@@ -433,7 +433,7 @@ def test_unreadable_file_ends_with_a_one_line_error(defect_clips: dict[str, Path
     got, end, logs = read_all(SourceConfig(name="bad", uri=str(path)))
     assert not got and end.frames == 0
     assert end.error == f"cannot open {path}: {reason}"
-    assert "source failed" in events(logs, "error")
+    assert [e["error"] for e in logs if e["event"] == "source ended"] == [end.error]
 
 
 @pytest.mark.parametrize(("uri", "shown"), [
