@@ -29,6 +29,11 @@ import structlog
 
 from pipeline.config import UNPACED_FILES, ConfigError, PipelineConfig, is_stream_url
 
+FILES_ENDED_WITHOUT_FILES = (
+    "stop_when is files_ended but no source is a file (a looped or live file plays as a "
+    "camera): the run ends once every source has ended for good, or on Ctrl-C or SIGTERM, "
+    "as with all_ended, unless a file source is added")
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 log = structlog.get_logger("run")
@@ -53,6 +58,7 @@ def prepare(config: PipelineConfig, restart: bool = False) -> tuple[str, ...]:
     model = model_setup(config)
     check_sources(config, model, probe_file_sources(config))
     warn_unpaced_files(config)
+    warn_files_ended_without_files(config)
     if config.runtime.http is not None:
         from pipeline.app.http import check_settings
 
@@ -82,6 +88,16 @@ def warn_unpaced_files(config: PipelineConfig) -> None:
         if len(unpaced) > 3:
             names += f" and {len(unpaced) - 3} more"
         log.warning(UNPACED_FILES, sources=len(unpaced), names=names, key="sources[].pace_fps")
+
+
+def warn_files_ended_without_files(config: PipelineConfig) -> None:
+    """One warning for ``runtime.stop_when: files_ended`` in a run with no file source (a
+    looped or live file is a camera): it then ends as ``all_ended`` does, once every source
+    has ended for good, which a camera does only by failing (a new user's run, whose one file
+    had been set to a camera's URL, ran on for 10 minutes until Ctrl-C)."""
+    if config.runtime.stop_when == "files_ended" and all(
+            source.is_live for source in config.sources):
+        log.warning(FILES_ENDED_WITHOUT_FILES, key="runtime.stop_when")
 
 
 def gpu_settings(config: PipelineConfig) -> list[tuple[str, str, str, str]]:

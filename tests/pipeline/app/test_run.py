@@ -14,12 +14,14 @@ from structlog.testing import capture_logs
 from pipeline.app.run import (
     EXIT_INTERRUPTED,
     EXIT_STOPPED,
+    FILES_ENDED_WITHOUT_FILES,
     UNPACED_FILES,
     check_gpu_settings,
     finish,
     ignore_signals_while_closing,
     place_decoders,
     prepare,
+    warn_files_ended_without_files,
     warn_unpaced_files,
 )
 from pipeline.app.supervisor import SourceRun
@@ -159,6 +161,26 @@ def test_a_file_read_live_without_pace_fps_is_warned_once_at_start(samples, tmp_
                                "key": "sources[].pace_fps"}]
     assert warnings(config({"name": "a", "live": True}, {"name": "b", "loop": True}))[0][
         "names"] == "a, b"
+
+
+def test_files_ended_with_no_file_source_is_warned_at_start(samples, tmp_path):
+    """A new user's only file had been set to a camera's URL: with stop_when files_ended the
+    run went on beside a looped file for 10 minutes, nothing said."""
+    def warnings(stop_when: str, *sources: dict) -> list[dict]:
+        config = parse_config({"model": {"path": str(samples.model)},
+                               "sources": [{"uri": str(samples.bikes), **s} for s in sources],
+                               "output": {"dir": str(tmp_path), "video": None},
+                               "runtime": {"stop_when": stop_when}})
+        with capture_logs() as logs:
+            warn_files_ended_without_files(config)
+        return [e for e in logs if e["log_level"] == "warning"]
+
+    camera = {"name": "camera", "uri": "rtsp://camera.invalid/1"}
+    looped = {"name": "demo", "loop": True, "pace_fps": 25}
+    assert warnings("files_ended", camera, looped) == [
+        {"event": FILES_ENDED_WITHOUT_FILES, "log_level": "warning", "key": "runtime.stop_when"}]
+    assert warnings("files_ended", camera, looped, {"name": "file"}) == []
+    assert warnings("all_ended", camera, looped) == []
 
 
 def test_runtime_gpus_may_name_only_the_gpus_this_machine_has(samples):
