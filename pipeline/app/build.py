@@ -64,10 +64,20 @@ class DeviceUnavailable(ConfigError):
 
 
 def read_class_names(path: str | None) -> list[str] | None:
-    """Class names, one per line, or None when no file is configured."""
+    """Class names, one per line, or None when no file is configured.
+
+    Raises:
+        ConfigError: the file is not UTF-8 text (a new user's video given as the names
+            file ended with a bare UnicodeDecodeError and exit status 1).
+    """
     if path is None:
         return None
-    return [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"model.class_names: {path!r} is not a text file of class names "
+                          f"(UTF-8, one per line): byte {error.start} is not UTF-8") from None
+    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def create_gpu_context(config: PipelineConfig, profile: bool = False) -> GpuContext | None:

@@ -160,6 +160,10 @@ CASES = [
     Case("class names of another model", lambda c, m: c["model"].update(
         class_names=m["five_names"]), USAGE,
          "model.class_names: 5 names in '{five_names}', but the model has 80 classes"),
+    Case("class names that are not text", lambda c, m: c["model"].update(
+        class_names=m["clean"]), USAGE,
+         "model.class_names: '{clean}' is not a text file of class names (UTF-8, one per "
+         "line): byte "),
     Case("no sources", lambda c, m: c.update(sources=[]), USAGE,
          "sources: expected at least one source, got an empty list"),
     # -- analytics: the frame size is known from the file (a camera's: at its first frame) --
