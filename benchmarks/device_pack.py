@@ -1,5 +1,5 @@
 """What a GPU-machine call needs that the machine lacks, packed under the 64 MiB a call
-carries (``/work/.library/device``), and unpacked there first.
+carries, and unpacked there first.
 
     python -m benchmarks.device_pack build tests|benchmarks [--pack .pack]  # here
     python3 -m benchmarks.device_pack unpack [--pack .pack]    # on the GPU machine, first

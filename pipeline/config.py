@@ -1287,8 +1287,10 @@ def partial_path(path: Path) -> Path:
 # (``older_video_path``: ``NAME.older.mp4``), each also ``.partial``; a live source's segments
 # (``segment_path``: ``NAME.20261130T231500Z.EXT``). The sink renames and deletes files of
 # those names as its own.
-_DERIVED_NAME = re.compile(r"(?P<stem>.+)\.(?:(?P<part>from-\d+)|(?P<older>older)|"
-                           r"(?P<segment>\d{8}T\d{6}Z))(?:\.partial)?")
+SEGMENT_STAMP = "%Y%m%dT%H%M%SZ"  # a segment's first frame, UTC: sorts as text in time order
+SEGMENT_STAMP_PATTERN = r"\d{8}T\d{6}Z"  # what SEGMENT_STAMP writes
+_DERIVED_NAME = re.compile(rf"(?P<stem>.+)\.(?:(?P<part>from-\d+)|(?P<older>older)|"
+                           rf"(?P<segment>{SEGMENT_STAMP_PATTERN}))(?:\.partial)?")
 _DERIVED_WHAT = {"part": ("video", "a resumed run's part of its video, NAME.from-FRAME.EXT"),
                  "older": ("video", "its earlier run's video set aside, NAME.older.EXT"),
                  "segment": (None, "its segment, NAME.YYYYMMDDTHHMMSSZ.EXT")}
@@ -1335,7 +1337,8 @@ def _check_output_paths(config: PipelineConfig, base_dir: Path, added_key: str |
         if (value := getattr(config.model, key.split(".")[1])) is not None:
             owners.setdefault(same_file_key(base_dir / value, folds), key)
     inside = os.path.realpath(folder)  # (a name through a symlink into it is inside it)
-    for key, name, final in output_files(config, base_dir):
+    written = list(output_files(config, base_dir))
+    for key, name, final in written:
         if os.path.commonpath([inside, os.path.realpath(final)]) != inside:
             raise ConfigError(f"output.{key}: {getattr(config.output, key)!r} leaves output.dir "
                               f"({config.output.dir!r}): source {name!r} would write "
@@ -1343,9 +1346,8 @@ def _check_output_paths(config: PipelineConfig, base_dir: Path, added_key: str |
         claim(f"output.{key}", final, f"output.{key} of source {name!r}")
         claim(f"output.{key}", partial_path(final),
               f"the temporary file of output.{key} of source {name!r}")
-    outputs = {same_file_key(final, folds): (key, name)
-               for key, name, final in output_files(config, base_dir)}
-    for key, name, final in output_files(config, base_dir):
+    outputs = {same_file_key(final, folds): (key, name) for key, name, final in written}
+    for key, name, final in written:
         if (derived := derived_output(final)) is None:
             continue
         base, kind = derived

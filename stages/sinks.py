@@ -53,7 +53,7 @@ import av
 import numpy as np
 import structlog
 
-from pipeline.config import partial_path
+from pipeline.config import SEGMENT_STAMP, SEGMENT_STAMP_PATTERN, partial_path
 from pipeline.records import AnalyticsEvent, BatchDetections, EndOfStream
 from pipeline.resume import (
     RecordsSettings,
@@ -80,8 +80,6 @@ log = structlog.get_logger("sinks")
 
 DEFAULT_RATE = Fraction(25)
 FRAGMENT_S = 2.0  # every MP4: a keyframe, and so a fragment, this often (of video time)
-SEGMENT_STAMP = "%Y%m%dT%H%M%SZ"  # a segment's first frame, UTC: sorts as text in time order
-_SEGMENT_STAMP_PATTERN = r"\d{8}T\d{6}Z"
 EMPTY_VIDEO = object()  # ``_settle_video_part``: the part held no frame and is gone
 RECORDINGS_KEPT = 4  # video writers a sink remembers for ``recording_of`` (event clips)
 
@@ -285,7 +283,7 @@ def segment_path(path: Path, start: float) -> Path:
 def segment_files(path: Path) -> list[Path]:
     """The segments of output ``path`` in its folder, finished and ``.partial``, in name
     order (oldest first): only names ``segment_path`` (and ``partial_path`` of one) makes."""
-    pattern = re.compile(rf"{re.escape(path.stem)}\.{_SEGMENT_STAMP_PATTERN}(\.partial)?"
+    pattern = re.compile(rf"{re.escape(path.stem)}\.{SEGMENT_STAMP_PATTERN}(\.partial)?"
                          rf"{re.escape(path.suffix)}")
     if not path.parent.is_dir():
         return []
@@ -565,7 +563,7 @@ class SinkStage(Stage[BatchDetections, None]):
                  settings: RecordsSettings | None = None,
                  earlier_video: Path | None = None) -> None:
         super().__init__(name)
-        self.earlier_video = earlier_video if video_path is None and not live else None
+        self.earlier_video = None if live else earlier_video
         self.origin, self.settings = origin, settings
         self.segment_s = segment_s if live else None
         self.keep_s = keep_hours * 3600 if keep_hours is not None and self.segment_s else None
